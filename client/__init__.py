@@ -1,0 +1,5 @@
+"""The kvstash client: ``KVClient().prefill(doc)`` then ``.generate(query)``."""
+
+from client.kvclient import Generation, KVClient, PrefixHandle
+
+__all__ = ["Generation", "KVClient", "PrefixHandle"]

@@ -1,0 +1,156 @@
+"""The ``kvstash`` command line: prefill, generate, ls, rm, info."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from client.config import ClientConfig
+from client.kvclient import KVClient
+from store.errors import KVStashError
+from store.manifest import Manifest
+
+EXIT_ERROR = 2
+
+
+def _client(args: argparse.Namespace) -> KVClient:
+    overrides: dict[str, Any] = {"progress": not args.json and sys.stderr.isatty()}
+    if args.home:
+        overrides["home"] = Path(args.home)
+    if args.model:
+        overrides["model"] = args.model
+    if args.device:
+        overrides["device"] = args.device
+    if args.tenant:
+        overrides["tenant"] = args.tenant
+    return KVClient(config=ClientConfig(**overrides))
+
+
+def _manifest_summary(m: Manifest) -> dict[str, Any]:
+    return {"prefix_id": m.prefix_id, "n_tokens": m.n_tokens, "model": m.model_name, "kv_bytes": m.kv_bytes,
+            "artifact_bytes": m.artifact_bytes, "created_at": m.created_at}
+
+
+def cmd_prefill(args: argparse.Namespace) -> dict[str, Any]:
+    """Prefill a file (``-`` for stdin)."""
+    text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text(encoding="utf-8")
+    h = _client(args).prefill(text)
+    if not args.json:
+        print(f"{h.prefix_id}  {h.n_tokens} tokens  {'cached' if h.cached else 'stored'}")
+    return {"prefix_id": h.prefix_id, "n_tokens": h.n_tokens, "cached": h.cached}
+
+
+def cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
+    """Answer a query over a stored prefix, streaming text unless --json."""
+    gen = _client(args).generate(args.query, prefix=args.prefix, method=args.method, budget=args.budget,
+                                 max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                                 seed=args.seed, stop=tuple(args.stop or ()))
+    if args.json:
+        text = gen.text
+    else:
+        for piece in gen:
+            print(piece, end="", flush=True)
+        print()
+        text = gen.text
+    st = gen.stats
+    stats = {"steps": st.steps, "prompt_tokens": st.prompt_tokens, "new_tokens": st.new_tokens,
+             "bytes_fetched": st.bytes_fetched, "bytes_full": st.bytes_full, "seconds": round(st.seconds, 4),
+             "finish_reason": st.finish_reason, **st.extra}
+    if args.stats and not args.json:
+        print(json.dumps(stats, indent=2), file=sys.stderr)
+    return {"text": text, "prefix_id": args.prefix, "method": args.method, "token_ids": st.token_ids,
+            "stats": stats}
+
+
+def cmd_ls(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """List stored prefixes."""
+    rows = [_manifest_summary(m) for m in _client(args).ls()]
+    if not args.json:
+        for r in rows:
+            print(f"{r['prefix_id']}  {r['n_tokens']:>8} tok  {r['kv_bytes'] / 2**20:9.2f} MiB  {r['model']}")
+    return rows
+
+
+def cmd_rm(args: argparse.Namespace) -> dict[str, Any]:
+    """Delete a stored prefix."""
+    _client(args).rm(args.prefix_id)
+    if not args.json:
+        print(f"removed {args.prefix_id}")
+    return {"removed": args.prefix_id}
+
+
+def cmd_info(args: argparse.Namespace) -> dict[str, Any]:
+    """Show a prefix's manifest, sizes and artifacts."""
+    m = _client(args).info(args.prefix_id)
+    d = {**_manifest_summary(m), "layout": m.layout.to_dict(), "tenant": m.tenant, "state": m.state,
+         "model_fingerprint": m.key.model_fingerprint, "files": [asdict(f) for f in m.files],
+         "artifacts": [asdict(a) for a in m.artifacts]}
+    if not args.json:
+        print(json.dumps(d, indent=2))
+    return d
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="machine-readable output")
+    common.add_argument("--home", help="data directory (default $KVSTASH_HOME or ~/.cache/kvstash)")
+    common.add_argument("--model", help="hub id or local path (default $KVSTASH_MODEL or the shipped model)")
+    common.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    common.add_argument("--tenant", help="tenant namespace (default: default)")
+    p = argparse.ArgumentParser(prog="kvstash", description="Prefill long documents once; ask them many questions.")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("prefill", parents=[common], help="store a document's KV cache")
+    s.add_argument("file", help="UTF-8 text file, or - for stdin")
+    s.set_defaults(func=cmd_prefill)
+    s = sub.add_parser("generate", parents=[common], help="answer a query over a stored prefix")
+    s.add_argument("query")
+    s.add_argument("--prefix", required=True, help="prefix id from `kvstash prefill`")
+    s.add_argument("--method", default="full")
+    s.add_argument("--budget", type=float, default=None, help="read budget as a fraction of the prefix")
+    s.add_argument("--max-new-tokens", type=int, default=64)
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--stop", action="append", help="stop string (repeatable)")
+    s.add_argument("--stats", action="store_true", help="print per-generation statistics to stderr")
+    s.set_defaults(func=cmd_generate)
+    s = sub.add_parser("ls", parents=[common], help="list stored prefixes")
+    s.set_defaults(func=cmd_ls)
+    s = sub.add_parser("rm", parents=[common], help="delete a stored prefix")
+    s.add_argument("prefix_id")
+    s.set_defaults(func=cmd_rm)
+    s = sub.add_parser("info", parents=[common], help="show a prefix's manifest")
+    s.add_argument("prefix_id")
+    s.set_defaults(func=cmd_info)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``kvstash`` command."""
+    args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], Any] = args.func
+    try:
+        result = func(args)
+    except KVStashError as e:
+        if args.json:
+            print(json.dumps({"error": str(e), "code": e.grpc_code}))
+        print(f"kvstash: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except (FileNotFoundError, IsADirectoryError, UnicodeDecodeError) as e:
+        if args.json:
+            print(json.dumps({"error": str(e), "code": "INVALID_ARGUMENT"}))
+        print(f"kvstash: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

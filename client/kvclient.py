@@ -1,0 +1,139 @@
+"""KVClient: prefill a document once, then ask it many questions (embedded mode)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from client.config import ClientConfig
+from store.config import StoreConfig
+from store.errors import InvalidInput, PrefixNotFound
+from store.kvstore import KVStore
+from store.manifest import Manifest
+from workers.engine import GenerationStats, Worker
+from workers.methods.base import DecodeConfig
+from workers.sampling import SamplingParams
+
+
+class Generation:
+    """A streamed answer: iterate for text pieces, or read ``.text`` for all of it."""
+
+    def __init__(self, pieces: Iterator[str], stats: GenerationStats):
+        self._pieces, self.stats = pieces, stats
+        self._parts: list[str] = []
+        self._done = False
+
+    def __iter__(self) -> Iterator[str]:
+        for piece in self._pieces:
+            self._parts.append(piece)
+            yield piece
+        self._done = True
+
+    @property
+    def text(self) -> str:
+        """The whole answer (finishes the generation if it is still running)."""
+        if not self._done:
+            for _ in self:
+                pass
+        return "".join(self._parts)
+
+    def __str__(self) -> str:
+        return self.text
+
+    def __repr__(self) -> str:
+        return f"Generation({self.text!r})"
+
+
+@dataclass(frozen=True)
+class PrefixHandle:
+    """A stored prefix: its id and size, and whether prefill found it already stored."""
+
+    prefix_id: str
+    n_tokens: int
+    cached: bool
+    client: KVClient
+
+    def generate(self, query: str, **kwargs: Any) -> Generation:
+        """Ask this prefix a question (see ``KVClient.generate``)."""
+        return self.client.generate(query, prefix=self, **kwargs)
+
+
+class KVClient:
+    """Embedded client: store + worker in this process; no server to start."""
+
+    def __init__(self, target: str | None = None, *, config: ClientConfig | None = None, **overrides: Any):
+        if target not in (None, "embedded"):
+            raise InvalidInput(f"unsupported target {target!r}: this build runs embedded only")
+        self.config = replace(config or ClientConfig(), **overrides)
+        self.store = KVStore(StoreConfig(home=self.config.home, page_size=self.config.page_size))
+        self._worker: Worker | None = None
+        self.last_prefix: PrefixHandle | None = None
+
+    @property
+    def worker(self) -> Worker:
+        """The in-process worker (loads the model on first use)."""
+        if self._worker is None:
+            from workers.model import load_model
+
+            lm = load_model(self.config.resolved_model(), device=self.config.device,
+                            dtype=self.config.resolved_dtype(), page_size=self.config.page_size,
+                            progress=self.config.progress)
+            self._worker = Worker(self.store, lm, progress=self.config.progress)
+        return self._worker
+
+    def prefill(self, document: str) -> PrefixHandle:
+        """Store a document's KV cache (a cache hit when it is already stored)."""
+        r = self.worker.prefill(document, tenant=self.config.tenant)
+        self.last_prefix = PrefixHandle(r.prefix_id, r.n_tokens, r.cached, self)
+        return self.last_prefix
+
+    def prefill_file(self, path: str | Path) -> PrefixHandle:
+        """Prefill the UTF-8 text of a file."""
+        return self.prefill(Path(path).read_text(encoding="utf-8"))
+
+    def generate(self, query: str, prefix: PrefixHandle | str | None = None, *, max_new_tokens: int = 64,
+                 method: str = "full", budget: float | None = None, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int | None = None, stop: tuple[str, ...] | list[str] = ()) -> Generation:
+        """Answer ``query`` over a stored prefix (default: the one this client prefilled last)."""
+        pid = self._prefix_id(prefix)
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                                stop=tuple(stop))
+        try:
+            decode = DecodeConfig(budget=budget)
+        except ValueError as e:
+            raise InvalidInput(str(e)) from e
+        stats = GenerationStats()
+        pieces = self.worker.generate(pid, query, params, method=method, decode=decode, tenant=self.config.tenant,
+                                      stats=stats)
+        return Generation(pieces, stats)
+
+    def _prefix_id(self, prefix: PrefixHandle | str | None) -> str:
+        if isinstance(prefix, PrefixHandle):
+            return prefix.prefix_id
+        if isinstance(prefix, str):
+            return prefix
+        if self.last_prefix is None:
+            raise InvalidInput("no prefix given and this client has not prefilled one yet")
+        return self.last_prefix.prefix_id
+
+    def ls(self) -> list[Manifest]:
+        """Stored prefixes of this client's tenant, newest first."""
+        return [m for m in self.store.list_prefixes() if m.tenant == self.config.tenant]
+
+    def info(self, prefix_id: str) -> Manifest:
+        """The manifest of a stored prefix."""
+        m = self.store.manifest(prefix_id)
+        if m.tenant != self.config.tenant:
+            raise PrefixNotFound(f"no prefix {prefix_id!r}")
+        return m
+
+    def rm(self, prefix_id: str) -> None:
+        """Delete a stored prefix and every file of it."""
+        self.info(prefix_id)
+        self.store.remove(prefix_id)
+
+    def close(self) -> None:
+        """Release the store."""
+        self.store.close()

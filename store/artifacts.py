@@ -1,0 +1,24 @@
+"""Serialization of artifacts (dicts of tensors) to the bytes the metadata store keeps."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+
+def tensors_to_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
+    """Serialize a dict of tensors (safetensors format)."""
+    return st_save({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
+
+
+def bytes_to_tensors(data: bytes) -> dict[str, torch.Tensor]:
+    """Inverse of ``tensors_to_bytes``."""
+    return st_load(data)
+
+
+def digest(data: bytes | memoryview) -> str:
+    """blake2b digest used for every checksum in a manifest."""
+    return hashlib.blake2b(data, digest_size=32).hexdigest()

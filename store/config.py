@@ -1,0 +1,34 @@
+"""Configuration of the embedded store."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_HOME = Path("~/.cache/kvstash")
+
+
+def default_home() -> Path:
+    """The data directory: ``$KVSTASH_HOME`` or ``~/.cache/kvstash``."""
+    return Path(os.environ.get("KVSTASH_HOME", str(DEFAULT_HOME))).expanduser()
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreConfig:
+    """Where and how the embedded store keeps prefixes."""
+
+    home: Path = field(default_factory=default_home)
+    """Data directory: page files under ``prefixes/``, LMDB under ``meta/``."""
+    page_size: int = 16
+    """Tokens per page (per layer and KV head); 16 x head_dim 128 x bf16 x K,V = 8 KiB."""
+    lmdb_map_size: int = 1 << 36
+    """Upper bound of the LMDB file (address space only; the file grows as needed)."""
+    fsync: bool = True
+    """fsync page files and directories before a commit (turn off only for throwaway tests)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.page_size <= 4096:
+            raise ValueError(f"page_size must be in [1, 4096], got {self.page_size}")
+        if self.lmdb_map_size < 1 << 20:
+            raise ValueError("lmdb_map_size must be at least 1 MiB")

@@ -1,0 +1,56 @@
+"""Typed errors of kvstash, with the gRPC status and HTTP code each maps to (one table)."""
+
+from __future__ import annotations
+
+
+class KVStashError(Exception):
+    """Base of every error kvstash raises on purpose."""
+
+    grpc_code = "INTERNAL"
+    http_status = 500
+
+
+class InvalidInput(KVStashError):
+    """The caller's input is malformed or empty."""
+
+    grpc_code = "INVALID_ARGUMENT"
+    http_status = 400
+
+
+class PrefixNotFound(KVStashError):
+    """No committed prefix with that id (or not visible to this tenant)."""
+
+    grpc_code = "NOT_FOUND"
+    http_status = 404
+
+
+class ModelMismatch(KVStashError):
+    """The prefix was saved by a different model than the one asked to decode it."""
+
+    grpc_code = "FAILED_PRECONDITION"
+    http_status = 409
+
+
+class ContextTooLong(KVStashError):
+    """The document (plus query and generation) exceeds the model's context."""
+
+    grpc_code = "RESOURCE_EXHAUSTED"
+    http_status = 413
+
+
+class CorruptData(KVStashError):
+    """Stored bytes failed verification (checksum, size or identity); never decoded."""
+
+    grpc_code = "DATA_LOSS"
+    http_status = 500
+
+
+class StoreUnavailable(KVStashError):
+    """The data directory cannot be used (not writable, missing, locked)."""
+
+    grpc_code = "UNAVAILABLE"
+    http_status = 503
+
+
+class UnknownMethod(InvalidInput):
+    """The requested sparse/compression method is not registered."""

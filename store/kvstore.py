@@ -1,0 +1,262 @@
+"""The embedded KV store: page files on disk + manifests and artifacts in a metadata backend."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from store.artifacts import digest
+from store.config import StoreConfig
+from store.errors import CorruptData, InvalidInput, PrefixNotFound, StoreUnavailable
+from store.layout import KVLayout
+from store.manifest import ArtifactInfo, FileInfo, Manifest
+from store.metadata import LmdbMetadata, MetadataBackend
+from store.pages import (
+    file_digest,
+    layer_file_name,
+    pack_layer,
+    page_crc,
+    read_pages_into,
+    unpack_pages,
+    write_file_durably,
+)
+from store.prefix_key import PrefixKey
+
+PAGE_CRC_ARTIFACT = "page_crc"
+TMP_PREFIX = ".tmp-"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class PrefixWriter:
+    """Writes one prefix into a private temp dir; ``commit`` makes it visible atomically."""
+
+    def __init__(self, store: KVStore, key: PrefixKey, *, model_name: str, n_tokens: int, tenant: str):
+        self.store, self.key, self.model_name, self.n_tokens, self.tenant = store, key, model_name, n_tokens, tenant
+        self.prefix_id = key.prefix_id
+        self.layout: KVLayout = key.layout
+        self.tmp_dir = store.prefixes_dir / f"{TMP_PREFIX}{self.prefix_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.tmp_dir.mkdir(parents=True)
+        self._files: dict[int, FileInfo] = {}
+        self._artifacts: dict[str, bytes] = {}
+        n_pages = self.layout.n_pages(n_tokens)
+        self._crc = np.zeros((self.layout.n_layers, self.layout.n_kv_heads, n_pages), dtype=np.uint32)
+
+    def write_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store one layer's K and V, each ``[kv_heads, n_tokens, head_dim]``."""
+        lay = self.layout
+        expect = (lay.n_kv_heads, self.n_tokens, lay.head_dim)
+        if tuple(k.shape) != expect or tuple(v.shape) != expect:
+            raise InvalidInput(f"layer {layer}: K/V must be {expect}, got {tuple(k.shape)}, {tuple(v.shape)}")
+        if not 0 <= layer < lay.n_layers:
+            raise InvalidInput(f"layer {layer} out of range [0, {lay.n_layers})")
+        pages = pack_layer(lay, k.detach().cpu(), v.detach().cpu())
+        arr = pages.numpy()
+        for h in range(lay.n_kv_heads):
+            for p in range(arr.shape[1]):
+                self._crc[layer, h, p] = page_crc(self.prefix_id, layer, h, p, memoryview(arr[h, p]))
+        name = layer_file_name(layer)
+        blake = write_file_durably(self.tmp_dir / name, arr, fsync=self.store.config.fsync)
+        self._files[layer] = FileInfo(name=name, size=arr.nbytes, blake2b=blake)
+
+    def put_artifact(self, name: str, data: bytes) -> None:
+        """Stage a small artifact (committed together with the manifest)."""
+        if not name or name == PAGE_CRC_ARTIFACT:
+            raise InvalidInput(f"invalid artifact name {name!r}")
+        self._artifacts[name] = data
+
+    def commit(self) -> Manifest:
+        """Make the prefix durable and visible: pages renamed into place, then the manifest."""
+        missing = sorted(set(range(self.layout.n_layers)) - set(self._files))
+        if missing:
+            raise InvalidInput(f"cannot commit: layers {missing} were not written")
+        arts = dict(self._artifacts)
+        arts[PAGE_CRC_ARTIFACT] = self._crc.tobytes()
+        final = self.store.prefix_dir(self.prefix_id)
+        if final.exists():  # left over by a crash before its manifest was committed
+            shutil.rmtree(final)
+        os.rename(self.tmp_dir, final)
+        if self.store.config.fsync:
+            _fsync_dir(self.store.prefixes_dir)
+        manifest = Manifest(
+            prefix_id=self.prefix_id, key=self.key, model_name=self.model_name, n_tokens=self.n_tokens,
+            files=tuple(self._files[i] for i in range(self.layout.n_layers)),
+            artifacts=tuple(ArtifactInfo(name=n, size=len(b), blake2b=digest(b)) for n, b in sorted(arts.items())),
+            created_at=time.time(), tenant=self.tenant,
+        )
+        self.store.meta.commit(manifest, arts)
+        return manifest
+
+    def abort(self) -> None:
+        """Discard everything written so far."""
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)
+
+
+class KVStore:
+    """Embedded store: prefixes in ``home/prefixes/<id>/``, metadata in ``home/meta`` (LMDB)."""
+
+    def __init__(self, config: StoreConfig | None = None, meta: MetadataBackend | None = None):
+        self.config = config or StoreConfig()
+        home = self.config.home.expanduser()
+        self.prefixes_dir = home / "prefixes"
+        self.locks_dir = home / "locks"
+        try:
+            self.prefixes_dir.mkdir(parents=True, exist_ok=True)
+            self.locks_dir.mkdir(parents=True, exist_ok=True)
+            probe = home / f".probe-{uuid.uuid4().hex[:8]}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise StoreUnavailable(f"data directory {home} is not usable: {e.strerror or e}") from e
+        self.meta = meta or LmdbMetadata(home / "meta", self.config.lmdb_map_size)
+        self.collect_garbage()
+
+    # -- paths and locks ---------------------------------------------------------------------
+    def prefix_dir(self, prefix_id: str) -> Path:
+        """Directory of a prefix's page files."""
+        return self.prefixes_dir / prefix_id
+
+    @contextlib.contextmanager
+    def prefix_lock(self, prefix_id: str, blocking: bool = True) -> Iterator[bool]:
+        """Exclusive per-prefix lock across processes of this host; yields whether it was taken."""
+        fd = os.open(self.locks_dir / f"{prefix_id}.lock", os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)
+
+    def collect_garbage(self) -> list[str]:
+        """Remove temp dirs of dead writers and page dirs that have no manifest; returns what went."""
+        removed = []
+        for entry in self.prefixes_dir.iterdir():
+            pid = entry.name[len(TMP_PREFIX):].split("-")[0] if entry.name.startswith(TMP_PREFIX) else entry.name
+            with self.prefix_lock(pid, blocking=False) as taken:
+                if not taken:
+                    continue  # a live writer owns it
+                if entry.name.startswith(TMP_PREFIX) or self.meta.manifest(pid) is None:
+                    shutil.rmtree(entry, ignore_errors=True)
+                    removed.append(entry.name)
+        return removed
+
+    # -- writes --------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def write_prefix(self, key: PrefixKey, *, model_name: str, n_tokens: int,
+                     tenant: str = "default") -> Iterator[PrefixWriter]:
+        """A writer for ``key``; aborted (nothing visible) unless ``commit`` was called."""
+        if n_tokens <= 0:
+            raise InvalidInput("a prefix needs at least one token")
+        writer = PrefixWriter(self, key, model_name=model_name, n_tokens=n_tokens, tenant=tenant)
+        try:
+            yield writer
+        finally:
+            writer.abort()  # no-op after a commit: the temp dir was renamed away
+
+    # -- reads ---------------------------------------------------------------------------------
+    def manifest(self, prefix_id: str) -> Manifest:
+        """The committed manifest of ``prefix_id``; PrefixNotFound otherwise."""
+        m = self.meta.manifest(prefix_id)
+        if m is None:
+            raise PrefixNotFound(f"no prefix {prefix_id!r}")
+        return m
+
+    def exists(self, prefix_id: str) -> bool:
+        """Whether a committed prefix with that id exists."""
+        return self.meta.manifest(prefix_id) is not None
+
+    def list_prefixes(self) -> list[Manifest]:
+        """Committed prefixes, newest first."""
+        return sorted(self.meta.manifests(), key=lambda m: m.created_at, reverse=True)
+
+    def remove(self, prefix_id: str) -> None:
+        """Delete a prefix: manifest first (so it is never half-visible), then its files."""
+        with self.prefix_lock(prefix_id):
+            if not self.meta.delete(prefix_id):
+                raise PrefixNotFound(f"no prefix {prefix_id!r}")
+            shutil.rmtree(self.prefix_dir(prefix_id), ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            (self.locks_dir / f"{prefix_id}.lock").unlink()
+
+    def artifact(self, prefix_id: str, name: str) -> bytes:
+        """An artifact's bytes, checked against the manifest's digest."""
+        info = self.manifest(prefix_id).artifact(name)
+        data = self.meta.artifact(prefix_id, name)
+        if info is None or data is None:
+            raise PrefixNotFound(f"prefix {prefix_id!r} has no artifact {name!r}")
+        if len(data) != info.size or digest(data) != info.blake2b:
+            raise CorruptData(f"artifact {name!r} of prefix {prefix_id} failed its checksum")
+        return data
+
+    def page_crcs(self, prefix_id: str) -> np.ndarray:
+        """Per-page keyed CRCs ``[layers, kv_heads, pages]``."""
+        m = self.manifest(prefix_id)
+        shape = (m.layout.n_layers, m.layout.n_kv_heads, m.layout.n_pages(m.n_tokens))
+        return np.frombuffer(self.artifact(prefix_id, PAGE_CRC_ARTIFACT), dtype=np.uint32).reshape(shape)
+
+    def read_pages(self, prefix_id: str, layer: int, head: int, pages: list[int], out: torch.Tensor, *,
+                   verify: bool = False, manifest: Manifest | None = None) -> None:
+        """Read pages (sorted, unique ids) of one (layer, head) into ``out`` uint8 ``[n, page_bytes]``."""
+        m = manifest or self.manifest(prefix_id)
+        n_pages = m.layout.n_pages(m.n_tokens)
+        if pages and (pages[0] < 0 or pages[-1] >= n_pages):
+            raise InvalidInput(f"page ids must be in [0, {n_pages}), got {pages[0]}..{pages[-1]}")
+        path = self.prefix_dir(prefix_id) / layer_file_name(layer)
+        try:
+            read_pages_into(path, m.layout, m.n_tokens, head, pages, out)
+        except FileNotFoundError as e:
+            raise CorruptData(f"page file {path.name} of prefix {prefix_id} is missing") from e
+        if verify:
+            crcs = self.page_crcs(prefix_id)[layer, head]
+            arr = out.numpy()
+            for i, p in enumerate(pages):
+                if page_crc(prefix_id, layer, head, p, memoryview(arr[i])) != crcs[p]:
+                    raise CorruptData(f"prefix {prefix_id}: layer {layer} head {head} page {p} failed its "
+                                      "checksum")
+
+    def read_layer(self, prefix_id: str, layer: int, *, verify: bool = False,
+                   manifest: Manifest | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """All of one layer's K and V, each ``[kv_heads, n_tokens, head_dim]``."""
+        m = manifest or self.manifest(prefix_id)
+        lay = m.layout
+        n_pages = lay.n_pages(m.n_tokens)
+        raw = torch.empty(lay.n_kv_heads, n_pages, lay.page_bytes, dtype=torch.uint8)
+        for h in range(lay.n_kv_heads):
+            self.read_pages(prefix_id, layer, h, list(range(n_pages)), raw[h], verify=verify, manifest=m)
+        k, v = unpack_pages(lay, raw)  # [h, pages, P, d]
+        n = m.n_tokens
+        return k.reshape(lay.n_kv_heads, -1, lay.head_dim)[:, :n], v.reshape(lay.n_kv_heads, -1, lay.head_dim)[:, :n]
+
+    def verify(self, prefix_id: str) -> None:
+        """Check every page file's size and digest and every artifact; raises CorruptData."""
+        m = self.manifest(prefix_id)
+        for f in m.files:
+            path = self.prefix_dir(prefix_id) / f.name
+            if not path.exists() or path.stat().st_size != f.size:
+                raise CorruptData(f"page file {f.name} of prefix {prefix_id} is missing or has the wrong size")
+            if file_digest(path) != f.blake2b:
+                raise CorruptData(f"page file {f.name} of prefix {prefix_id} failed its checksum")
+        for a in m.artifacts:
+            self.artifact(prefix_id, a.name)
+
+    def close(self) -> None:
+        """Release the metadata backend."""
+        self.meta.close()

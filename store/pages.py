@@ -1,0 +1,111 @@
+"""Page files: one file per layer, pages ``[kv_head][page]``, K then V, aligned.
+
+Each page also has a keyed CRC32 over (prefix id, layer, head, page, payload), so a read
+that returns the bytes of another page or another prefix fails verification.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from store.errors import CorruptData
+from store.layout import KVLayout
+
+HASH_CHUNK = 1 << 20
+
+
+def layer_file_name(layer: int) -> str:
+    """File name of a layer's pages."""
+    return f"layer_{layer:03d}.kv"
+
+
+def page_crc(prefix_id: str, layer: int, head: int, page: int, payload: memoryview | bytes) -> int:
+    """CRC32 of a page's payload keyed by its identity."""
+    ident = f"{prefix_id}:{layer}:{head}:{page}".encode()
+    return zlib.crc32(payload, zlib.crc32(ident)) & 0xFFFFFFFF
+
+
+def pack_layer(layout: KVLayout, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Lay out one layer's K/V ``[kv_heads, n_tokens, head_dim]`` as page-file bytes."""
+    h, n, d = k.shape
+    p = layout.page_size
+    n_pages = layout.n_pages(n)
+    pages = torch.zeros(h, n_pages, layout.page_bytes, dtype=torch.uint8)
+    kv = torch.zeros(h, n_pages * p, 2, d, dtype=layout.torch_dtype)
+    kv[:, :n, 0] = k.to(layout.torch_dtype)
+    kv[:, :n, 1] = v.to(layout.torch_dtype)
+    # [h, pages, p, 2, d] -> [h, pages, 2, p, d]: K block then V block inside a page.
+    kv = kv.view(h, n_pages, p, 2, d).transpose(2, 3).contiguous()
+    payload = kv.view(h, n_pages, -1).view(torch.uint8)
+    pages[:, :, : layout.page_payload_bytes] = payload
+    return pages
+
+
+def unpack_pages(layout: KVLayout, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split raw page bytes ``[..., page_bytes]`` into K and V ``[..., page_size, head_dim]``."""
+    payload = raw[..., : layout.page_payload_bytes].contiguous()
+    kv = payload.view(layout.torch_dtype).unflatten(-1, (2, layout.page_size, layout.head_dim))
+    return kv[..., 0, :, :], kv[..., 1, :, :]
+
+
+def write_file_durably(path: Path, data: np.ndarray, fsync: bool = True) -> str:
+    """Write bytes to ``path`` (fsync'd unless told not to); returns their blake2b digest."""
+    buf = np.ascontiguousarray(data).data.cast("B")
+    with open(path, "wb") as f:
+        f.write(buf)
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+    return hashlib.blake2b(buf, digest_size=32).hexdigest()
+
+
+def file_digest(path: Path) -> str:
+    """blake2b digest of a file's contents."""
+    h = hashlib.blake2b(digest_size=32)
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def coalesce(pages: list[int]) -> list[tuple[int, int]]:
+    """Sorted unique page ids -> runs ``(first, count)`` of consecutive pages."""
+    runs: list[tuple[int, int]] = []
+    for p in pages:
+        if runs and runs[-1][0] + runs[-1][1] == p:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((p, 1))
+    return runs
+
+
+def read_pages_into(path: Path, layout: KVLayout, n_tokens: int, head: int, pages: list[int],
+                    out: torch.Tensor) -> None:
+    """Read ``pages`` (sorted, unique) of one head into ``out[i]`` (uint8 ``[len(pages), page_bytes]``).
+
+    Consecutive pages are read with one ``preadv`` each; a short read raises CorruptData.
+    """
+    if out.dtype != torch.uint8 or tuple(out.shape) != (len(pages), layout.page_bytes):
+        raise ValueError(f"out must be uint8 [{len(pages)}, {layout.page_bytes}], got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+    arr = out.numpy()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        i = 0
+        for first, count in coalesce(pages):
+            dst = arr[i : i + count].data.cast("B")
+            got = os.preadv(fd, [dst], layout.page_offset(head, first, n_tokens))
+            if got != count * layout.page_bytes:
+                raise CorruptData(f"short read in {path.name}: {got} of {count * layout.page_bytes} bytes "
+                                  f"at head {head} page {first}")
+            i += count
+    finally:
+        os.close(fd)

@@ -1,0 +1,176 @@
+"""The worker: prefill a document into the store once, then generate answers from it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from store.artifacts import tensors_to_bytes
+from store.errors import ContextTooLong, InvalidInput, ModelMismatch, PrefixNotFound
+from store.kvstore import KVStore
+from store.manifest import Manifest
+from store.prefix_key import PrefixKey, tenant_salt, token_hash
+from workers.attention import PREFIX_KWARG, PrefixAttention
+from workers.methods.base import DecodeConfig, PrefixSource
+from workers.methods.registry import get_method, prefill_summarizers
+from workers.model import LoadedModel
+from workers.prefill import DEFAULT_CHUNK, prefill_kv
+from workers.sampling import Sampler, SamplingParams
+from workers.textstream import TextStream
+
+DEFAULT_TENANT = "default"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillResult:
+    """What a prefill produced: the prefix id, its size, and whether it was already stored."""
+
+    prefix_id: str
+    n_tokens: int
+    cached: bool
+    manifest: Manifest
+
+
+@dataclass(kw_only=True)
+class GenerationStats:
+    """Counters of one generation."""
+
+    steps: int = 0
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    bytes_fetched: int = 0
+    """Prefix KV (and summary) bytes read from the store."""
+    bytes_full: int = 0
+    """What exact attention over the prefix would read over the same steps."""
+    seconds: float = 0.0
+    finish_reason: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class Worker:
+    """Prefills documents into a store and decodes queries over stored prefixes."""
+
+    def __init__(self, store: KVStore, lm: LoadedModel, *, secret: str = "", chunk_size: int = DEFAULT_CHUNK,
+                 progress: bool = True):
+        self.store, self.lm, self.secret = store, lm, secret
+        self.chunk_size, self.progress = chunk_size, progress
+        if lm.layout.page_size != store.config.page_size:
+            raise ValueError("model layout and store disagree on page_size")
+
+    # -- prefill ---------------------------------------------------------------------------
+    def prefix_key(self, token_ids: list[int], tenant: str = DEFAULT_TENANT) -> PrefixKey:
+        """The key (and so the id) a document's tokens get under this model and tenant."""
+        return PrefixKey(
+            model_fingerprint=self.lm.fingerprint,
+            tenant_salt=tenant_salt(tenant, self.secret),
+            token_hash=token_hash(token_ids),
+            layout=self.lm.layout,
+            summarizers=tuple((s.name, s.version) for s in prefill_summarizers()),
+        )
+
+    def tokenize_document(self, document: str) -> list[int]:
+        """Token ids of a document (with the model's BOS); validates length."""
+        if not isinstance(document, str) or not document.strip():
+            raise InvalidInput("document is empty")
+        ids = list(self.lm.tokenizer(document).input_ids)
+        if len(ids) >= self.lm.max_context:
+            raise ContextTooLong(f"document has {len(ids)} tokens; the model's context is {self.lm.max_context} "
+                                 "(leave room for the query)")
+        return ids
+
+    def prefill(self, document: str, tenant: str = DEFAULT_TENANT) -> PrefillResult:
+        """Store a document's KV and summaries unless an identical prefix exists (then no forward pass)."""
+        ids = self.tokenize_document(document)
+        key = self.prefix_key(ids, tenant)
+        pid = key.prefix_id
+        if (m := self.store.meta.manifest(pid)) is not None:
+            return PrefillResult(prefix_id=pid, n_tokens=m.n_tokens, cached=True, manifest=m)
+        with self.store.prefix_lock(pid):  # single flight across processes of this host
+            if (m := self.store.meta.manifest(pid)) is not None:
+                return PrefillResult(prefix_id=pid, n_tokens=m.n_tokens, cached=True, manifest=m)
+            m = self._write_prefix(key, ids, tenant)
+        return PrefillResult(prefix_id=pid, n_tokens=len(ids), cached=False, manifest=m)
+
+    def _write_prefix(self, key: PrefixKey, ids: list[int], tenant: str) -> Manifest:
+        summarizers = [s() for s in prefill_summarizers()]
+        parts: dict[str, dict[str, torch.Tensor]] = {s.name: {} for s in summarizers}
+        with self.store.write_prefix(key, model_name=self.lm.name, n_tokens=len(ids), tenant=tenant) as w:
+            for layer, k, v in prefill_kv(self.lm, ids, chunk_size=self.chunk_size, progress=self.progress):
+                w.write_layer(layer, k, v)
+                for s in summarizers:
+                    for name, t in s.summarize(layer, k, v).items():
+                        parts[s.name][f"{layer}.{name}"] = t
+            for s in summarizers:
+                w.put_artifact(s.name, tensors_to_bytes(parts[s.name]))
+            return w.commit()
+
+    # -- generate --------------------------------------------------------------------------
+    def open_prefix(self, prefix_id: str, tenant: str = DEFAULT_TENANT) -> Manifest:
+        """The manifest of a prefix this tenant may decode with this model."""
+        m = self.store.meta.manifest(prefix_id)
+        if m is None or m.key.tenant_salt != tenant_salt(tenant, self.secret):
+            raise PrefixNotFound(f"no prefix {prefix_id!r}")
+        if m.key.model_fingerprint != self.lm.fingerprint:
+            raise ModelMismatch(f"prefix {prefix_id} was saved by model {m.model_name!r} "
+                                f"(fingerprint {m.key.model_fingerprint}); this worker runs {self.lm.name!r}")
+        return m
+
+    def generate(self, prefix_id: str, query: str, params: SamplingParams | None = None, *, method: str = "full",
+                 decode: DecodeConfig | None = None, tenant: str = DEFAULT_TENANT,
+                 stats: GenerationStats | None = None) -> Iterator[str]:
+        """Stream the answer to ``query`` over a stored prefix, as text pieces."""
+        params = params or SamplingParams()
+        m = self.open_prefix(prefix_id, tenant)
+        if not isinstance(query, str) or not query.strip():
+            raise InvalidInput("query is empty")
+        q_ids = list(self.lm.tokenizer(self.lm.prompt.format_query(query), add_special_tokens=False).input_ids)
+        room = self.lm.max_context - m.n_tokens - len(q_ids)
+        if room < 1:
+            raise ContextTooLong(f"prefix ({m.n_tokens}) + query ({len(q_ids)}) tokens exceed the model's context "
+                                 f"of {self.lm.max_context}")
+        source = PrefixSource(self.store, m, self.lm.device)
+        attn = get_method(method).open(source, decode or DecodeConfig())
+        stop = params.stop or self.lm.prompt.stop
+        return self._stream(attn, source, m.n_tokens, q_ids, params, stop, min(room, params.max_new_tokens),
+                            stats if stats is not None else GenerationStats())
+
+    @torch.inference_mode()
+    def _stream(self, attn: PrefixAttention, source: PrefixSource, n_prefix: int, q_ids: list[int],
+                params: SamplingParams, stop: tuple[str, ...], max_new: int, stats: GenerationStats) -> Iterator[str]:
+        t0 = time.perf_counter()
+        lm, dev = self.lm, self.lm.device
+        sampler, text = Sampler(params, dev), TextStream(lm.tokenizer, stop)
+        cache = DynamicCache(config=lm.model.config)
+        ids, pos = q_ids, n_prefix
+        stats.prompt_tokens, stats.finish_reason = len(q_ids), "length"
+        full_step_bytes = n_prefix * lm.layout.token_kv_bytes() * lm.layout.n_kv_heads * lm.layout.n_layers
+        for _ in range(max_new):
+            inp = torch.tensor([ids], device=dev)
+            positions = torch.arange(pos, pos + len(ids), device=dev)[None]
+            out = lm.model(input_ids=inp, position_ids=positions, past_key_values=cache, use_cache=True,
+                           logits_to_keep=1, **{PREFIX_KWARG: attn})
+            pos += len(ids)
+            stats.steps += 1
+            stats.bytes_full += full_step_bytes
+            token = sampler(out.logits[0, -1])
+            if token in lm.eos_ids:
+                stats.finish_reason = "eos"
+                break
+            stats.new_tokens += 1
+            stats.token_ids.append(token)
+            piece = text.push(token)
+            if piece:
+                yield piece
+            if text.stopped:
+                stats.finish_reason = "stop"
+                break
+            ids = [token]
+        if tail := text.finish():
+            yield tail
+        stats.bytes_fetched = source.bytes_read
+        stats.seconds = time.perf_counter() - t0

@@ -1,0 +1,28 @@
+"""The explicit registry of decode methods (no import-time discovery)."""
+
+from __future__ import annotations
+
+from store.errors import UnknownMethod
+from workers.methods.base import Method, Summarizer
+from workers.methods.full import FullAttention
+
+METHODS: dict[str, type[Method]] = {
+    FullAttention.name: FullAttention,
+}
+
+
+def get_method(name: str) -> Method:
+    """An instance of the method called ``name``."""
+    try:
+        return METHODS[name]()
+    except KeyError:
+        raise UnknownMethod(f"unknown method {name!r}; choose one of {sorted(METHODS)}") from None
+
+
+def prefill_summarizers() -> list[type[Summarizer]]:
+    """Every summarizer any registered method needs, once each, in a stable order."""
+    seen: dict[str, type[Summarizer]] = {}
+    for method in METHODS.values():
+        for s in method.summarizers:
+            seen.setdefault(s.name, s)
+    return [seen[n] for n in sorted(seen)]

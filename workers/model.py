@@ -1,0 +1,77 @@
+"""Loading a causal LM (hub id or local path) with what kvstash needs to know about it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
+
+from store.layout import KVLayout
+from workers.attention import KVSTASH_ATTENTION, register_attention
+from workers.fingerprint import model_fingerprint
+from workers.prompt import PromptFormat
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadedModel:
+    """A model, its tokenizer, and the facts the store and decoder depend on."""
+
+    name: str
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    fingerprint: str
+    layout: KVLayout
+    max_context: int
+    prompt: PromptFormat
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the model's parameters."""
+        return next(self.model.parameters()).device
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        """Token ids that end a generation."""
+        eos = self.model.generation_config.eos_token_id if self.model.generation_config else None
+        eos = eos if eos is not None else self.tokenizer.eos_token_id
+        ids = eos if isinstance(eos, list) else [eos]
+        return frozenset(int(i) for i in ids if i is not None)
+
+
+def _head_dim(config) -> int:  # noqa: ANN001 - a transformers config
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def load_model(name_or_path: str, *, device: str = "cpu", dtype: str = "auto", page_size: int = 16,
+               progress: bool = True) -> LoadedModel:
+    """Load a causal LM and its tokenizer through ``from_pretrained`` and describe its KV layout."""
+    register_attention()
+    if not progress:
+        hf_logging.disable_progress_bar()
+    torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype)
+    model.to(device).eval()  # type: ignore[arg-type]
+    # The hook does plain causal SDPA when no prefix is attached, so one setting serves prefill and decode.
+    model.set_attn_implementation(KVSTASH_ATTENTION)
+    cfg = model.config
+    layout = KVLayout(
+        n_layers=cfg.num_hidden_layers,
+        n_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        head_dim=_head_dim(cfg),
+        dtype=DTYPE_NAMES[model.dtype],
+        page_size=page_size,
+    )
+    return LoadedModel(
+        name=name_or_path,
+        model=model,
+        tokenizer=tokenizer,
+        fingerprint=model_fingerprint(model, name_or_path),
+        layout=layout,
+        max_context=int(getattr(cfg, "max_position_embeddings", 1 << 20)),
+        prompt=PromptFormat.load(name_or_path),
+    )
