@@ -23,6 +23,7 @@ _INTS = (torch.int32, torch.int64)
 _MAX_SPLITS = 64  # the reduce kernel holds all splits of a head in one block
 _MAX_HEAD_DIM = 256
 BLOCK_N = 64  # entries per inner-loop step
+_empty = torch.empty  # every output/partial buffer is allocated here (tests poison it with NaN)
 
 
 def _interpreting() -> bool:
@@ -51,8 +52,9 @@ def _fail(msg: str) -> None:
     raise ValueError(f"sparse_decode_attention: {msg}")
 
 
-def _check(name: str, t: Any, shape: Sequence[int | None], dtypes: tuple[torch.dtype, ...],
-           device: torch.device) -> None:
+def _check(
+    name: str, t: Any, shape: Sequence[int | None], dtypes: tuple[torch.dtype, ...], device: torch.device
+) -> None:
     """Check a tensor argument's type, rank, sizes (None = any), dtype, device and last stride."""
     if not isinstance(t, torch.Tensor):
         _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -73,8 +75,10 @@ def _validate(q, k, v, scale, idx, n_valid, bias, pseudo_logits, pseudo_values) 
         _fail("q must be a tensor of shape [B, Hq, D] (one decode token per sequence)")
     dev = q.device
     if dev.type != "cuda" and not _interpreting():
-        _fail(f"tensors are on {dev}; move them to a CUDA device (or set TRITON_INTERPRET=1 before "
-              "importing triton to run the CPU interpreter)")
+        _fail(
+            f"tensors are on {dev}; move them to a CUDA device (or set TRITON_INTERPRET=1 before "
+            "importing triton to run the CPU interpreter)"
+        )
     B, Hq, D = q.shape
     _check("q", q, [B, Hq, D], _FLOATS, dev)
     _check("k", k, [B, None, None, D], (q.dtype,), dev)
@@ -158,8 +162,8 @@ def sparse_decode_attention(
     N = _validate(q, k, v, scale, idx, n_valid, bias, pseudo_logits, pseudo_values)
     B, Hq, D = q.shape
     Hkv = k.shape[1]
-    out = torch.empty_like(q)
-    lse = torch.empty(B, Hq, device=q.device, dtype=torch.float32)
+    out = _empty(B, Hq, D, device=q.device, dtype=q.dtype)
+    lse = _empty(B, Hq, device=q.device, dtype=torch.float32)
     if B == 0:
         return out, lse
     if num_splits is None:
@@ -167,13 +171,42 @@ def sparse_decode_attention(
     if not isinstance(num_splits, int) or not 1 <= num_splits <= _MAX_SPLITS:
         _fail(f"num_splits must be an int in [1, {_MAX_SPLITS}], got {num_splits!r}")
     has_pseudo = pseudo_logits is not None and pseudo_logits.shape[2] > 0
-    _launch(q, k, v, scale, idx, n_valid, bias, pseudo_logits if has_pseudo else None,
-            pseudo_values if has_pseudo else None, out, lse, N, num_splits)
+    _launch(
+        q,
+        k,
+        v,
+        scale,
+        idx,
+        n_valid,
+        bias,
+        pseudo_logits if has_pseudo else None,
+        pseudo_values if has_pseudo else None,
+        out,
+        lse,
+        N,
+        num_splits,
+    )
     return out, lse
 
 
-def _launch(q, k, v, scale, idx, n_valid, bias, pl, pv, out, lse, N, num_splits,
-            block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = 2) -> None:
+def _launch(
+    q,
+    k,
+    v,
+    scale,
+    idx,
+    n_valid,
+    bias,
+    pl,
+    pv,
+    out,
+    lse,
+    N,
+    num_splits,
+    block_n: int = BLOCK_N,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> None:
     """Size the grid and launch the split kernel, then the reduce kernel if needed."""
     from .triton import LOG2E, _sparse_decode_reduce_kernel, _sparse_decode_split_kernel
 
@@ -187,23 +220,57 @@ def _launch(q, k, v, scale, idx, n_valid, bias, pl, pv, out, lse, N, num_splits,
     if direct:
         o_part = lse_part = lse
     else:
-        o_part = torch.empty(B, Hq, num_splits, D, device=q.device, dtype=torch.float32)
-        lse_part = torch.empty(B, Hq, num_splits, device=q.device, dtype=torch.float32)
+        o_part = _empty(B, Hq, num_splits, D, device=q.device, dtype=torch.float32)
+        lse_part = _empty(B, Hq, num_splits, device=q.device, dtype=torch.float32)
     dummy = lse
     ib, ih = (idx.stride(0), idx.stride(1)) if idx is not None else (0, 0)
     nb, nh = (n_valid.stride(0), n_valid.stride(1)) if n_valid is not None else (0, 0)
     bb, bh = (bias.stride(0), bias.stride(1)) if bias is not None else (0, 0)
     _sparse_decode_split_kernel[(B * Hkv, num_splits)](
-        q, k, v, idx if idx is not None else dummy, n_valid if n_valid is not None else dummy,
-        bias if bias is not None else dummy, o_part, lse_part, out, lse,
-        float(scale) * LOG2E, N, Hkv, chunk,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), ib, ih, nb, nh, bb, bh, out.stride(0), out.stride(1),
-        G=G, D=D, NUM_SPLITS=num_splits, HAS_IDX=idx is not None, HAS_NVALID=n_valid is not None,
-        HAS_BIAS=bias is not None, DIRECT=direct, IEEE=q.dtype == torch.float32,
-        WHILE_LOOP=_interpreting(),
-        BLOCK_G=max(16, triton_next_pow2(G)), BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=num_warps, num_stages=num_stages,
+        q,
+        k,
+        v,
+        idx if idx is not None else dummy,
+        n_valid if n_valid is not None else dummy,
+        bias if bias is not None else dummy,
+        o_part,
+        lse_part,
+        out,
+        lse,
+        float(scale) * LOG2E,
+        N,
+        Hkv,
+        chunk,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        ib,
+        ih,
+        nb,
+        nh,
+        bb,
+        bh,
+        out.stride(0),
+        out.stride(1),
+        G=G,
+        D=D,
+        NUM_SPLITS=num_splits,
+        HAS_IDX=idx is not None,
+        HAS_NVALID=n_valid is not None,
+        HAS_BIAS=bias is not None,
+        DIRECT=direct,
+        IEEE=q.dtype == torch.float32,
+        INTERPRET=_interpreting(),
+        BLOCK_G=max(16, triton_next_pow2(G)),
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if direct:
         return
@@ -211,10 +278,28 @@ def _launch(q, k, v, scale, idx, n_valid, bias, pl, pv, out, lse, N, num_splits,
     plb, plh = (pl.stride(0), pl.stride(1)) if pl is not None else (0, 0)
     pvb, pvh, pvm = (pv.stride(0), pv.stride(1), pv.stride(2)) if pv is not None else (0, 0, 0)
     _sparse_decode_reduce_kernel[(B * Hq,)](
-        o_part, lse_part, pl if pl is not None else dummy, pv if pv is not None else dummy, out, lse,
-        M, plb, plh, pvb, pvh, pvm, out.stride(0), out.stride(1), Hq,
-        D=D, NUM_SPLITS=num_splits, HAS_PSEUDO=pl is not None,
-        BLOCK_S=triton_next_pow2(num_splits), BLOCK_M=16, BLOCK_D=block_d, num_warps=4,
+        o_part,
+        lse_part,
+        pl if pl is not None else dummy,
+        pv if pv is not None else dummy,
+        out,
+        lse,
+        M,
+        plb,
+        plh,
+        pvb,
+        pvh,
+        pvm,
+        out.stride(0),
+        out.stride(1),
+        Hq,
+        D=D,
+        NUM_SPLITS=num_splits,
+        HAS_PSEUDO=pl is not None,
+        BLOCK_S=triton_next_pow2(num_splits),
+        BLOCK_M=16,
+        BLOCK_D=block_d,
+        num_warps=4,
     )
 
 
@@ -241,8 +326,10 @@ def merge_attention_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torc
         ``logsumexp_p lse_p``; ``-inf`` where every part is empty.
     """
     if outs.dim() != 4 or lses.shape != outs.shape[:3]:
-        raise ValueError(f"merge_attention_states: outs must be [P, B, Hq, D] and lses [P, B, Hq]; got "
-                         f"{list(outs.shape)} and {list(lses.shape)}")
+        raise ValueError(
+            f"merge_attention_states: outs must be [P, B, Hq, D] and lses [P, B, Hq]; got "
+            f"{list(outs.shape)} and {list(lses.shape)}"
+        )
     if outs.shape[0] == 0:
         raise ValueError("merge_attention_states: need at least one part (P >= 1)")
     work = torch.float64 if lses.dtype == torch.float64 else torch.float32

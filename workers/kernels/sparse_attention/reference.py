@@ -75,7 +75,7 @@ def sparse_decode_attention_ref(
     if bias is not None:
         logits = logits + bias.double().repeat_interleave(G, dim=1)
     logits = logits.masked_fill(~valid.repeat_interleave(G, dim=1), float("-inf"))
-    values = vg
+    values = vg.masked_fill(~valid.repeat_interleave(G, dim=1).unsqueeze(-1), 0.0)  # padding is never read
     if pseudo_logits is not None and pseudo_values is not None:
         logits = torch.cat([logits, pseudo_logits.double()], dim=-1)
         values = torch.cat([values, pseudo_values.double()], dim=2)

@@ -18,6 +18,11 @@ Two kernels:
     pseudo-entries (``pseudo_logits``, ``pseudo_values``) under one normalization
     and writes ``out`` (dtype of q) and the natural-log ``lse``.
 
+``INTERPRET`` (the CPU interpreter) works around two interpreter limits of triton
+3.6: ``range`` cannot take run-time bounds under numpy >= 2.4 (a ``while`` loop is
+used instead), and its ``tl.dot`` multiplies bf16 bit patterns as integers (operands
+are upcast to fp32 after the same rounding the GPU path does).
+
 Empty sets give ``lse = -inf`` and ``out = 0``: every max is made "safe" (``-inf``
 becomes 0 before it is subtracted) so no ``inf - inf`` NaN can arise. Offsets into
 the KV buffer are computed in int64.
@@ -33,9 +38,26 @@ LOG2E = 1.4426950408889634  # the launcher folds it into qk_scale
 
 @triton.jit
 def _attend_block(
-    q, k_base, v_base, i_base, bias_base, n0, stop, qk_scale, stride_ks, stride_vs,
-    m_i, l_i, acc, offs_d, mask_d,
-    HAS_IDX: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
+    q,
+    k_base,
+    v_base,
+    i_base,
+    bias_base,
+    n0,
+    stop,
+    qk_scale,
+    stride_ks,
+    stride_vs,
+    m_i,
+    l_i,
+    acc,
+    offs_d,
+    mask_d,
+    HAS_IDX: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IEEE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """One online-softmax step (base 2) over entries ``n0 .. n0 + BLOCK_N`` (masked at ``stop``)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -46,6 +68,8 @@ def _attend_block(
         rows = offs_n.to(tl.int64)
     kv_mask = mask_n[:, None] & mask_d[None, :]
     k = tl.load(k_base + rows[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+    if INTERPRET:  # the interpreter's dot multiplies bf16 bit patterns as integers: upcast
+        k = k.to(tl.float32)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -61,30 +85,61 @@ def _attend_block(
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = tl.load(v_base + rows[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+    p_v = p.to(v.dtype)  # P is rounded to the value dtype for the tensor-core dot
+    if INTERPRET:
+        v = v.to(tl.float32)
+        p_v = p_v.to(tl.float32)
     if IEEE:
-        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        pv = tl.dot(p_v, v, input_precision="ieee")
     else:
-        pv = tl.dot(p.to(v.dtype), v)
+        pv = tl.dot(p_v, v)
     return m_new, l_i, acc * alpha[:, None] + pv
 
 
 @triton.jit
 def _sparse_decode_split_kernel(
-    Q, K, V, IDX, NVALID, BIAS,  # inputs
-    O_PART, LSE_PART, O, LSE,  # outputs (partials or final)
+    Q,
+    K,
+    V,
+    IDX,
+    NVALID,
+    BIAS,  # inputs
+    O_PART,
+    LSE_PART,
+    O,
+    LSE,  # outputs (partials or final)
     qk_scale,  # scale * log2(e)
-    N, Hkv, chunk,  # entries per (b, h); KV heads; entries per split (multiple of BLOCK_N)
-    stride_qb, stride_qh,
-    stride_kb, stride_kh, stride_ks,
-    stride_vb, stride_vh, stride_vs,
-    stride_ib, stride_ih,
-    stride_nb, stride_nh,
-    stride_bb, stride_bh,
-    stride_ob, stride_oh,
-    G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    HAS_IDX: tl.constexpr, HAS_NVALID: tl.constexpr, HAS_BIAS: tl.constexpr,
-    DIRECT: tl.constexpr, IEEE: tl.constexpr, WHILE_LOOP: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    N,
+    Hkv,
+    chunk,  # entries per (b, h); KV heads; entries per split (multiple of BLOCK_N)
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_ib,
+    stride_ih,
+    stride_nb,
+    stride_nh,
+    stride_bb,
+    stride_bh,
+    stride_ob,
+    stride_oh,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HAS_IDX: tl.constexpr,
+    HAS_NVALID: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DIRECT: tl.constexpr,
+    IEEE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid_bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1).to(tl.int64)
@@ -116,26 +171,66 @@ def _sparse_decode_split_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    if WHILE_LOOP:  # CPU interpreter: with numpy >= 2.4 its range() cannot take run-time bounds
+    if INTERPRET:  # CPU interpreter: with numpy >= 2.4 its range() cannot take run-time bounds
+        q = q.to(tl.float32)
         n0 = start
         while n0 < stop:
-            m_i, l_i, acc = _attend_block(q, k_base, v_base, i_base, bias_base, n0, stop, qk_scale,
-                                          stride_ks, stride_vs, m_i, l_i, acc, offs_d, mask_d,
-                                          HAS_IDX, HAS_BIAS, IEEE, BLOCK_N)
+            m_i, l_i, acc = _attend_block(
+                q,
+                k_base,
+                v_base,
+                i_base,
+                bias_base,
+                n0,
+                stop,
+                qk_scale,
+                stride_ks,
+                stride_vs,
+                m_i,
+                l_i,
+                acc,
+                offs_d,
+                mask_d,
+                HAS_IDX,
+                HAS_BIAS,
+                IEEE,
+                INTERPRET,
+                BLOCK_N,
+            )
             n0 += BLOCK_N
     else:
         for n0 in range(start, stop, BLOCK_N):
-            m_i, l_i, acc = _attend_block(q, k_base, v_base, i_base, bias_base, n0, stop, qk_scale,
-                                          stride_ks, stride_vs, m_i, l_i, acc, offs_d, mask_d,
-                                          HAS_IDX, HAS_BIAS, IEEE, BLOCK_N)
+            m_i, l_i, acc = _attend_block(
+                q,
+                k_base,
+                v_base,
+                i_base,
+                bias_base,
+                n0,
+                stop,
+                qk_scale,
+                stride_ks,
+                stride_vs,
+                m_i,
+                l_i,
+                acc,
+                offs_d,
+                mask_d,
+                HAS_IDX,
+                HAS_BIAS,
+                IEEE,
+                INTERPRET,
+                BLOCK_N,
+            )
 
     nonempty = l_i > 0.0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     out_mask = mask_g[:, None] & mask_d[None, :]
     if DIRECT:
-        tl.store(O + b * stride_ob + hq[:, None] * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
-                 mask=out_mask)
+        tl.store(
+            O + b * stride_ob + hq[:, None] * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty), mask=out_mask
+        )
         tl.store(LSE + b * (Hkv * G) + hq, lse, mask=mask_g)
     else:
         row = (b * (Hkv * G) + hq) * NUM_SPLITS + split  # O_PART is [B, Hq, NUM_SPLITS, D] contiguous
@@ -145,13 +240,27 @@ def _sparse_decode_split_kernel(
 
 @triton.jit
 def _sparse_decode_reduce_kernel(
-    O_PART, LSE_PART, PL, PV, O, LSE,
+    O_PART,
+    LSE_PART,
+    PL,
+    PV,
+    O,
+    LSE,
     M,  # pseudo-entries per query head
-    stride_plb, stride_plh,
-    stride_pvb, stride_pvh, stride_pvm,
-    stride_ob, stride_oh,
-    Hq, D: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_PSEUDO: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_plb,
+    stride_plh,
+    stride_pvb,
+    stride_pvh,
+    stride_pvm,
+    stride_ob,
+    stride_oh,
+    Hq,
+    D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HAS_PSEUDO: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)  # b * Hq + hq
     b = pid // Hq
@@ -162,8 +271,11 @@ def _sparse_decode_reduce_kernel(
     mask_d = offs_d < D
 
     lse_s = tl.load(LSE_PART + pid * NUM_SPLITS + offs_s, mask=mask_s, other=float("-inf"))
-    o_s = tl.load(O_PART + (pid * NUM_SPLITS + offs_s)[:, None] * D + offs_d[None, :],
-                  mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    o_s = tl.load(
+        O_PART + (pid * NUM_SPLITS + offs_s)[:, None] * D + offs_d[None, :],
+        mask=mask_s[:, None] & mask_d[None, :],
+        other=0.0,
+    )
     m_i = tl.max(lse_s, axis=0)
     m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
     w = tl.exp(lse_s - m_safe)
@@ -177,8 +289,11 @@ def _sparse_decode_reduce_kernel(
             offs_m = m0 + tl.arange(0, BLOCK_M)
             mask_m = offs_m < M
             pl = tl.load(pl_base + offs_m, mask=mask_m, other=float("-inf")).to(tl.float32)
-            pv = tl.load(pv_base + offs_m.to(tl.int64)[:, None] * stride_pvm + offs_d[None, :],
-                         mask=mask_m[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+            pv = tl.load(
+                pv_base + offs_m.to(tl.int64)[:, None] * stride_pvm + offs_d[None, :],
+                mask=mask_m[:, None] & mask_d[None, :],
+                other=0.0,
+            ).to(tl.float32)
             m_new = tl.maximum(m_i, tl.max(pl, axis=0))
             m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m_i - m_new_safe)
