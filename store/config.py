@@ -28,6 +28,7 @@ class StoreConfig:
     """fsync page files and directories before a commit (turn off only for throwaway tests)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "home", Path(self.home).expanduser())
         if not 1 <= self.page_size <= 4096:
             raise ValueError(f"page_size must be in [1, 4096], got {self.page_size}")
         if self.lmdb_map_size < 1 << 20:

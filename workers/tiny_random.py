@@ -27,7 +27,7 @@ class TinyLlamaSpec:
     n_kv_heads: int = 2
     max_positions: int = 4096
     rope_theta: float = 1e6
-    init_range: float = 0.1
+    init_range: float = 0.3
     """Large enough that attention depends on context (a flat random model repeats one token)."""
     seed: int = 0
 

@@ -1,0 +1,179 @@
+"""The embedded store: page layout round trips, arbitrary page reads, checksums, crash safety."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from store.config import StoreConfig
+from store.errors import CorruptData, InvalidInput, PrefixNotFound, StoreUnavailable
+from store.kvstore import KVStore
+from store.layout import KVLayout
+from store.pages import coalesce, unpack_pages
+from store.prefix_key import PrefixKey, tenant_salt, token_hash
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _layout(page_size: int = 16) -> KVLayout:
+    return KVLayout(n_layers=3, n_kv_heads=2, head_dim=16, dtype="float32", page_size=page_size)
+
+
+def _key(n: int, seed: int = 0, page_size: int = 16) -> PrefixKey:
+    return PrefixKey(model_fingerprint="fp", tenant_salt=tenant_salt("default"),
+                     token_hash=token_hash(list(range(seed, seed + n))), layout=_layout(page_size))
+
+
+def _kv(n: int, layers: int = 3, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(2, n, 16, generator=g), torch.randn(2, n, 16, generator=g)) for _ in range(layers)]
+
+
+def _write(store: KVStore, n: int, seed: int = 0) -> tuple[str, list]:
+    key, kv = _key(n, seed, store.config.page_size), _kv(n, seed=seed)
+    with store.write_prefix(key, model_name="m", n_tokens=n) as w:
+        for layer, (k, v) in enumerate(kv):
+            w.write_layer(layer, k, v)
+        w.put_artifact("extra", b"hello")
+        w.commit()
+    return key.prefix_id, kv
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 100])
+def test_layer_round_trip(store: KVStore, n: int) -> None:
+    pid, kv = _write(store, n)
+    for layer, (k, v) in enumerate(kv):
+        k2, v2 = store.read_layer(pid, layer, verify=True)
+        assert torch.equal(k2, k) and torch.equal(v2, v)
+
+
+def test_read_arbitrary_pages_into_buffer(store: KVStore) -> None:
+    n = 16 * 7 + 3
+    pid, kv = _write(store, n)
+    lay = store.manifest(pid).layout
+    pages = [0, 2, 3, 4, 7]
+    out = torch.full((len(pages), lay.page_bytes), 255, dtype=torch.uint8)
+    store.read_pages(pid, 1, 1, pages, out, verify=True)
+    k, v = unpack_pages(lay, out)
+    k_ref = torch.nn.functional.pad(kv[1][0][1], (0, 0, 0, 8 * 16 - n))  # zero padded last page
+    for i, p in enumerate(pages):
+        assert torch.equal(k[i], k_ref[p * 16:(p + 1) * 16])
+    with pytest.raises(InvalidInput):
+        store.read_pages(pid, 1, 1, [8], torch.empty(1, lay.page_bytes, dtype=torch.uint8))
+
+
+def test_coalesce_runs() -> None:
+    assert coalesce([0, 1, 2, 5, 7, 8]) == [(0, 3), (5, 1), (7, 2)]
+    assert coalesce([]) == []
+
+
+def test_artifacts_and_manifest(store: KVStore) -> None:
+    pid, _ = _write(store, 40)
+    m = store.manifest(pid)
+    assert m.n_tokens == 40 and len(m.files) == 3
+    assert store.artifact(pid, "extra") == b"hello"
+    assert [x.prefix_id for x in store.list_prefixes()] == [pid]
+
+
+def test_corrupted_page_file_is_detected(store: KVStore) -> None:
+    pid, _ = _write(store, 50)
+    path = store.prefix_dir(pid) / "layer_001.kv"
+    data = bytearray(path.read_bytes())
+    data[4096 + 10] ^= 0xFF  # head 0, page 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptData, match="layer 1 head 0 page 1"):
+        store.read_layer(pid, 1, verify=True)
+    with pytest.raises(CorruptData, match="checksum"):
+        store.verify(pid)
+    store.read_layer(pid, 0, verify=True)  # other layers are fine
+
+
+def test_truncated_page_file_is_a_short_read(store: KVStore) -> None:
+    pid, _ = _write(store, 50)
+    path = store.prefix_dir(pid) / "layer_002.kv"
+    path.write_bytes(path.read_bytes()[:5000])
+    with pytest.raises(CorruptData, match="short read"):
+        store.read_layer(pid, 2)
+
+
+def test_page_swapped_between_prefixes_fails_identity_check(store: KVStore) -> None:
+    a, _ = _write(store, 32, seed=0)
+    b, _ = _write(store, 32, seed=1)
+    fa, fb = store.prefix_dir(a) / "layer_000.kv", store.prefix_dir(b) / "layer_000.kv"
+    fa.write_bytes(fb.read_bytes())  # right sizes, wrong prefix
+    with pytest.raises(CorruptData):
+        store.read_layer(a, 0, verify=True)
+
+
+def test_rm_removes_every_file(store: KVStore) -> None:
+    pid, _ = _write(store, 30)
+    store.remove(pid)
+    assert not store.prefix_dir(pid).exists()
+    assert not (store.locks_dir / f"{pid}.lock").exists()
+    assert store.list_prefixes() == []
+    assert store.meta.artifact(pid, "extra") is None
+    with pytest.raises(PrefixNotFound):
+        store.manifest(pid)
+    with pytest.raises(PrefixNotFound):
+        store.remove(pid)
+
+
+def test_failed_write_leaves_nothing(store: KVStore) -> None:
+    key = _key(20)
+    with pytest.raises(RuntimeError), store.write_prefix(key, model_name="m", n_tokens=20) as w:
+        w.write_layer(0, *_kv(20)[0])
+        raise RuntimeError("boom")
+    assert list(store.prefixes_dir.iterdir()) == []
+    assert not store.exists(key.prefix_id)
+
+
+def test_commit_requires_every_layer(store: KVStore) -> None:
+    with pytest.raises(InvalidInput, match="not written"), \
+            store.write_prefix(_key(20), model_name="m", n_tokens=20) as w:
+        w.write_layer(0, *_kv(20)[0])
+        w.commit()
+
+
+@pytest.mark.parametrize("crash_at", ["after_layer", "before_manifest"])
+def test_crash_mid_write_leaves_no_visible_prefix(tmp_path: Path, crash_at: str) -> None:
+    home = tmp_path / "home"
+    script = textwrap.dedent(f"""
+        import os, sys, torch
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_store import _key, _kv
+        from store.config import StoreConfig
+        from store.kvstore import KVStore
+        s = KVStore(StoreConfig(home={str(home)!r}))
+        if {crash_at!r} == "before_manifest":
+            s.meta.commit = lambda *a, **k: os._exit(9)
+        with s.write_prefix(_key(20), model_name="m", n_tokens=20) as w:
+            for layer, (k, v) in enumerate(_kv(20)):
+                w.write_layer(layer, k, v)
+                if {crash_at!r} == "after_layer":
+                    os._exit(9)
+            w.commit()
+    """)
+    r = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 9, r.stderr
+    assert any((home / "prefixes").iterdir()), "the simulated crash should leave debris behind"
+    store = KVStore(StoreConfig(home=home))  # opening collects the debris
+    assert store.list_prefixes() == []
+    assert list(store.prefixes_dir.iterdir()) == []
+    pid, kv = _write(store, 20)  # the next write of the same prefix succeeds
+    assert torch.equal(store.read_layer(pid, 2, verify=True)[1], kv[2][1])
+
+
+def test_unusable_data_directory(tmp_path: Path) -> None:
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(StoreUnavailable, match="not usable"):
+        KVStore(StoreConfig(home=a_file / "home"))
+    if os.path.isdir("/proc/self"):
+        with pytest.raises(StoreUnavailable):
+            KVStore(StoreConfig(home=Path("/proc/self/kvstash")))
