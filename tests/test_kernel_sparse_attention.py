@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -26,6 +27,30 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
+
+
+def _ensure_interpreter_mode() -> None:
+    """Re-import triton if something imported it before TRITON_INTERPRET was set.
+
+    triton picks interpreter vs compiled mode per function when ``@triton.jit`` runs at
+    import time, and ``torch._dynamo`` (pulled in by transformers via other test modules
+    and conftest) imports triton early. Only the pure-Python modules are dropped; the
+    compiled ``triton._C`` extension stays loaded.
+    """
+    import triton.language.standard as std
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if isinstance(std.zeros, InterpretedFunction):
+        return
+    for name in list(sys.modules):
+        is_triton = (name == "triton" or name.startswith("triton.")) and not name.startswith("triton._C")
+        if is_triton or name == "workers.kernels.sparse_attention.triton":
+            del sys.modules[name]
+    import triton.language  # noqa: F401  (fresh, in interpreter mode)
+
+
+if os.environ["TRITON_INTERPRET"].lower() in ("1", "true", "on", "yes"):
+    _ensure_interpreter_mode()
 
 from workers.kernels.sparse_attention import (  # noqa: E402
     choose_num_splits,
