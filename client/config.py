@@ -13,7 +13,7 @@ from store.config import default_home
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_MODELS_DIR = REPO_ROOT / "models"
-SHIPPED_MODEL_NAME = "kvstash-needle-tiny"
+SHIPPED_MODEL_NAME = "kvstash-tiny"
 """The project's own trained model (models/<name>), the default once it is shipped."""
 FALLBACK_MODEL_NAME = "tiny-random-llama"
 """A random-weight model built on first use when no trained model is shipped (tests, bare checkouts)."""

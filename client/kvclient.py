@@ -95,8 +95,11 @@ class KVClient:
 
     def generate(self, query: str, prefix: PrefixHandle | str | None = None, *, max_new_tokens: int = 64,
                  method: str = "full", budget: float | None = None, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int | None = None, stop: tuple[str, ...] | list[str] = ()) -> Generation:
-        """Answer ``query`` over a stored prefix (default: the one this client prefilled last)."""
+                 seed: int | None = None, stop: tuple[str, ...] | list[str] = (), raw: bool = False) -> Generation:
+        """Answer ``query`` over a stored prefix (default: the one this client prefilled last).
+
+        ``raw`` sends the query text as-is instead of through the model's query template.
+        """
         pid = self._prefix_id(prefix)
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                                 stop=tuple(stop))
@@ -106,7 +109,7 @@ class KVClient:
             raise InvalidInput(str(e)) from e
         stats = GenerationStats()
         pieces = self.worker.generate(pid, query, params, method=method, decode=decode, tenant=self.config.tenant,
-                                      stats=stats)
+                                      stats=stats, raw=raw)
         return Generation(pieces, stats)
 
     def _prefix_id(self, prefix: PrefixHandle | str | None) -> str:

@@ -122,13 +122,17 @@ class Worker:
 
     def generate(self, prefix_id: str, query: str, params: SamplingParams | None = None, *, method: str = "full",
                  decode: DecodeConfig | None = None, tenant: str = DEFAULT_TENANT,
-                 stats: GenerationStats | None = None) -> Iterator[str]:
-        """Stream the answer to ``query`` over a stored prefix, as text pieces."""
+                 stats: GenerationStats | None = None, raw: bool = False) -> Iterator[str]:
+        """Stream the answer to ``query`` over a stored prefix, as text pieces.
+
+        The query is wrapped in the model's query template unless ``raw``.
+        """
         params = params or SamplingParams()
         m = self.open_prefix(prefix_id, tenant)
         if not isinstance(query, str) or not query.strip():
             raise InvalidInput("query is empty")
-        q_ids = list(self.lm.tokenizer(self.lm.prompt.format_query(query), add_special_tokens=False).input_ids)
+        text = query if raw else self.lm.prompt.format_query(query)
+        q_ids = list(self.lm.tokenizer(text, add_special_tokens=False).input_ids)
         room = self.lm.max_context - m.n_tokens - len(q_ids)
         if room < 1:
             raise ContextTooLong(f"prefix ({m.n_tokens}) + query ({len(q_ids)}) tokens exceed the model's context "
