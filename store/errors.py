@@ -52,5 +52,19 @@ class StoreUnavailable(KVStashError):
     http_status = 503
 
 
+class Unauthenticated(KVStashError):
+    """Missing or unknown API key."""
+
+    grpc_code = "UNAUTHENTICATED"
+    http_status = 401
+
+
+class TooLarge(KVStashError):
+    """A request body or document over the configured limit."""
+
+    grpc_code = "RESOURCE_EXHAUSTED"
+    http_status = 413
+
+
 class UnknownMethod(InvalidInput):
     """The requested sparse/compression method is not registered."""

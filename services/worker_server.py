@@ -1,0 +1,145 @@
+"""The decode-worker gRPC server: Prefill (client-streaming) and Generate (server-streaming)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from client.config import ClientConfig
+from services.auth import ApiKeys, tenant_secret
+from services.convert import stats_to_pb
+from services.gen import kvstash_pb2 as pb
+from services.gen import kvstash_pb2_grpc as pb_grpc
+from services.grpc_common import ServerConfig, build_server, mapped_errors, serve_forever, tenant_of
+from store.config import StoreConfig
+from store.errors import InvalidInput, TooLarge
+from store.kvstore import KVStore
+from workers.engine import GenerationStats, Worker
+from workers.methods.base import DecodeConfig
+from workers.methods.registry import METHODS
+from workers.model import load_model
+from workers.sampling import SamplingParams
+
+DEFAULT_MAX_DOCUMENT_BYTES = 64 << 20
+DEFAULT_MAX_NEW_TOKENS = 64
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerLimits:
+    """Request limits of a worker."""
+
+    max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES
+
+
+class WorkerService(pb_grpc.WorkerServicer):
+    """Serves one model; generations run one at a time (the model is not batched)."""
+
+    def __init__(self, worker: Worker, keys: ApiKeys, limits: WorkerLimits):
+        self.worker, self.keys, self.limits = worker, keys, limits
+        self._model_lock = threading.Lock()
+
+    def Prefill(self, request_iterator: Iterator[pb.PrefillChunk], context: grpc.ServicerContext) -> pb.PrefillResponse:
+        """Assemble the streamed document and prefill it (a cache hit does no forward pass)."""
+        with mapped_errors(context):
+            tenant = tenant_of(context, self.keys)
+            document = self._read_document(request_iterator)
+            with self._model_lock:
+                r = self.worker.prefill(document, tenant=tenant)
+            return pb.PrefillResponse(prefix_id=r.prefix_id, n_tokens=r.n_tokens, cached=r.cached)
+        raise AssertionError("unreachable")
+
+    def _read_document(self, chunks: Iterator[pb.PrefillChunk]) -> str:
+        parts, size = [], 0
+        for chunk in chunks:
+            if chunk.file_path:
+                path = Path(chunk.file_path)
+                if not path.is_file():
+                    raise InvalidInput(f"file {chunk.file_path!r} is not readable by the worker")
+                size += path.stat().st_size
+                if size > self.limits.max_document_bytes:
+                    raise TooLarge(f"document over {self.limits.max_document_bytes} bytes")
+                parts.append(path.read_text(encoding="utf-8"))
+                continue
+            size += len(chunk.text.encode())
+            if size > self.limits.max_document_bytes:
+                raise TooLarge(f"document over {self.limits.max_document_bytes} bytes")
+            parts.append(chunk.text)
+        return "".join(parts)
+
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateEvent]:
+        """Stream the answer; stops when the client cancels or the deadline passes."""
+        with mapped_errors(context):
+            tenant = tenant_of(context, self.keys)
+            params = SamplingParams(
+                max_new_tokens=request.max_new_tokens or DEFAULT_MAX_NEW_TOKENS, temperature=request.temperature,
+                top_p=request.top_p if request.HasField("top_p") else 1.0,
+                seed=request.seed if request.HasField("seed") else None, stop=tuple(request.stop))
+            decode = DecodeConfig(budget=request.budget if request.HasField("budget") else None)
+            stats = GenerationStats()
+            t0 = time.perf_counter()
+            with self._model_lock:
+                pieces = self.worker.generate(request.prefix_id, request.query, params, method=request.method or "full",
+                                              decode=decode, tenant=tenant, stats=stats, raw=request.raw)
+                try:
+                    for piece in pieces:
+                        if not context.is_active():  # cancelled or past its deadline: stop decoding
+                            return
+                        yield pb.GenerateEvent(text=piece, token=pb.TokenStats(
+                            step=stats.steps, bytes_fetched=stats.bytes_fetched, seconds=time.perf_counter() - t0))
+                finally:
+                    pieces.close()  # type: ignore[attr-defined]
+            yield pb.GenerateEvent(done=stats_to_pb(stats))
+
+    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.WorkerInfo:
+        """The model this worker serves."""
+        lm = self.worker.lm
+        return pb.WorkerInfo(model_name=lm.name, model_fingerprint=lm.fingerprint, max_context=lm.max_context,
+                             methods=sorted(METHODS), device=str(lm.device))
+
+
+def build_worker_server(worker: Worker, cfg: ServerConfig, keys: ApiKeys,
+                        limits: WorkerLimits | None = None) -> tuple[grpc.Server, object]:
+    """A gRPC server exposing ``worker`` (not yet started)."""
+    service = WorkerService(worker, keys, limits or WorkerLimits())
+    name = pb.DESCRIPTOR.services_by_name["Worker"].full_name
+    return build_server(cfg, [name], lambda s: pb_grpc.add_WorkerServicer_to_server(service, s))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m services.worker_server``."""
+    p = argparse.ArgumentParser(description="kvstash decode worker (gRPC)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50052)
+    p.add_argument("--home", type=Path, default=None, help="shared data directory")
+    p.add_argument("--metadata-url", default=None, help="redis://host:port/db (default: LMDB in the data dir)")
+    p.add_argument("--model", default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--max-document-bytes", type=int, default=DEFAULT_MAX_DOCUMENT_BYTES)
+    p.add_argument("--tls-cert", type=Path)
+    p.add_argument("--tls-key", type=Path)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    ccfg = ClientConfig(**{k: v for k, v in {"home": args.home, "model": args.model, "device": args.device}.items()
+                           if v is not None}, progress=False)
+    store = KVStore(StoreConfig(home=ccfg.home, **_metadata_kw(args.metadata_url)))
+    lm = load_model(ccfg.resolved_model(), device=ccfg.device, dtype=ccfg.resolved_dtype(), progress=False)
+    worker = Worker(store, lm, secret=tenant_secret(), progress=False)
+    cfg = ServerConfig(host=args.host, port=args.port, tls_cert=args.tls_cert, tls_key=args.tls_key)
+    server, health = build_worker_server(worker, cfg, ApiKeys.from_env(),
+                                         WorkerLimits(max_document_bytes=args.max_document_bytes))
+    serve_forever(server, health, "kvstash-worker", cfg.address)
+
+
+def _metadata_kw(url: str | None) -> dict[str, str]:
+    return {"metadata_url": url} if url else {}
+
+
+if __name__ == "__main__":
+    main()
