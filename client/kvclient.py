@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from client.backends import Backend, remote_backend
 from client.config import ClientConfig
 from store.config import StoreConfig
 from store.errors import InvalidInput, PrefixNotFound
@@ -60,16 +61,13 @@ class PrefixHandle:
         return self.client.generate(query, prefix=self, **kwargs)
 
 
-class KVClient:
-    """Embedded client: store + worker in this process; no server to start."""
+class EmbeddedBackend:
+    """Store + worker in this process; no server to start."""
 
-    def __init__(self, target: str | None = None, *, config: ClientConfig | None = None, **overrides: Any):
-        if target not in (None, "embedded"):
-            raise InvalidInput(f"unsupported target {target!r}: this build runs embedded only")
-        self.config = replace(config or ClientConfig(), **overrides)
-        self.store = KVStore(StoreConfig(home=self.config.home, page_size=self.config.page_size))
+    def __init__(self, config: ClientConfig):
+        self.config = config
+        self.store = KVStore(StoreConfig(home=config.home, page_size=config.page_size))
         self._worker: Worker | None = None
-        self.last_prefix: PrefixHandle | None = None
 
     @property
     def worker(self) -> Worker:
@@ -83,10 +81,66 @@ class KVClient:
             self._worker = Worker(self.store, lm, progress=self.config.progress)
         return self._worker
 
+    def prefill(self, document: str) -> tuple[str, int, bool]:
+        """Prefill in process."""
+        r = self.worker.prefill(document, tenant=self.config.tenant)
+        return r.prefix_id, r.n_tokens, r.cached
+
+    def generate(self, prefix_id: str, query: str, params: SamplingParams, method: str, budget: float | None,
+                 raw: bool, stats: GenerationStats) -> Iterator[str]:
+        """Generate in process."""
+        try:
+            decode = DecodeConfig(budget=budget)
+        except ValueError as e:
+            raise InvalidInput(str(e)) from e
+        return self.worker.generate(prefix_id, query, params, method=method, decode=decode,
+                                    tenant=self.config.tenant, stats=stats, raw=raw)
+
+    def list(self) -> list[Manifest]:
+        """This tenant's prefixes."""
+        return [m for m in self.store.list_prefixes() if m.tenant == self.config.tenant]
+
+    def manifest(self, prefix_id: str) -> Manifest:
+        """A manifest this tenant may see."""
+        m = self.store.manifest(prefix_id)
+        if m.tenant != self.config.tenant:
+            raise PrefixNotFound(f"no prefix {prefix_id!r}")
+        return m
+
+    def remove(self, prefix_id: str) -> None:
+        """Delete after checking visibility."""
+        self.manifest(prefix_id)
+        self.store.remove(prefix_id)
+
+
+class KVClient:
+    """Prefill documents once, then ask them questions: embedded by default, or remote.
+
+    ``KVClient()`` runs store + worker in this process. ``KVClient("grpc://worker:50052?store=store:50051")``
+    or ``KVClient("http://gateway:8000")`` talk to deployed services with the same methods.
+    """
+
+    def __init__(self, target: str | None = None, *, config: ClientConfig | None = None,
+                 api_key: str | None = None, **overrides: Any):
+        self.config = replace(config or ClientConfig(), **overrides)
+        self.backend: Backend
+        if target in (None, "embedded"):
+            self.backend = EmbeddedBackend(self.config)
+        else:
+            self.backend = remote_backend(target, api_key)
+        self.last_prefix: PrefixHandle | None = None
+
+    @property
+    def worker(self) -> Worker:
+        """The in-process worker (embedded mode only)."""
+        if not isinstance(self.backend, EmbeddedBackend):
+            raise InvalidInput("this client talks to a remote worker")
+        return self.backend.worker
+
     def prefill(self, document: str) -> PrefixHandle:
         """Store a document's KV cache (a cache hit when it is already stored)."""
-        r = self.worker.prefill(document, tenant=self.config.tenant)
-        self.last_prefix = PrefixHandle(r.prefix_id, r.n_tokens, r.cached, self)
+        pid, n, cached = self.backend.prefill(document)
+        self.last_prefix = PrefixHandle(pid, n, cached, self)
         return self.last_prefix
 
     def prefill_file(self, path: str | Path) -> PrefixHandle:
@@ -103,14 +157,10 @@ class KVClient:
         pid = self._prefix_id(prefix)
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                                 stop=tuple(stop))
-        try:
-            decode = DecodeConfig(budget=budget)
-        except ValueError as e:
-            raise InvalidInput(str(e)) from e
+        if budget is not None and not 0 < budget <= 1:
+            raise InvalidInput(f"budget must be in (0, 1], got {budget}")
         stats = GenerationStats()
-        pieces = self.worker.generate(pid, query, params, method=method, decode=decode, tenant=self.config.tenant,
-                                      stats=stats, raw=raw)
-        return Generation(pieces, stats)
+        return Generation(self.backend.generate(pid, query, params, method, budget, raw, stats), stats)
 
     def _prefix_id(self, prefix: PrefixHandle | str | None) -> str:
         if isinstance(prefix, PrefixHandle):
@@ -123,20 +173,12 @@ class KVClient:
 
     def ls(self) -> list[Manifest]:
         """Stored prefixes of this client's tenant, newest first."""
-        return [m for m in self.store.list_prefixes() if m.tenant == self.config.tenant]
+        return self.backend.list()
 
     def info(self, prefix_id: str) -> Manifest:
         """The manifest of a stored prefix."""
-        m = self.store.manifest(prefix_id)
-        if m.tenant != self.config.tenant:
-            raise PrefixNotFound(f"no prefix {prefix_id!r}")
-        return m
+        return self.backend.manifest(prefix_id)
 
     def rm(self, prefix_id: str) -> None:
         """Delete a stored prefix and every file of it."""
-        self.info(prefix_id)
-        self.store.remove(prefix_id)
-
-    def close(self) -> None:
-        """Release the store."""
-        self.store.close()
+        self.backend.remove(prefix_id)

@@ -99,6 +99,8 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.WorkerInfo:
         """The model this worker serves."""
+        with mapped_errors(context):
+            tenant_of(context, self.keys)
         lm = self.worker.lm
         return pb.WorkerInfo(model_name=lm.name, model_fingerprint=lm.fingerprint, max_context=lm.max_context,
                              methods=sorted(METHODS), device=str(lm.device))

@@ -1,0 +1,204 @@
+"""Where a KVClient's calls go: in-process (embedded), a gRPC worker + store, or the REST gateway."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any, Protocol
+from urllib.parse import parse_qs, urlparse
+
+from store.errors import InvalidInput, KVStashError
+from store.manifest import Manifest
+from workers.engine import GenerationStats
+from workers.sampling import SamplingParams
+
+DEFAULT_STORE_PORT = 50051
+
+
+class Backend(Protocol):
+    """The operations a KVClient needs, whatever is behind them."""
+
+    def prefill(self, document: str) -> tuple[str, int, bool]:
+        """(prefix_id, n_tokens, cached)."""
+        ...
+
+    def generate(self, prefix_id: str, query: str, params: SamplingParams, method: str, budget: float | None,
+                 raw: bool, stats: GenerationStats) -> Iterator[str]:
+        """Text pieces of the answer; fills ``stats`` when done."""
+        ...
+
+    def list(self) -> list[Manifest]:
+        """Visible prefixes, newest first."""
+        ...
+
+    def manifest(self, prefix_id: str) -> Manifest:
+        """One prefix's manifest."""
+        ...
+
+    def remove(self, prefix_id: str) -> None:
+        """Delete a prefix."""
+        ...
+
+
+class RemoteError(KVStashError):
+    """An error reported by a kvstash server, with its status."""
+
+    def __init__(self, message: str, grpc_code: str, http_status: int):
+        super().__init__(message)
+        self.grpc_code, self.http_status = grpc_code, http_status
+
+
+def _fill_stats(stats: GenerationStats, d: dict[str, Any]) -> None:
+    for name in ("steps", "prompt_tokens", "new_tokens", "bytes_fetched", "bytes_full"):
+        setattr(stats, name, int(d.get(name, 0)))
+    stats.seconds = float(d.get("seconds", 0.0))
+    stats.finish_reason = str(d.get("finish_reason", ""))
+    known = {"steps", "prompt_tokens", "new_tokens", "bytes_fetched", "bytes_full", "seconds", "finish_reason"}
+    stats.extra.update({k: float(v) for k, v in d.items() if k not in known})
+
+
+class GrpcBackend:
+    """``grpc://worker-host:port?store=store-host:port&api_key=...``."""
+
+    def __init__(self, url: str, api_key: str | None = None):
+        import grpc  # noqa: F401 - fail early when grpc is missing
+
+        from services.gen import kvstash_pb2_grpc as pb_grpc
+        from services.grpc_common import channel
+
+        u = urlparse(url)
+        q = parse_qs(u.query)
+        worker_addr = u.netloc
+        store_addr = q.get("store", [f"{u.hostname}:{DEFAULT_STORE_PORT}"])[0]
+        key = api_key or q.get("api_key", [None])[0]
+        self._md = [("x-api-key", key)] if key else []
+        self.worker = pb_grpc.WorkerStub(channel(worker_addr))
+        self.store = pb_grpc.KVStoreStub(channel(store_addr))
+
+    def _call(self, fn: Any, *args: Any, **kw: Any) -> Any:
+        import grpc
+
+        try:
+            return fn(*args, metadata=self._md, **kw)
+        except grpc.RpcError as e:
+            raise RemoteError(e.details() or str(e), e.code().name, 0) from None
+
+    def prefill(self, document: str) -> tuple[str, int, bool]:
+        """Stream the document to the worker in chunks."""
+        from services.gateway import DOCUMENT_CHUNK_CHARS
+        from services.gen import kvstash_pb2 as pb
+
+        chunks = (pb.PrefillChunk(text=document[i:i + DOCUMENT_CHUNK_CHARS])
+                  for i in range(0, max(1, len(document)), DOCUMENT_CHUNK_CHARS))
+        r = self._call(self.worker.Prefill, chunks)
+        return r.prefix_id, r.n_tokens, r.cached
+
+    def generate(self, prefix_id: str, query: str, params: SamplingParams, method: str, budget: float | None,
+                 raw: bool, stats: GenerationStats) -> Iterator[str]:
+        """Server-streamed pieces."""
+        import grpc
+
+        from services.convert import stats_to_dict
+        from services.gateway import _request
+
+        req = _request(prefix_id, query, method, budget, params.max_new_tokens, params.temperature, params.top_p,
+                       params.seed, list(params.stop), raw)
+        try:
+            for ev in self.worker.Generate(req, metadata=self._md):
+                if ev.HasField("done"):
+                    _fill_stats(stats, stats_to_dict(ev.done))
+                else:
+                    yield ev.text
+        except grpc.RpcError as e:
+            raise RemoteError(e.details() or str(e), e.code().name, 0) from None
+
+    def list(self) -> list[Manifest]:
+        """From the store service."""
+        from services.convert import manifest_from_pb
+        from services.gen import kvstash_pb2 as pb
+
+        return [manifest_from_pb(m) for m in self._call(self.store.ListPrefixes, pb.ListPrefixesRequest()).prefixes]
+
+    def manifest(self, prefix_id: str) -> Manifest:
+        """From the store service."""
+        from services.convert import manifest_from_pb
+        from services.gen import kvstash_pb2 as pb
+
+        return manifest_from_pb(self._call(self.store.GetManifest, pb.PrefixRef(prefix_id=prefix_id)))
+
+    def remove(self, prefix_id: str) -> None:
+        """Through the store service."""
+        from services.gen import kvstash_pb2 as pb
+
+        self._call(self.store.DeletePrefix, pb.PrefixRef(prefix_id=prefix_id))
+
+
+class HttpBackend:
+    """``http://gateway:8000`` (REST + SSE)."""
+
+    def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 600.0):
+        import httpx
+
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout_s)
+
+    def _check(self, r: Any) -> Any:
+        if r.status_code >= 400:
+            try:
+                err = r.json()["error"]
+            except (ValueError, KeyError, TypeError):
+                err = {"message": r.text, "code": "UNKNOWN"}
+            raise RemoteError(err.get("message", ""), err.get("code", "UNKNOWN"), r.status_code)
+        return r.json()
+
+    def prefill(self, document: str) -> tuple[str, int, bool]:
+        """POST /v1/prefixes."""
+        d = self._check(self.http.post("/v1/prefixes", json={"document": document}))
+        return d["prefix_id"], d["n_tokens"], d["cached"]
+
+    def generate(self, prefix_id: str, query: str, params: SamplingParams, method: str, budget: float | None,
+                 raw: bool, stats: GenerationStats) -> Iterator[str]:
+        """POST /v1/prefixes/{id}/generate with SSE streaming."""
+        body = {"query": query, "method": method, "budget": budget, "max_new_tokens": params.max_new_tokens,
+                "temperature": params.temperature, "top_p": params.top_p, "seed": params.seed,
+                "stop": list(params.stop), "raw": raw, "stream": True}
+        with self.http.stream("POST", f"/v1/prefixes/{prefix_id}/generate", json=body) as r:
+            if r.status_code >= 400:
+                r.read()
+                self._check(r)
+            event = "message"
+            for line in r.iter_lines():
+                if line.startswith("event:"):
+                    event = line[6:].strip()
+                elif line.startswith("data:"):
+                    data = json.loads(line[5:])
+                    if event == "done":
+                        _fill_stats(stats, data)
+                    elif event == "error":
+                        raise RemoteError(data.get("message", ""), data.get("code", "UNKNOWN"), 500)
+                    else:
+                        yield data["text"]
+                    event = "message"
+
+    def list(self) -> list[Manifest]:
+        """GET /v1/prefixes."""
+        rows = self._check(self.http.get("/v1/prefixes"))["prefixes"]
+        return [self.manifest(r["prefix_id"]) for r in rows]
+
+    def manifest(self, prefix_id: str) -> Manifest:
+        """GET /v1/prefixes/{id}."""
+        return Manifest.from_json(self._check(self.http.get(f"/v1/prefixes/{prefix_id}"))["manifest_json"])
+
+    def remove(self, prefix_id: str) -> None:
+        """DELETE /v1/prefixes/{id}."""
+        self._check(self.http.delete(f"/v1/prefixes/{prefix_id}"))
+
+
+def remote_backend(target: str, api_key: str | None) -> Backend:
+    """The backend for a ``grpc://`` or ``http(s)://`` target."""
+    scheme = urlparse(target).scheme
+    if scheme == "grpc":
+        return GrpcBackend(target, api_key)
+    if scheme in ("http", "https"):
+        return HttpBackend(target, api_key)
+    raise InvalidInput(f"unsupported target {target!r}: use grpc://host:port, http(s)://host:port or embedded")

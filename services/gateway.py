@@ -1,0 +1,369 @@
+"""The REST gateway (FastAPI): prefixes, generation with SSE, OpenAI-compatible completions."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from fastapi import FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.auth import API_KEY_HEADER, ApiKeys, bearer_key
+from services.convert import manifest_from_pb, stats_to_dict
+from services.gen import kvstash_pb2 as pb
+from services.gen import kvstash_pb2_grpc as pb_grpc
+from services.grpc_common import channel
+from store.errors import InvalidInput, KVStashError, TooLarge
+
+HTTP_OF_GRPC = {grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.UNAUTHENTICATED: 401,
+                grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 413,
+                grpc.StatusCode.FAILED_PRECONDITION: 409, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+                grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DATA_LOSS: 500, grpc.StatusCode.CANCELLED: 499}
+DEFAULT_MAX_BODY_BYTES = 64 << 20
+DOCUMENT_CHUNK_CHARS = 1 << 20
+"""Characters per streamed Prefill message (far under the gRPC message limit)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatewayConfig:
+    """Where the gateway forwards, and its limits."""
+
+    worker_addr: str = "127.0.0.1:50052"
+    store_addr: str = "127.0.0.1:50051"
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    request_timeout_s: float = 600.0
+
+
+class PrefillBody(BaseModel):
+    """POST /v1/prefixes."""
+
+    model_config = ConfigDict(extra="forbid")
+    document: str | None = None
+    file_path: str | None = None
+
+
+class GenerateBody(BaseModel):
+    """POST /v1/prefixes/{id}/generate."""
+
+    model_config = ConfigDict(extra="forbid")
+    query: str
+    method: str = "full"
+    budget: float | None = None
+    max_new_tokens: int = Field(64, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int | None = None
+    stop: list[str] = []
+    raw: bool = False
+    stream: bool = False
+
+
+class CompletionBody(BaseModel):
+    """OpenAI /v1/completions; ``prompt`` is a query with ``prefix_id`` beside it, or JSON {prefix_id, query}."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prompt: str
+    prefix_id: str | None = None
+    method: str = "full"
+    budget: float | None = None
+    max_tokens: int = Field(64, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+
+
+class ChatBody(BaseModel):
+    """OpenAI /v1/chat/completions; the last user message is the query."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    messages: list[dict[str, Any]]
+    prefix_id: str | None = None
+    method: str = "full"
+    budget: float | None = None
+    max_tokens: int = Field(64, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+
+
+class Metrics:
+    """Prometheus metrics of one gateway."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("kvstash_requests", "HTTP requests", ["route", "status"], registry=self.registry)
+        self.prefills = Counter("kvstash_prefills", "Prefills", ["cached"], registry=self.registry)
+        self.tokens = Counter("kvstash_generated_tokens", "Generated tokens", registry=self.registry)
+        self.latency = Histogram("kvstash_generation_seconds", "Generation wall time", registry=self.registry)
+
+
+def _grpc_error_response(e: grpc.RpcError) -> JSONResponse:
+    code = e.code()
+    return JSONResponse({"error": {"message": e.details(), "code": code.name}},
+                        status_code=HTTP_OF_GRPC.get(code, 500))
+
+
+def create_app(cfg: GatewayConfig, keys: ApiKeys) -> FastAPI:
+    """The FastAPI application (stubs connect lazily to the worker and the store)."""
+    app = FastAPI(title="kvstash gateway", version="1")
+    worker = pb_grpc.WorkerStub(channel(cfg.worker_addr))
+    store = pb_grpc.KVStoreStub(channel(cfg.store_addr))
+    metrics = Metrics()
+
+    def md(authorization: str | None, x_api_key: str | None) -> list[tuple[str, str]]:
+        key = bearer_key(authorization, x_api_key)
+        keys.tenant(key)  # 401 here, before anything is forwarded
+        return [(API_KEY_HEADER, key)] if key else []
+
+    @app.exception_handler(KVStashError)
+    def _kv_error(request: Request, e: KVStashError) -> JSONResponse:
+        return JSONResponse({"error": {"message": str(e), "code": e.grpc_code}}, status_code=e.http_status)
+
+    @app.exception_handler(grpc.RpcError)
+    def _rpc_error(request: Request, e: grpc.RpcError) -> JSONResponse:
+        return _grpc_error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    def _validation(request: Request, e: RequestValidationError) -> JSONResponse:
+        bad_json = any(err.get("type") == "json_invalid" for err in e.errors())
+        return JSONResponse({"error": {"message": "malformed JSON body" if bad_json else "invalid request",
+                                       "code": "INVALID_ARGUMENT", "details": json.loads(json.dumps(
+                                           e.errors(), default=str))}}, status_code=400 if bad_json else 422)
+
+    @app.middleware("http")
+    async def _limits_and_metrics(request: Request, call_next):  # noqa: ANN001, ANN202
+        length = int(request.headers.get("content-length") or 0)
+        if length > cfg.max_body_bytes:
+            resp: Response = JSONResponse({"error": {"message": f"body over {cfg.max_body_bytes} bytes",
+                                                     "code": "RESOURCE_EXHAUSTED"}}, status_code=413)
+        else:
+            resp = await call_next(request)
+        route = request.scope.get("route")
+        metrics.requests.labels(getattr(route, "path", "unmatched"), str(resp.status_code)).inc()
+        return resp
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/prefixes", status_code=201)
+    def prefill(body: PrefillBody, authorization: str | None = Header(None),
+                x_api_key: str | None = Header(None)) -> dict[str, Any]:
+        meta = md(authorization, x_api_key)
+        if (body.document is None) == (body.file_path is None):
+            raise InvalidInput("give exactly one of document or file_path")
+        if body.document is not None and len(body.document.encode()) > cfg.max_body_bytes:
+            raise TooLarge(f"document over {cfg.max_body_bytes} bytes")
+        chunks = ([pb.PrefillChunk(file_path=body.file_path)] if body.file_path is not None else
+                  [pb.PrefillChunk(text=body.document[i:i + DOCUMENT_CHUNK_CHARS])  # type: ignore[index]
+                   for i in range(0, max(1, len(body.document or "")), DOCUMENT_CHUNK_CHARS)])
+        r = worker.Prefill(iter(chunks), metadata=meta, timeout=cfg.request_timeout_s)
+        metrics.prefills.labels(str(r.cached).lower()).inc()
+        return {"prefix_id": r.prefix_id, "n_tokens": r.n_tokens, "cached": r.cached}
+
+    @app.get("/v1/prefixes")
+    def list_prefixes(authorization: str | None = Header(None),
+                      x_api_key: str | None = Header(None)) -> dict[str, Any]:
+        r = store.ListPrefixes(pb.ListPrefixesRequest(), metadata=md(authorization, x_api_key))
+        return {"prefixes": [_summary(m) for m in r.prefixes]}
+
+    @app.get("/v1/prefixes/{prefix_id}")
+    def get_prefix(prefix_id: str, authorization: str | None = Header(None),
+                   x_api_key: str | None = Header(None)) -> dict[str, Any]:
+        m = store.GetManifest(pb.PrefixRef(prefix_id=prefix_id), metadata=md(authorization, x_api_key))
+        full = manifest_from_pb(m)
+        return {**_summary(m), "layout": full.layout.to_dict(), "files": [f.__dict__ for f in full.files],
+                "artifacts": [a.__dict__ for a in full.artifacts], "manifest_json": m.manifest_json}
+
+    @app.delete("/v1/prefixes/{prefix_id}")
+    def delete_prefix(prefix_id: str, authorization: str | None = Header(None),
+                      x_api_key: str | None = Header(None)) -> dict[str, Any]:
+        store.DeletePrefix(pb.PrefixRef(prefix_id=prefix_id), metadata=md(authorization, x_api_key))
+        return {"deleted": prefix_id}
+
+    def run(req: pb.GenerateRequest, meta: list[tuple[str, str]]) -> Iterator[pb.GenerateEvent]:
+        t0 = time.perf_counter()
+        for ev in worker.Generate(req, metadata=meta, timeout=cfg.request_timeout_s):
+            if ev.HasField("done"):
+                metrics.tokens.inc(ev.done.new_tokens)
+                metrics.latency.observe(time.perf_counter() - t0)
+            yield ev
+
+    def first_then_rest(events: Iterator[pb.GenerateEvent]) -> Iterator[pb.GenerateEvent]:
+        """Pull the first event eagerly so errors become HTTP statuses, not broken streams."""
+        first = next(events)
+
+        def chain() -> Iterator[pb.GenerateEvent]:
+            yield first
+            yield from events
+        return chain()
+
+    @app.post("/v1/prefixes/{prefix_id}/generate", response_model=None)
+    def generate(prefix_id: str, body: GenerateBody, authorization: str | None = Header(None),
+                 x_api_key: str | None = Header(None)) -> Response | dict[str, Any]:
+        req = _request(prefix_id, body.query, body.method, body.budget, body.max_new_tokens, body.temperature,
+                       body.top_p, body.seed, body.stop, body.raw)
+        events = first_then_rest(run(req, md(authorization, x_api_key)))
+        if body.stream:
+            return StreamingResponse(_sse(events), media_type="text/event-stream")
+        text, stats = _collect(events)
+        return {"prefix_id": prefix_id, "text": text, "stats": stats}
+
+    @app.post("/v1/completions", response_model=None)
+    def completions(body: CompletionBody, authorization: str | None = Header(None),
+                    x_api_key: str | None = Header(None)) -> Response | dict[str, Any]:
+        prefix_id, query = _prefix_and_query(body.prefix_id, body.prompt)
+        req = _request(prefix_id, query, body.method, body.budget, body.max_tokens, body.temperature, body.top_p,
+                       body.seed, _stops(body.stop), False)
+        events = first_then_rest(run(req, md(authorization, x_api_key)))
+        cid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        model = body.model or "kvstash"
+        if body.stream:
+            return StreamingResponse(_openai_stream(events, cid, created, model, chat=False),
+                                     media_type="text/event-stream")
+        text, stats = _collect(events)
+        return {"id": cid, "object": "text_completion", "created": created, "model": model,
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": _finish(stats)}],
+                "usage": _usage(stats)}
+
+    @app.post("/v1/chat/completions", response_model=None)
+    def chat(body: ChatBody, authorization: str | None = Header(None),
+             x_api_key: str | None = Header(None)) -> Response | dict[str, Any]:
+        users = [m for m in body.messages if m.get("role") == "user"]
+        if not users or not isinstance(users[-1].get("content"), str):
+            raise InvalidInput("messages must end with a user message whose content is text")
+        prefix_id, query = _prefix_and_query(body.prefix_id, users[-1]["content"])
+        req = _request(prefix_id, query, body.method, body.budget, body.max_tokens, body.temperature, body.top_p,
+                       body.seed, _stops(body.stop), False)
+        events = first_then_rest(run(req, md(authorization, x_api_key)))
+        cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        model = body.model or "kvstash"
+        if body.stream:
+            return StreamingResponse(_openai_stream(events, cid, created, model, chat=True),
+                                     media_type="text/event-stream")
+        text, stats = _collect(events)
+        return {"id": cid, "object": "chat.completion", "created": created, "model": model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "finish_reason": _finish(stats)}], "usage": _usage(stats)}
+
+    @app.get("/v1/models")
+    def models(authorization: str | None = Header(None), x_api_key: str | None = Header(None)) -> dict[str, Any]:
+        info = worker.Info(pb.InfoRequest(), metadata=md(authorization, x_api_key))
+        return {"object": "list", "data": [{"id": info.model_name, "object": "model", "owned_by": "kvstash"}]}
+
+    return app
+
+
+def _summary(m: pb.Manifest) -> dict[str, Any]:
+    return {"prefix_id": m.prefix_id, "n_tokens": m.n_tokens, "model": m.model_name, "kv_bytes": m.kv_bytes,
+            "created_at": m.created_at}
+
+
+def _request(prefix_id: str, query: str, method: str, budget: float | None, max_new: int, temperature: float,
+             top_p: float, seed: int | None, stop: list[str], raw: bool) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(prefix_id=prefix_id, query=query, method=method, max_new_tokens=max_new,
+                             temperature=temperature, top_p=top_p, stop=stop, raw=raw)
+    if budget is not None:
+        req.budget = budget
+    if seed is not None:
+        req.seed = seed
+    return req
+
+
+def _prefix_and_query(prefix_id: str | None, prompt: str) -> tuple[str, str]:
+    if prefix_id:
+        return prefix_id, prompt
+    try:
+        obj = json.loads(prompt)
+    except json.JSONDecodeError:
+        obj = None
+    if isinstance(obj, dict) and isinstance(obj.get("prefix_id"), str) and isinstance(obj.get("query"), str):
+        return obj["prefix_id"], obj["query"]
+    raise InvalidInput('give prefix_id in the body, or a prompt that is JSON {"prefix_id": ..., "query": ...}')
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    return [stop] if isinstance(stop, str) else list(stop or [])
+
+
+def _collect(events: Iterator[pb.GenerateEvent]) -> tuple[str, dict[str, Any]]:
+    parts, stats = [], {}
+    for ev in events:
+        if ev.HasField("done"):
+            stats = stats_to_dict(ev.done)
+        else:
+            parts.append(ev.text)
+    return "".join(parts), stats
+
+
+def _sse(events: Iterator[pb.GenerateEvent]) -> Iterator[str]:
+    try:
+        for ev in events:
+            if ev.HasField("done"):
+                yield f"event: done\ndata: {json.dumps(stats_to_dict(ev.done))}\n\n"
+            else:
+                yield f"data: {json.dumps({'text': ev.text, 'step': ev.token.step})}\n\n"
+    except grpc.RpcError as e:
+        yield f"event: error\ndata: {json.dumps({'message': e.details(), 'code': e.code().name})}\n\n"
+
+
+def _finish(stats: dict[str, Any]) -> str:
+    return "length" if stats.get("finish_reason") == "length" else "stop"
+
+
+def _usage(stats: dict[str, Any]) -> dict[str, int]:
+    p, c = int(stats.get("prompt_tokens", 0)), int(stats.get("new_tokens", 0))
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _openai_stream(events: Iterator[pb.GenerateEvent], cid: str, created: int, model: str, chat: bool) -> Iterator[str]:
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    for ev in events:
+        if ev.HasField("done"):
+            finish = _finish(stats_to_dict(ev.done))
+            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, **({"delta": {}} if chat else {"text": ""})}
+        else:
+            choice = {"index": 0, "finish_reason": None}
+            choice.update({"delta": {"content": ev.text}} if chat else {"text": ev.text})
+        chunk = {"id": cid, "object": obj, "created": created, "model": model, "choices": [choice]}
+        yield f"data: {json.dumps(chunk)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m services.gateway``."""
+    import uvicorn
+
+    p = argparse.ArgumentParser(description="kvstash REST gateway")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--worker-addr", default="127.0.0.1:50052")
+    p.add_argument("--store-addr", default="127.0.0.1:50051")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    args = p.parse_args(argv)
+    app = create_app(GatewayConfig(worker_addr=args.worker_addr, store_addr=args.store_addr,
+                                   max_body_bytes=args.max_body_bytes), ApiKeys.from_env())
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+
+
+if __name__ == "__main__":
+    main()
