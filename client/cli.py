@@ -95,6 +95,28 @@ def cmd_info(args: argparse.Namespace) -> dict[str, Any]:
     return d
 
 
+def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
+    """Accuracy of the synthetic suite per task x length x method x budget."""
+    import tempfile
+
+    from workers.eval.accuracy import EvalSpec, run_eval, summary, table
+
+    spec = EvalSpec(tasks=tuple(args.task), lengths=tuple(args.length), methods=tuple(args.method),
+                    budgets=tuple(args.budget) if args.budget else (None,), samples=args.samples,
+                    max_new_tokens=args.max_new_tokens)
+    with tempfile.TemporaryDirectory(prefix="kvstash-eval-") as tmp:
+        if not args.home:  # evaluation prefixes are throwaway unless a data dir is named
+            args.home = tmp
+        rows = run_eval(_client(args), spec, progress=not args.json and sys.stderr.isatty())
+    result = summary(rows)
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=2))
+    if not args.json:
+        print(table(rows))
+        print(f"overall accuracy {result['accuracy']:.3f} over {result['samples']} samples")
+    return result
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     common = argparse.ArgumentParser(add_help=False)
@@ -120,6 +142,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--stop", action="append", help="stop string (repeatable)")
     s.add_argument("--stats", action="store_true", help="print per-generation statistics to stderr")
     s.set_defaults(func=cmd_generate)
+    s = sub.add_parser("eval", parents=[common], help="accuracy on the synthetic long-context suite")
+    s.add_argument("--task", action="append", required=True, help="task name (repeatable)")
+    s.add_argument("--length", action="append", type=int, required=True, help="context tokens (repeatable)")
+    s.add_argument("--method", action="append", default=None, help="decode method (repeatable; default full)")
+    s.add_argument("--budget", action="append", type=float, default=None, help="read budget (repeatable)")
+    s.add_argument("--samples", type=int, default=20)
+    s.add_argument("--max-new-tokens", type=int, default=48)
+    s.add_argument("--output", help="also write the JSON result to this file")
+    s.set_defaults(func=cmd_eval)
     s = sub.add_parser("ls", parents=[common], help="list stored prefixes")
     s.set_defaults(func=cmd_ls)
     s = sub.add_parser("rm", parents=[common], help="delete a stored prefix")
@@ -134,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvstash`` command."""
     args = build_parser().parse_args(argv)
+    if getattr(args, "command", "") == "eval" and args.method is None:
+        args.method = ["full"]
     func: Callable[[argparse.Namespace], Any] = args.func
     try:
         result = func(args)
