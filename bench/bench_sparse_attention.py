@@ -43,7 +43,7 @@ DTYPE = torch.bfloat16
 class Timer:
     """Median GPU time of ``fn`` with L2 flushed and launch overhead hidden by a GPU sleep."""
 
-    def __init__(self, reps: int = 100, warmup: int = 10, sleep_cycles: int = 200_000):
+    def __init__(self, reps: int = 100, warmup: int = 10, sleep_cycles: int = 1_000_000):
         self.reps, self.warmup, self.sleep_cycles = reps, warmup, sleep_cycles
         self.flush = torch.empty(256 << 20 if DEV == "cuda" else 1, dtype=torch.int8, device=DEV)
 
@@ -120,21 +120,47 @@ def host_launch_us(fn, calls: int = 200) -> float:
 
 
 def sweep_splits(timer: Timer, q, k, v, idx, scale) -> dict[str, float]:
-    """Kernel time over (num_splits, BLOCK_N) to check the split heuristic."""
+    """Kernel time around the heuristic: splits x {1/2, 1, 2}, BLOCK_N 64/128, and warps/stages."""
     B, n = q.shape[0], idx.shape[2]
     out = torch.empty_like(q)
     lse = torch.empty(B, HQ, device=DEV, dtype=torch.float32)
+    s0 = choose_num_splits(B, HKV, n, q.device)
+    variants = [(bn, s, 4, 2) for bn in (64, 128) for s in sorted({max(1, s0 // 2), s0, min(64, 2 * s0)})]
+    variants += [(128, s0, 8, 2), (128, s0, 4, 3)]
     res = {}
-    for block_n in (32, 64, 128):
-        for splits in (1, 2, 4, 8, 16, 32, 64):
-            if splits > math.ceil(n / block_n):
-                continue
+    for bn, splits, warps, stages in variants:
+        if splits > math.ceil(n / bn):
+            continue
 
-            def fn(s=splits, bn=block_n):
-                _launch(q, k, v, scale, idx, None, None, None, None, out, lse, n, s, block_n=bn)
+        def fn(s=splits, bn=bn, w=warps, st=stages):
+            _launch(q, k, v, scale, idx, None, None, None, None, out, lse, n, s, block_n=bn, num_warps=w, num_stages=st)
 
-            res[f"s{splits}/b{block_n}"] = timer(fn)
+        res[f"s{splits}/b{bn}/w{warps}/st{stages}"] = timer(fn)
     return res
+
+
+def graph_check(timer: Timer) -> dict:
+    """Capture the launcher in a CUDA graph (as a decode engine would), replay, compare, time."""
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    B, ctx, n = 1, 32768, 348
+    k = torch.randn(B, HKV, ctx, D, device=DEV, dtype=DTYPE, generator=gen)
+    q = torch.randn(B, HQ, D, device=DEV, dtype=DTYPE, generator=gen)
+    idx = make_idx(B, ctx, n, gen)
+    eager = sparse_decode_attention(q, k, k, scale=0.088, idx=idx)[0]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        sparse_decode_attention(q, k, k, scale=0.088, idx=idx)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_g, _ = sparse_decode_attention(q, k, k, scale=0.088, idx=idx)
+    graph.replay()
+    torch.cuda.synchronize()
+    same = torch.equal(out_g, eager)
+    t_graph = timer(graph.replay)
+    t_eager = timer(lambda: sparse_decode_attention(q, k, k, scale=0.088, idx=idx))
+    return dict(graph_equal=same, graph_us=t_graph, eager_us=t_eager)
 
 
 def run_fraction(timer, q, k, v, frac, t_full, bw, sweep, gen) -> dict:
@@ -241,13 +267,30 @@ def main() -> None:
     q = torch.randn(1, HQ, D, device=DEV, dtype=DTYPE)
     kc = torch.randn(1, HKV, 348, D, device=DEV, dtype=DTYPE)
     calls = 200 if DEV == "cuda" else 2
+    out, lse = torch.empty_like(q), torch.empty(1, HQ, device=DEV)
     host_k = host_launch_us(lambda: sparse_decode_attention(q, kc, kc, scale=0.088), calls)
+    host_l = host_launch_us(lambda: _launch(q, kc, kc, 0.088, None, None, None, None, None, out, lse, 348, 3), calls)
     host_s = host_launch_us(sdpa_forms(q, kc, kc)["grouped"], calls)
-    print(f"\nhost launch cost per call (n=348, B=1): kernel launcher {host_k:.1f} us, SDPA {host_s:.1f} us")
+    print(
+        f"\nhost cost per call (n=348, B=1, 3 splits = 2 launches): public API {host_k:.1f} us, "
+        f"triton launches alone {host_l:.1f} us, SDPA {host_s:.1f} us"
+    )
+    graph = graph_check(timer) if DEV == "cuda" else {}
+    print(f"CUDA graph capture of the launcher: {graph}")
     print_table(rows, bw)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(copy_gbs=bw, rows=rows, full=log, host_us=dict(kernel=host_k, sdpa=host_s)), f, indent=1)
+            json.dump(
+                dict(
+                    copy_gbs=bw,
+                    rows=rows,
+                    full=log,
+                    host_us=dict(kernel=host_k, launch_only=host_l, sdpa=host_s),
+                    graph=graph,
+                ),
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -178,6 +178,33 @@ def test_split_count_does_not_change_result(num_splits):
     check(q, k, v, kw, torch.float32, num_splits=num_splits)
 
 
+def test_small_blocks_many_splits():
+    """63 splits of 16 entries (internal launcher): the reduce kernel merges many partials."""
+    q, k, v, kw = make_case(12, B=1, Hkv=2, G=4, D=64, S=1200, N=1000, dtype=torch.float32, mode="all")
+    (qd, kd, vd), kwd = to_dev(q, k, v, kw=kw)
+    out = torch.full_like(qd, float("nan"))
+    lse = torch.full(q.shape[:2], float("nan"), device=DEVICE)
+    ops._launch(
+        qd,
+        kd,
+        vd,
+        0.125,
+        kwd["idx"],
+        kwd["n_valid"],
+        kwd["bias"],
+        kwd["pseudo_logits"],
+        kwd["pseudo_values"],
+        out,
+        lse,
+        1000,
+        63,
+        block_n=16,
+    )
+    ref_out, ref_lse = sparse_decode_attention_ref(q, k, v, scale=0.125, **kw)
+    torch.testing.assert_close(out.cpu().double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.cpu().double(), ref_lse, atol=1e-5, rtol=1e-6)
+
+
 def test_peaked_logits_are_stable():
     q, k, v, kw = make_case(5, B=2, Hkv=2, G=4, D=64, S=400, N=333, dtype=torch.float32, mode="all", qmul=30.0)
     kw["pseudo_logits"] = kw["pseudo_logits"] * 50
