@@ -26,6 +26,10 @@ class StoreConfig:
     """Upper bound of the LMDB file (address space only; the file grows as needed)."""
     fsync: bool = True
     """fsync page files and directories before a commit (turn off only for throwaway tests)."""
+    metadata_url: str | None = None
+    """Metadata backend: None or ``lmdb`` -> LMDB in ``home/meta``; ``lmdb:///path``; ``redis://host:port/db``."""
+    metadata_namespace: str = "kvstash:"
+    """Prefix of every Redis key this store writes (several stores can share one Redis)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "home", Path(self.home).expanduser())
@@ -33,3 +37,5 @@ class StoreConfig:
             raise ValueError(f"page_size must be in [1, 4096], got {self.page_size}")
         if self.lmdb_map_size < 1 << 20:
             raise ValueError("lmdb_map_size must be at least 1 MiB")
+        if not self.metadata_namespace:
+            raise ValueError("metadata_namespace must not be empty")

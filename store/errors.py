@@ -68,3 +68,10 @@ class TooLarge(KVStashError):
 
 class UnknownMethod(InvalidInput):
     """The requested sparse/compression method is not registered."""
+
+
+class LockTimeout(KVStashError):
+    """A per-prefix lock could not be taken in time: another writer or evictor holds it."""
+
+    grpc_code = "ABORTED"
+    http_status = 409

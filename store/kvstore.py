@@ -15,11 +15,12 @@ import numpy as np
 import torch
 
 from store.artifacts import digest
+from store.capacity import EvictionResult, LeaseHandle, default_holder
 from store.config import StoreConfig
-from store.errors import CorruptData, InvalidInput, PrefixNotFound, StoreUnavailable
+from store.errors import CorruptData, InvalidInput, LockTimeout, PrefixNotFound, StoreUnavailable
 from store.layout import KVLayout
 from store.manifest import ArtifactInfo, FileInfo, Manifest
-from store.metadata import LmdbMetadata, MetadataBackend
+from store.metadata import MetadataBackend, open_metadata
 from store.pages import (
     file_digest,
     layer_file_name,
@@ -108,7 +109,8 @@ class PrefixWriter:
 
 
 class KVStore:
-    """Embedded store: prefixes in ``home/prefixes/<id>/``, metadata in ``home/meta`` (LMDB)."""
+    """Embedded store: prefixes in ``home/prefixes/<id>/``; metadata in ``home/meta`` (LMDB) or the
+    backend ``config.metadata_url`` names (e.g. Redis, shared by several hosts)."""
 
     def __init__(self, config: StoreConfig | None = None, meta: MetadataBackend | None = None):
         self.config = config or StoreConfig()
@@ -123,7 +125,8 @@ class KVStore:
             probe.unlink()
         except OSError as e:
             raise StoreUnavailable(f"data directory {home} is not usable: {e.strerror or e}") from e
-        self.meta = meta or LmdbMetadata(home / "meta", self.config.lmdb_map_size)
+        self.meta = meta or open_metadata(self.config.metadata_url, home, lmdb_map_size=self.config.lmdb_map_size,
+                                          namespace=self.config.metadata_namespace)
         self.collect_garbage()
 
     # -- paths and locks ---------------------------------------------------------------------
@@ -144,6 +147,14 @@ class KVStore:
             yield True
         finally:
             os.close(fd)
+
+    @contextlib.contextmanager
+    def prefill_lock(self, prefix_id: str, ttl_s: float = 30.0, *, wait_s: float | None = None) -> Iterator[None]:
+        """Single flight for writing or removing a prefix: the metadata backend's lock (across hosts with
+        Redis), then this host's ``prefix_lock`` (which garbage collection respects). LockTimeout after
+        ``wait_s``."""
+        with self.meta.prefill_lock(prefix_id, ttl_s, wait_s=wait_s), self.prefix_lock(prefix_id):
+            yield
 
     def collect_garbage(self) -> list[str]:
         """Remove temp dirs of dead writers and page dirs that have no manifest; returns what went."""
@@ -189,12 +200,54 @@ class KVStore:
 
     def remove(self, prefix_id: str) -> None:
         """Delete a prefix: manifest first (so it is never half-visible), then its files."""
-        with self.prefix_lock(prefix_id):
+        with self.prefill_lock(prefix_id):
             if not self.meta.delete(prefix_id):
                 raise PrefixNotFound(f"no prefix {prefix_id!r}")
             shutil.rmtree(self.prefix_dir(prefix_id), ignore_errors=True)
         with contextlib.suppress(FileNotFoundError):
             (self.locks_dir / f"{prefix_id}.lock").unlink()
+
+    # -- leases and eviction -----------------------------------------------------------------
+    @contextlib.contextmanager
+    def lease(self, prefix_id: str, *, holder: str | None = None, ttl_s: float = 60.0) -> Iterator[LeaseHandle]:
+        """Hold a lease (the prefix cannot be evicted) and mark it used; PrefixNotFound if not committed."""
+        handle = LeaseHandle(self.meta, prefix_id, holder or default_holder(), ttl_s)
+        try:
+            self.meta.touch(prefix_id)
+            yield handle
+        finally:
+            handle.release()
+
+    def evict_to(self, max_bytes: int) -> EvictionResult:
+        """Remove least recently used prefixes, never pinned or leased ones, until usage <= ``max_bytes``."""
+        if max_bytes < 0:
+            raise InvalidInput(f"max_bytes must be >= 0, got {max_bytes}")
+        evicted: list[str] = []
+        freed = 0
+        for _ in range(3):  # candidates can vanish or get leased under us: retry a few rounds
+            need = self.meta.usage() - max_bytes
+            gone = [(pid, n) for pid in self.meta.eviction_candidates(need) if (n := self._evict_one(pid))]
+            evicted += [pid for pid, _ in gone]
+            freed += sum(n for _, n in gone)
+            if need <= 0 or not gone:
+                break
+        usage = self.meta.usage()
+        return EvictionResult(evicted=tuple(evicted), freed_bytes=freed, usage_bytes=usage,
+                              satisfied=usage <= max_bytes)
+
+    def _evict_one(self, prefix_id: str) -> int:
+        """Evict one prefix (metadata, then page files); its bytes, or 0 when it is busy, pinned or leased."""
+        try:
+            with self.prefill_lock(prefix_id, wait_s=0):
+                info = self.meta.prefix_usage(prefix_id)
+                if info is None or not self.meta.evict(prefix_id):
+                    return 0
+                shutil.rmtree(self.prefix_dir(prefix_id), ignore_errors=True)
+        except LockTimeout:
+            return 0
+        with contextlib.suppress(FileNotFoundError):
+            (self.locks_dir / f"{prefix_id}.lock").unlink()
+        return info.bytes
 
     def artifact(self, prefix_id: str, name: str) -> bytes:
         """An artifact's bytes, checked against the manifest's digest."""

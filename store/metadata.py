@@ -1,19 +1,84 @@
-"""Metadata backends: manifests and small artifacts. LMDB is the embedded default."""
+"""Metadata backends: manifests, small artifacts, leases, pins and LRU accounting.
+
+LMDB is the embedded default; ``store.redis_metadata`` shares metadata between hosts.
+``open_metadata`` picks one by URL scheme. Both run ``tests/test_metadata_contract.py``.
+"""
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+import secrets
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
-import lmdb
-
-from store.errors import StoreUnavailable
+from store.errors import InvalidInput
 from store.manifest import Manifest
+
+if TYPE_CHECKING:
+    from store.lmdb_metadata import LmdbMetadata  # noqa: F401 - re-exported, see __getattr__
+
+DEFAULT_NAMESPACE = "kvstash:"
+DEFAULT_LMDB_MAP_SIZE = 1 << 36
+
+
+@dataclass(frozen=True, kw_only=True)
+class Lease:
+    """A live lease: while it lasts, eviction never removes its prefix."""
+
+    lease_id: str
+    prefix_id: str
+    holder: str
+    expires_at: float
+    """Unix time (seconds) at which the lease lapses unless renewed."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefixUsage:
+    """Accounting of one committed prefix."""
+
+    prefix_id: str
+    bytes: int
+    """Page files plus artifacts, as listed in the manifest."""
+    last_used: float
+    """Unix time of the commit or the latest ``touch``."""
+    pinned: bool
+    leases: int
+    """Live leases right now."""
+
+
+def prefix_bytes(manifest: Manifest) -> int:
+    """The bytes a prefix accounts for: its page files and its artifacts."""
+    return manifest.kv_bytes + manifest.artifact_bytes
+
+
+def new_lease_id(prefix_id: str) -> str:
+    """A fresh lease id; it names its prefix so that ``release_lease`` needs nothing else."""
+    return f"{prefix_id}.{secrets.token_hex(8)}"
+
+
+def lease_prefix(lease_id: str) -> str | None:
+    """The prefix id inside a lease id, or None when the id is malformed."""
+    pid, sep, token = lease_id.rpartition(".")
+    return pid if sep and pid and token else None
+
+
+def check_ttl(ttl_s: float) -> float:
+    """Validate a TTL in seconds."""
+    if not 0 < ttl_s <= 86400:
+        raise InvalidInput(f"ttl_s must be in (0, 86400] seconds, got {ttl_s}")
+    return float(ttl_s)
 
 
 class MetadataBackend(abc.ABC):
-    """Where manifests and small artifacts live; a commit is atomic and durable."""
+    """Where manifests, small artifacts, leases, pins and LRU state live.
+
+    A commit is atomic and durable. Eviction (``evict``) never removes a pinned prefix
+    or one with a live lease; ``delete`` is the explicit removal and always proceeds.
+    """
 
     @abc.abstractmethod
     def commit(self, manifest: Manifest, artifacts: Mapping[str, bytes]) -> None:
@@ -33,69 +98,104 @@ class MetadataBackend(abc.ABC):
 
     @abc.abstractmethod
     def delete(self, prefix_id: str) -> bool:
-        """Remove a prefix's manifest and artifacts; False when it did not exist."""
+        """Remove a prefix's manifest, artifacts, pin and leases; False when it did not exist."""
+
+    @abc.abstractmethod
+    def acquire_lease(self, prefix_id: str, holder: str, ttl_s: float) -> str:
+        """Lease a committed prefix for ``ttl_s`` seconds; returns the lease id. PrefixNotFound otherwise."""
+
+    @abc.abstractmethod
+    def renew_lease(self, lease_id: str, ttl_s: float) -> bool:
+        """Extend a live lease to ``ttl_s`` from now; False when it already lapsed or is unknown."""
+
+    @abc.abstractmethod
+    def release_lease(self, lease_id: str) -> bool:
+        """End a lease; False when it had already lapsed or is unknown."""
+
+    @abc.abstractmethod
+    def leases(self, prefix_id: str) -> list[Lease]:
+        """The live leases of a prefix."""
+
+    @abc.abstractmethod
+    def prefill_lock(self, prefix_id: str, ttl_s: float = 30.0, *,
+                     wait_s: float | None = None) -> AbstractContextManager[None]:
+        """Single-flight lock for writing ``prefix_id``: one holder at a time across every process sharing
+        this backend. A crashed holder releases it (Redis: after ``ttl_s``; it is renewed while held).
+        Waits at most ``wait_s`` (forever when None), then raises LockTimeout."""
+
+    @abc.abstractmethod
+    def touch(self, prefix_id: str) -> bool:
+        """Mark a prefix as just used (LRU); False when it is not committed."""
+
+    @abc.abstractmethod
+    def usage(self) -> int:
+        """Total bytes of every committed prefix."""
+
+    @abc.abstractmethod
+    def prefix_usage(self, prefix_id: str) -> PrefixUsage | None:
+        """Accounting of one prefix, or None when it is not committed."""
+
+    @abc.abstractmethod
+    def eviction_candidates(self, bytes_needed: int) -> list[str]:
+        """Least recently used first, skipping pinned and leased prefixes, until their bytes
+        reach ``bytes_needed`` (fewer when not enough can go)."""
+
+    @abc.abstractmethod
+    def evict(self, prefix_id: str) -> bool:
+        """Delete the prefix unless it is pinned or leased (checked atomically with the delete)."""
+
+    @abc.abstractmethod
+    def pin(self, prefix_id: str) -> None:
+        """Exempt a committed prefix from eviction; PrefixNotFound otherwise."""
+
+    @abc.abstractmethod
+    def unpin(self, prefix_id: str) -> bool:
+        """Make a prefix evictable again; False when it was not pinned."""
 
     @abc.abstractmethod
     def close(self) -> None:
         """Release the backend's resources."""
 
 
-def _artifact_key(prefix_id: str, name: str) -> bytes:
-    return f"{prefix_id}/{name}".encode()
+# -- URL-scheme factory ----------------------------------------------------------------------
+Opener = Callable[[str, Path, int, str], MetadataBackend]
 
 
-class LmdbMetadata(MetadataBackend):
-    """Manifests and artifacts in one LMDB environment (one write transaction per commit)."""
+def _open_lmdb(url: str, home: Path, map_size: int, namespace: str) -> MetadataBackend:
+    from store.lmdb_metadata import LmdbMetadata
 
-    def __init__(self, path: Path, map_size: int) -> None:
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-            self._env = lmdb.open(str(path), map_size=map_size, max_dbs=4, subdir=True)
-        except (OSError, lmdb.Error) as e:
-            raise StoreUnavailable(f"cannot open metadata store at {path}: {e}") from e
-        self._manifests = self._env.open_db(b"manifests")
-        self._artifacts = self._env.open_db(b"artifacts")
+    path = urlsplit(url).path if url.startswith("lmdb://") else ""
+    return LmdbMetadata(Path(path) if path else home / "meta", map_size)
 
-    def commit(self, manifest: Manifest, artifacts: Mapping[str, bytes]) -> None:
-        """Write artifacts and manifest in one transaction: either all are visible or none."""
-        pid = manifest.prefix_id
-        try:
-            with self._env.begin(write=True) as txn:
-                for name, data in artifacts.items():
-                    txn.put(_artifact_key(pid, name), data, db=self._artifacts)
-                txn.put(pid.encode(), manifest.to_json().encode(), db=self._manifests)
-        except lmdb.Error as e:
-            raise StoreUnavailable(f"metadata commit failed: {e}") from e
 
-    def manifest(self, prefix_id: str) -> Manifest | None:
-        """The committed manifest, or None."""
-        with self._env.begin() as txn:
-            raw = txn.get(prefix_id.encode(), db=self._manifests)
-        return None if raw is None else Manifest.from_json(bytes(raw))
+def _open_redis(url: str, home: Path, map_size: int, namespace: str) -> MetadataBackend:
+    from store.redis_metadata import RedisMetadata  # redis is needed only when configured
 
-    def manifests(self) -> list[Manifest]:
-        """Every committed manifest."""
-        with self._env.begin() as txn:
-            return [Manifest.from_json(bytes(v)) for _, v in txn.cursor(db=self._manifests)]
+    return RedisMetadata(url, namespace=namespace)
 
-    def artifact(self, prefix_id: str, name: str) -> bytes | None:
-        """The bytes of one artifact, or None."""
-        with self._env.begin() as txn:
-            raw = txn.get(_artifact_key(prefix_id, name), db=self._artifacts)
-        return None if raw is None else bytes(raw)
 
-    def delete(self, prefix_id: str) -> bool:
-        """Remove manifest and artifacts in one transaction."""
-        prefix = f"{prefix_id}/".encode()
-        with self._env.begin(write=True) as txn:
-            existed = txn.delete(prefix_id.encode(), db=self._manifests)
-            cur = txn.cursor(db=self._artifacts)
-            if cur.set_range(prefix):
-                while cur.key().startswith(prefix):
-                    if not cur.delete():
-                        break
-        return bool(existed)
+BACKENDS: dict[str, Opener] = {"lmdb": _open_lmdb, "redis": _open_redis, "rediss": _open_redis,
+                               "unix": _open_redis}
+"""Metadata backends by URL scheme."""
 
-    def close(self) -> None:
-        """Close the environment."""
-        self._env.close()
+
+def open_metadata(url: str | None, home: Path, *, lmdb_map_size: int = DEFAULT_LMDB_MAP_SIZE,
+                  namespace: str = DEFAULT_NAMESPACE) -> MetadataBackend:
+    """The backend a URL names: None/``lmdb`` (``home/meta``), ``lmdb:///path``, ``redis://host:port/db``,
+    ``rediss://`` (TLS) or ``unix:///path/redis.sock``."""
+    url = url or "lmdb"
+    scheme = "lmdb" if url == "lmdb" else urlsplit(url).scheme
+    opener = BACKENDS.get(scheme)
+    if opener is None:
+        raise ValueError(f"unknown metadata URL {url!r}: use lmdb, lmdb:///path, redis://host:port/db, "
+                         "rediss://… or unix:///path")
+    return opener(url, home, lmdb_map_size, namespace)
+
+
+def __getattr__(name: str) -> object:
+    """``from store.metadata import LmdbMetadata`` keeps working (it moved to ``store.lmdb_metadata``)."""
+    if name == "LmdbMetadata":
+        from store.lmdb_metadata import LmdbMetadata
+
+        return LmdbMetadata
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,253 @@
+"""LMDB metadata backend: everything in one environment, one write transaction per change."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import struct
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager
+from pathlib import Path
+
+import lmdb
+
+from store.errors import PrefixNotFound, StoreUnavailable
+from store.locks import file_lock
+from store.manifest import Manifest
+from store.metadata import (
+    DEFAULT_LMDB_MAP_SIZE,
+    Lease,
+    MetadataBackend,
+    PrefixUsage,
+    check_ttl,
+    new_lease_id,
+    prefix_bytes,
+)
+
+
+def _artifact_key(prefix_id: str, name: str) -> bytes:
+    return f"{prefix_id}/{name}".encode()
+
+
+_LRU = struct.Struct("<dq")  # last_used (unix s), bytes
+
+
+class LmdbMetadata(MetadataBackend):
+    """Everything in one LMDB environment; leases use wall-clock time, prefill locks are flocks."""
+
+    def __init__(self, path: Path, map_size: int = DEFAULT_LMDB_MAP_SIZE, lock_dir: Path | None = None) -> None:
+        self._lock_dir = lock_dir or path / "locks"
+        try:
+            self._lock_dir.mkdir(parents=True, exist_ok=True)
+            self._env = lmdb.open(str(path), map_size=map_size, max_dbs=8, subdir=True)
+        except (OSError, lmdb.Error) as e:
+            raise StoreUnavailable(f"cannot open metadata store at {path}: {e}") from e
+        self._manifests = self._env.open_db(b"manifests")
+        self._artifacts = self._env.open_db(b"artifacts")
+        self._lru = self._env.open_db(b"lru")
+        self._pins = self._env.open_db(b"pins")
+        self._leases = self._env.open_db(b"leases")
+        self._backfill_lru()
+
+    @contextlib.contextmanager
+    def _txn(self, write: bool = False) -> Iterator[lmdb.Transaction]:
+        try:
+            with self._env.begin(write=write) as txn:
+                yield txn
+        except lmdb.Error as e:
+            raise StoreUnavailable(f"metadata store failed: {e}") from e
+
+    def _backfill_lru(self) -> None:
+        """Give manifests committed before LRU accounting existed an entry (last used = created)."""
+        with self._txn() as txn:
+            if txn.stat(self._manifests)["entries"] == txn.stat(self._lru)["entries"]:
+                return
+        with self._txn(write=True) as txn:
+            for k, v in txn.cursor(db=self._manifests):
+                if txn.get(k, db=self._lru) is None:
+                    m = Manifest.from_json(bytes(v))
+                    txn.put(k, _LRU.pack(m.created_at, prefix_bytes(m)), db=self._lru)
+
+    # -- registry ------------------------------------------------------------------------
+    def commit(self, manifest: Manifest, artifacts: Mapping[str, bytes]) -> None:
+        """Write artifacts, then manifest and LRU entry, in one transaction: all visible or none."""
+        pid = manifest.prefix_id
+        with self._txn(write=True) as txn:
+            self._delete_artifacts(txn, pid)
+            for name, data in artifacts.items():
+                txn.put(_artifact_key(pid, name), data, db=self._artifacts)
+            txn.put(pid.encode(), manifest.to_json().encode(), db=self._manifests)
+            txn.put(pid.encode(), _LRU.pack(time.time(), prefix_bytes(manifest)), db=self._lru)
+
+    def manifest(self, prefix_id: str) -> Manifest | None:
+        """The committed manifest, or None."""
+        with self._txn() as txn:
+            raw = txn.get(prefix_id.encode(), db=self._manifests)
+        return None if raw is None else Manifest.from_json(bytes(raw))
+
+    def manifests(self) -> list[Manifest]:
+        """Every committed manifest."""
+        with self._txn() as txn:
+            return [Manifest.from_json(bytes(v)) for _, v in txn.cursor(db=self._manifests)]
+
+    def artifact(self, prefix_id: str, name: str) -> bytes | None:
+        """The bytes of one artifact, or None."""
+        with self._txn() as txn:
+            raw = txn.get(_artifact_key(prefix_id, name), db=self._artifacts)
+        return None if raw is None else bytes(raw)
+
+    def _delete_range(self, txn: lmdb.Transaction, db: lmdb._Database, prefix: bytes) -> None:
+        cur = txn.cursor(db=db)
+        if cur.set_range(prefix):
+            while bytes(cur.key()).startswith(prefix):
+                if not cur.delete():
+                    break
+
+    def _delete_artifacts(self, txn: lmdb.Transaction, prefix_id: str) -> None:
+        self._delete_range(txn, self._artifacts, f"{prefix_id}/".encode())
+
+    def _delete_all(self, txn: lmdb.Transaction, prefix_id: str) -> bool:
+        key = prefix_id.encode()
+        existed = txn.delete(key, db=self._manifests)
+        self._delete_artifacts(txn, prefix_id)
+        txn.delete(key, db=self._lru)
+        txn.delete(key, db=self._pins)
+        self._delete_range(txn, self._leases, f"{prefix_id}.".encode())
+        return bool(existed)
+
+    def delete(self, prefix_id: str) -> bool:
+        """Remove manifest, artifacts, LRU entry, pin and leases in one transaction."""
+        with self._txn(write=True) as txn:
+            return self._delete_all(txn, prefix_id)
+
+    # -- leases --------------------------------------------------------------------------
+    def _scan_leases(self, txn: lmdb.Transaction, prefix_id: str) -> list[tuple[bytes, dict]]:
+        prefix, out = f"{prefix_id}.".encode(), []
+        cur = txn.cursor(db=self._leases)
+        if cur.set_range(prefix):
+            for k, v in cur:
+                if not bytes(k).startswith(prefix):
+                    break
+                out.append((bytes(k), json.loads(bytes(v))))
+        return out
+
+    def _live_leases(self, txn: lmdb.Transaction, prefix_id: str, now: float) -> list[Lease]:
+        return [Lease(lease_id=k.decode(), prefix_id=prefix_id, holder=d["holder"], expires_at=d["expires_at"])
+                for k, d in self._scan_leases(txn, prefix_id) if d["expires_at"] > now]
+
+    def _put_lease(self, txn: lmdb.Transaction, lease_id: str, holder: str, expires_at: float) -> None:
+        txn.put(lease_id.encode(), json.dumps({"holder": holder, "expires_at": expires_at}).encode(),
+                db=self._leases)
+
+    def acquire_lease(self, prefix_id: str, holder: str, ttl_s: float) -> str:
+        """Lease a committed prefix (expired leases of it are dropped on the way)."""
+        ttl_s, now = check_ttl(ttl_s), time.time()
+        with self._txn(write=True) as txn:
+            if txn.get(prefix_id.encode(), db=self._manifests) is None:
+                raise PrefixNotFound(f"no prefix {prefix_id!r}")
+            for k, d in self._scan_leases(txn, prefix_id):
+                if d["expires_at"] <= now:
+                    txn.delete(k, db=self._leases)
+            lease_id = new_lease_id(prefix_id)
+            self._put_lease(txn, lease_id, holder, now + ttl_s)
+        return lease_id
+
+    def _take_lease(self, txn: lmdb.Transaction, lease_id: str, now: float) -> dict | None:
+        raw = txn.pop(lease_id.encode(), db=self._leases)
+        if raw is None:
+            return None
+        d = json.loads(bytes(raw))
+        return d if d["expires_at"] > now else None
+
+    def renew_lease(self, lease_id: str, ttl_s: float) -> bool:
+        """Extend a live lease; a lapsed one is dropped and stays lapsed."""
+        ttl_s, now = check_ttl(ttl_s), time.time()
+        with self._txn(write=True) as txn:
+            d = self._take_lease(txn, lease_id, now)
+            if d is not None:
+                self._put_lease(txn, lease_id, d["holder"], now + ttl_s)
+        return d is not None
+
+    def release_lease(self, lease_id: str) -> bool:
+        """End a lease; False when it had already lapsed or is unknown."""
+        with self._txn(write=True) as txn:
+            return self._take_lease(txn, lease_id, time.time()) is not None
+
+    def leases(self, prefix_id: str) -> list[Lease]:
+        """The live leases of a prefix."""
+        with self._txn() as txn:
+            return self._live_leases(txn, prefix_id, time.time())
+
+    def prefill_lock(self, prefix_id: str, ttl_s: float = 30.0, *,
+                     wait_s: float | None = None) -> AbstractContextManager[None]:
+        """An flock in ``lock_dir`` (one host; the kernel drops it when its holder dies, so the TTL is moot)."""
+        check_ttl(ttl_s)
+        return file_lock(self._lock_dir / f"{prefix_id}.prefill", wait_s)
+
+    # -- LRU, pins, eviction -------------------------------------------------------------
+    def touch(self, prefix_id: str) -> bool:
+        """Mark a prefix as just used."""
+        key = prefix_id.encode()
+        with self._txn(write=True) as txn:
+            raw = txn.get(key, db=self._lru)
+            if raw is None:
+                return False
+            txn.put(key, _LRU.pack(time.time(), _LRU.unpack(raw)[1]), db=self._lru)
+        return True
+
+    def usage(self) -> int:
+        """Total bytes of every committed prefix."""
+        with self._txn() as txn:
+            return sum(_LRU.unpack(v)[1] for _, v in txn.cursor(db=self._lru))
+
+    def prefix_usage(self, prefix_id: str) -> PrefixUsage | None:
+        """Accounting of one prefix."""
+        key = prefix_id.encode()
+        with self._txn() as txn:
+            raw = txn.get(key, db=self._lru)
+            if raw is None:
+                return None
+            last_used, size = _LRU.unpack(raw)
+            return PrefixUsage(prefix_id=prefix_id, bytes=size, last_used=last_used,
+                               pinned=txn.get(key, db=self._pins) is not None,
+                               leases=len(self._live_leases(txn, prefix_id, time.time())))
+
+    def eviction_candidates(self, bytes_needed: int) -> list[str]:
+        """LRU first, skipping pinned and leased prefixes, until ``bytes_needed`` is covered."""
+        out: list[str] = []
+        got, now = 0, time.time()
+        with self._txn() as txn:
+            entries = sorted((*_LRU.unpack(v), bytes(k).decode()) for k, v in txn.cursor(db=self._lru))
+            for _, size, pid in entries:
+                if got >= bytes_needed:
+                    break
+                if txn.get(pid.encode(), db=self._pins) is None and not self._live_leases(txn, pid, now):
+                    out.append(pid)
+                    got += size
+        return out
+
+    def evict(self, prefix_id: str) -> bool:
+        """Delete the prefix unless it is pinned or leased, in one transaction."""
+        with self._txn(write=True) as txn:
+            key = prefix_id.encode()
+            if (txn.get(key, db=self._manifests) is None or txn.get(key, db=self._pins) is not None
+                    or self._live_leases(txn, prefix_id, time.time())):
+                return False
+            return self._delete_all(txn, prefix_id)
+
+    def pin(self, prefix_id: str) -> None:
+        """Exempt a committed prefix from eviction."""
+        with self._txn(write=True) as txn:
+            if txn.get(prefix_id.encode(), db=self._manifests) is None:
+                raise PrefixNotFound(f"no prefix {prefix_id!r}")
+            txn.put(prefix_id.encode(), b"1", db=self._pins)
+
+    def unpin(self, prefix_id: str) -> bool:
+        """Make a prefix evictable again."""
+        with self._txn(write=True) as txn:
+            return bool(txn.delete(prefix_id.encode(), db=self._pins))
+
+    def close(self) -> None:
+        """Close the environment."""
+        self._env.close()
