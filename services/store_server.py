@@ -105,8 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tls-key", type=Path)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    extra = {"metadata_url": args.metadata_url} if args.metadata_url else {}
-    store = KVStore(StoreConfig(home=args.home or default_home(), **extra))
+    store = KVStore(StoreConfig(home=args.home or default_home(), metadata_url=args.metadata_url))
     cfg = ServerConfig(host=args.host, port=args.port, tls_cert=args.tls_cert, tls_key=args.tls_key)
     server, health = build_store_server(store, cfg, ApiKeys.from_env())
     serve_forever(server, health, "kvstash-store", cfg.address)

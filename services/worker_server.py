@@ -130,17 +130,13 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO)
     ccfg = ClientConfig(**{k: v for k, v in {"home": args.home, "model": args.model, "device": args.device}.items()
                            if v is not None}, progress=False)
-    store = KVStore(StoreConfig(home=ccfg.home, **_metadata_kw(args.metadata_url)))
+    store = KVStore(StoreConfig(home=ccfg.home, metadata_url=args.metadata_url))
     lm = load_model(ccfg.resolved_model(), device=ccfg.device, dtype=ccfg.resolved_dtype(), progress=False)
     worker = Worker(store, lm, secret=tenant_secret(), progress=False)
     cfg = ServerConfig(host=args.host, port=args.port, tls_cert=args.tls_cert, tls_key=args.tls_key)
     server, health = build_worker_server(worker, cfg, ApiKeys.from_env(),
                                          WorkerLimits(max_document_bytes=args.max_document_bytes))
     serve_forever(server, health, "kvstash-worker", cfg.address)
-
-
-def _metadata_kw(url: str | None) -> dict[str, str]:
-    return {"metadata_url": url} if url else {}
 
 
 if __name__ == "__main__":
