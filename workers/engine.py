@@ -15,7 +15,7 @@ from store.kvstore import KVStore
 from store.manifest import Manifest
 from store.prefix_key import PrefixKey, tenant_salt, token_hash
 from workers.attention import PREFIX_KWARG, PrefixAttention
-from workers.methods.base import DecodeConfig, PrefixSource
+from workers.methods.base import DecodeConfig, PrefixSource, ReportsReads
 from workers.methods.registry import get_method, prefill_summarizers
 from workers.model import LoadedModel
 from workers.prefill import DEFAULT_CHUNK, prefill_kv
@@ -43,12 +43,14 @@ class GenerationStats:
     prompt_tokens: int = 0
     new_tokens: int = 0
     bytes_fetched: int = 0
-    """Prefix KV (and summary) bytes read from the store."""
+    """Prefix KV (and summary) bytes read from the store (a sparse method: what its steps attended)."""
     bytes_full: int = 0
     """What exact attention over the prefix would read over the same steps."""
     seconds: float = 0.0
     finish_reason: str = ""
     token_ids: list[int] = field(default_factory=list)
+    prefix_tokens_per_step: list[int] = field(default_factory=list)
+    """Exact prefix tokens each step attended, summed over layers and KV heads (all of them for "full")."""
     extra: dict[str, float] = field(default_factory=dict)
 
 
@@ -176,5 +178,11 @@ class Worker:
             ids = [token]
         if tail := text.finish():
             yield tail
-        stats.bytes_fetched = source.bytes_read
+        if isinstance(attn, ReportsReads):
+            report = attn.read_report()
+            stats.bytes_fetched, stats.prefix_tokens_per_step = report.bytes_total, report.tokens_per_step
+            stats.extra.update(report.extra)
+        else:
+            stats.bytes_fetched = source.bytes_read
+            stats.prefix_tokens_per_step = [n_prefix * lm.layout.n_layers * lm.layout.n_kv_heads] * stats.steps
         stats.seconds = time.perf_counter() - t0

@@ -8,8 +8,8 @@ A new method is one file: a ``Method`` subclass (plus its summarizer) added to t
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -30,12 +30,51 @@ class DecodeConfig:
     """Leading prefix tokens always attended exactly."""
     tail: int = 16
     """Trailing prefix tokens always attended exactly."""
+    gen_len: int = 1
+    """L_gen: decode steps a one-time summary fetch (the φ cache) is amortized over when the budget
+    is matched (appendix D); 1 is the paper's conservative worst case."""
 
     def __post_init__(self) -> None:
         if self.budget is not None and not 0 < self.budget <= 1:
             raise ValueError(f"budget must be in (0, 1], got {self.budget}")
         if self.sink < 0 or self.tail < 0:
             raise ValueError("sink and tail must be >= 0")
+        if self.gen_len < 1:
+            raise ValueError(f"gen_len must be >= 1, got {self.gen_len}")
+
+
+def mid_range(n_tokens: int, sink: int, tail: int) -> tuple[int, int]:
+    """The mid region ``[lo, hi)`` between the sink and tail anchors (empty when they cover everything)."""
+    lo = min(sink, n_tokens)
+    return lo, max(lo, n_tokens - tail)
+
+
+@dataclass(kw_only=True)
+class ReadReport:
+    """What a decode method read from the prefix over one generation (honest per-step accounting)."""
+
+    tokens_per_step: list[int] = field(default_factory=list)
+    """Exact prefix tokens whose K/V each step attended, summed over layers and KV heads."""
+    step_bytes: int = 0
+    """Bytes of those tokens' K and V over all steps (as if each step fetched them)."""
+    once_bytes: int = 0
+    """Bytes read once per generation: summaries (bounds, clusters, φ cache) and selector-resident keys."""
+    extra: dict[str, float] = field(default_factory=dict)
+    """Named counters for ``GenerationStats.extra`` (token equivalents, pseudo-entries, budgets)."""
+
+    @property
+    def bytes_total(self) -> int:
+        """Everything read: per-step KV plus one-time reads."""
+        return self.step_bytes + self.once_bytes
+
+
+@runtime_checkable
+class ReportsReads(Protocol):
+    """A ``PrefixAttention`` that counts its own reads (sparse methods); others read whole layers."""
+
+    def read_report(self) -> ReadReport:
+        """The reads made so far in this generation."""
+        ...
 
 
 class PrefixSource:

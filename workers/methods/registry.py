@@ -4,10 +4,23 @@ from __future__ import annotations
 
 from store.errors import UnknownMethod
 from workers.methods.base import Method, Summarizer
+from workers.methods.doublep import DoubleP
 from workers.methods.full import FullAttention
+from workers.methods.quest import Quest
+from workers.methods.sparse import with_phi
+from workers.methods.topk import TopK
 
 METHODS: dict[str, type[Method]] = {
-    FullAttention.name: FullAttention,
+    m.name: m
+    for m in (
+        FullAttention,
+        TopK,
+        Quest,
+        DoubleP,
+        with_phi(TopK),
+        with_phi(Quest),
+        with_phi(DoubleP),
+    )
 }
 
 

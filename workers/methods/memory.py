@@ -1,0 +1,68 @@
+"""A ``PrefixSource`` over tensors in memory: run any method on given K/V without a store.
+
+For attention-level tests and benchmarks: ``MemorySource.build(kv, summarizers)`` runs the
+summarizers exactly as prefill does (artifact keys ``f"{layer}.{key}"``) and serves the result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from store.layout import DTYPES, KVLayout
+from workers.methods.base import PrefixSource, Summarizer
+
+
+def summarize_layers(kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                     summarizers: Iterable[type[Summarizer]]) -> dict[str, dict[str, torch.Tensor]]:
+    """Artifacts of every summarizer over layers ``kv`` (each K, V ``[Hkv, N, D]``)."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for cls in summarizers:
+        s = cls()
+        out[s.name] = {f"{layer}.{name}": t for layer, (k, v) in enumerate(kv) for name, t in
+                       s.summarize(layer, k, v).items()}
+    return out
+
+
+class MemorySource(PrefixSource):
+    """Serves K/V and artifacts held in memory; counts bytes like the store-backed source."""
+
+    def __init__(self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                 artifacts: dict[str, dict[str, torch.Tensor]], *, page_size: int = 16):
+        k0 = kv[0][0]
+        dtype = next(name for name, dt in DTYPES.items() if dt == k0.dtype)
+        self._layout = KVLayout(n_layers=len(kv), n_kv_heads=k0.shape[0], head_dim=k0.shape[-1], dtype=dtype,
+                                page_size=page_size)
+        self._kv, self._artifacts = list(kv), artifacts
+        self.device = k0.device
+        self.verify = False
+        self.bytes_read = 0
+
+    @classmethod
+    def build(cls, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], summarizers: Iterable[type[Summarizer]],
+              **kwargs: int) -> MemorySource:
+        """A source with the artifacts ``summarizers`` produce for ``kv``."""
+        return cls(kv, summarize_layers(kv, summarizers), **kwargs)
+
+    @property
+    def layout(self) -> KVLayout:
+        """The layout these tensors would be stored with."""
+        return self._layout
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens in the prefix."""
+        return int(self._kv[0][0].shape[1])
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K, V ``[Hkv, N, D]``."""
+        k, v = self._kv[layer]
+        self.bytes_read += 2 * k.numel() * k.element_size()
+        return k, v
+
+    def artifact(self, name: str) -> dict[str, torch.Tensor]:
+        """A summarizer's tensors."""
+        tensors = self._artifacts[name]
+        self.bytes_read += sum(t.numel() * t.element_size() for t in tensors.values())
+        return tensors

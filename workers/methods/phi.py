@@ -1,0 +1,168 @@
+"""φ completion (``topk-phi-completion.txt`` §4, appendix C): estimate the unretrieved mid mass.
+
+Prefill stores, per layer and KV head, the max-shifted cache over the mid region M:
+``m[f] = max_i log φk(k_i)[f]``, ``u[f] = Σ_i exp(log φk(k_i)[f] - m[f])``,
+``T[f] = Σ_i exp(log φk(k_i)[f] - m[f]) v_i``. At each step the retrieved set K is subtracted
+with the same shift (one way: ``u_R = u - u_K``, ``T_R = T - T_K``, clamped), and the remainder
+R = M \\ K becomes one pseudo-entry with logit ``log Ẑ_R = LSE_f(log φq[f] + m[f] + log u_R[f])``
+and value ``N̂_R / Ẑ_R = Σ_f softmax_f(·) T_R[f] / u_R[f]``, normalized together with the exact
+entries (one softmax). Everything is computed in the log domain, in float32 or better.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.methods.base import DecodeConfig, PrefixSource, Summarizer, mid_range
+from workers.methods.phi_maps import MAP_KINDS, FavorFeatureMap, FeatureMap
+from workers.methods.selector import LayerContext
+
+U_FLOOR = 1e-30
+"""``u_R`` of a feature with no remaining mass (its ``T_R`` is zeroed): ``log u_R`` ~ -69."""
+BUILD_CHUNK = 8192
+
+
+@dataclass(frozen=True)
+class StableCache:
+    """``(m, u, T)``: shapes ``[..., F]``, ``[..., F]``, ``[..., F, D]``."""
+
+    m: torch.Tensor
+    u: torch.Tensor
+    t: torch.Tensor
+
+    def natural(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(u_M, S_M) = (exp(m) u, exp(m) T)`` (eq. 37); overflows for large logits, tests only."""
+        scale = torch.exp(self.m)
+        return scale * self.u, scale[..., None] * self.t
+
+
+def shifted_sums(m: torch.Tensor, log_phi_k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Σ_i exp(log φk_i - m), Σ_i exp(log φk_i - m) v_i)`` over axis -2 (eqs. 35-36, 38-39).
+
+    ``m [..., F]`` broadcasts against ``log_phi_k [..., n, F]`` (``-inf`` rows contribute 0) and
+    ``v [..., n, D]``; returns ``[..., F]`` and ``[..., F, D]``.
+    """
+    w = torch.exp(log_phi_k - m.unsqueeze(-2))
+    return w.sum(-2), torch.einsum("...nf,...nd->...fd", w, v.to(w.dtype))
+
+
+def stable_cache(log_phi_k: torch.Tensor, v: torch.Tensor) -> StableCache:
+    """The cache of one set in one pass: ``log_phi_k [..., n, F]``, ``v [..., n, D]``."""
+    m = log_phi_k.amax(-2) if log_phi_k.shape[-2] else log_phi_k.new_zeros(log_phi_k.shape[:-2] + log_phi_k.shape[-1:])
+    u, t = shifted_sums(m, log_phi_k, v)
+    return StableCache(m, u, t)
+
+
+def build_cache(fmap: FeatureMap, layer: int, k: torch.Tensor, v: torch.Tensor, *,
+                chunk: int = BUILD_CHUNK) -> StableCache:
+    """The cache of keys/values ``[Hkv, n, D]`` in chunks (two passes: max, then sums), float32."""
+    n = k.shape[1]
+    if n <= chunk:
+        return stable_cache(fmap.log_phi_k(layer, k), v.float())
+    m = torch.stack([fmap.log_phi_k(layer, k[:, s:s + chunk]).amax(-2) for s in range(0, n, chunk)]).amax(0)
+    u = torch.zeros_like(m)
+    t = torch.zeros(*m.shape, v.shape[-1], dtype=m.dtype, device=m.device)
+    for s in range(0, n, chunk):
+        du, dt = shifted_sums(m, fmap.log_phi_k(layer, k[:, s:s + chunk]), v[:, s:s + chunk].float())
+        u, t = u + du, t + dt
+    return StableCache(m, u, t)
+
+
+def subtract(cache: StableCache, u_k: torch.Tensor, t_k: torch.Tensor,
+             rel_tol: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Remainder ``(u_R, T_R) = (u - u_K, T - T_K)`` (eq. 40), clamped.
+
+    A feature whose remainder is at most ``rel_tol * u`` (rounding noise of the subtraction) has
+    no remaining mass: ``u_R = U_FLOOR`` and ``T_R = 0``.
+    """
+    tol = rel_tol if rel_tol is not None else 64 * torch.finfo(cache.u.dtype).eps
+    u_r = cache.u - u_k
+    empty = u_r <= tol * cache.u
+    u_r = torch.where(empty, torch.full_like(u_r, U_FLOOR), u_r)
+    t_r = torch.where(empty.unsqueeze(-1), torch.zeros((), dtype=t_k.dtype, device=t_k.device), cache.t - t_k)
+    return u_r, t_r
+
+
+def evaluate(log_phi_q: torch.Tensor, m: torch.Tensor, u_r: torch.Tensor,
+             t_r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log Ẑ_R [..., G], N̂_R / Ẑ_R [..., G, D])`` (eqs. 41-43).
+
+    ``log_phi_q [..., G, F]`` against ``m``, ``u_r [..., F]`` and ``t_r [..., F, D]`` (broadcast over G).
+    """
+    a = log_phi_q + (m + torch.log(u_r)).unsqueeze(-2)
+    w = torch.softmax(a, dim=-1)
+    return torch.logsumexp(a, dim=-1), torch.einsum("...gf,...fd->...gd", w, t_r / u_r.unsqueeze(-1))
+
+
+class PhiSummarizer(Summarizer):
+    """Prefill: the stable φ cache over the mid region of every layer and KV head (artifact ``phi``)."""
+
+    name = "phi"
+    version = 1
+    phi_dim: int | None = None
+    """Feature dimension (None: the head dimension, the paper's setting)."""
+    seed = 0
+
+    def summarize(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        """K, V ``[Hkv, N, D]`` -> ``m``, ``u``, ``t`` and ``meta = [kind, phi_dim, seed, lo, hi]``."""
+        d = DecodeConfig()
+        lo, hi = mid_range(k.shape[1], d.sink, d.tail)
+        fmap = FavorFeatureMap(self.phi_dim or k.shape[-1], self.seed)
+        c = build_cache(fmap, layer, k[:, lo:hi], v[:, lo:hi])
+        meta = torch.tensor([fmap.kind, fmap.phi_dim, self.seed, lo, hi], dtype=torch.int64)
+        return {"m": c.m, "u": c.u, "t": c.t, "meta": meta}
+
+
+class PhiCompletion:
+    """Decode-time φ completion over one stored prefix (the cache is fetched once per generation)."""
+
+    def __init__(self, source: PrefixSource, fmap: FeatureMap | None = None):
+        self.tensors = source.artifact(PhiSummarizer.name)
+        kind, phi_dim, seed = (int(x) for x in self.tensors["0.meta"][:3])
+        if fmap is None and MAP_KINDS.get(kind) != "favor":
+            raise ValueError(f"the prefix's φ cache was built with a {MAP_KINDS.get(kind, kind)!r} map; "
+                             "pass that feature map to PhiCompletion")
+        self.fmap = fmap if fmap is not None else FavorFeatureMap(phi_dim, seed)
+        if self.fmap.kind != kind or self.fmap.phi_dim != phi_dim:
+            raise ValueError(f"feature map (kind {self.fmap.kind}, dim {self.fmap.phi_dim}) does not match the "
+                             f"stored cache (kind {kind}, dim {phi_dim})")
+        self.phi_dim = phi_dim
+        self.elem_bytes = self.tensors["0.u"].element_size()
+        self._caches: dict[int, StableCache] = {}
+
+    def summary_range(self, layer: int) -> tuple[int, int]:
+        """Tokens ``[lo, hi)`` the stored cache covers."""
+        meta = self.tensors[f"{layer}.meta"]
+        return int(meta[3]), int(meta[4])
+
+    def prepare(self, layer: int, ctx: LayerContext) -> None:
+        """Load the layer's cache; subtract cached tokens that this request attends as anchors."""
+        t = self.tensors
+        cache = StableCache(t[f"{layer}.m"].float(), t[f"{layer}.u"].float(), t[f"{layer}.t"].float())
+        lo0, hi0 = self.summary_range(layer)
+        extra = torch.cat([torch.arange(lo0, ctx.lo), torch.arange(ctx.hi, hi0)]).to(ctx.k.device)
+        if extra.numel():
+            u_k, t_k = shifted_sums(cache.m, self.fmap.log_phi_k(layer, ctx.k[:, extra]), ctx.v[:, extra].float())
+            cache = StableCache(cache.m, *subtract(cache, u_k, t_k))
+        self._caches[layer] = cache
+
+    def term(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, tokens: torch.Tensor,
+             counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The remainder pseudo-entry per query head: (logit ``[T, Hkv, G]``, value ``[T, Hkv, G, D]``).
+
+        ``tokens [T, Hkv, n]`` (first ``counts`` valid) are the mid tokens attended exactly; their
+        contributions are subtracted. The logit is ``-inf`` where nothing remains.
+        """
+        cache = self._caches[layer]
+        t_rows, hkv, n = tokens.shape
+        valid = torch.arange(n, device=tokens.device) < counts.unsqueeze(-1)
+        gather = torch.where(valid, tokens, ctx.lo).unsqueeze(-1).expand(-1, -1, -1, ctx.k.shape[-1])
+        k_sel = ctx.k.unsqueeze(0).expand(t_rows, -1, -1, -1).gather(2, gather)
+        v_sel = ctx.v.unsqueeze(0).expand(t_rows, -1, -1, -1).gather(2, gather)
+        lpk = self.fmap.log_phi_k(layer, k_sel).masked_fill(~valid.unsqueeze(-1), float("-inf"))
+        u_r, t_r = subtract(cache, *shifted_sums(cache.m, lpk, v_sel.float()))
+        log_z, mean = evaluate(self.fmap.log_phi_q(layer, q, scale), cache.m, u_r, t_r)
+        nothing_left = (counts >= ctx.n_mid).unsqueeze(-1)
+        return log_z.masked_fill(nothing_left, float("-inf")), mean

@@ -1,0 +1,165 @@
+"""Positive feature maps φq, φk for φ completion (``topk-phi-completion.txt`` §3.2, appendix J).
+
+A map turns post-RoPE queries and keys into positive features whose inner product stands in
+for the unnormalized softmax kernel: ``<φq(q), φk(k)> ≈ exp(scale * q . k)``. Maps work in the
+log domain (``log φ``), which the stable cache (appendix C) needs anyway.
+
+- ``FavorFeatureMap``: training-free positive orthogonal random features (FAVOR+, Choromanski
+  et al. 2021), seeded per (layer, KV head); the default until distilled maps exist.
+- ``ReZeroMLPFeatureMap``: the paper's head-wise one-block ReZero-MLP (appendix J), φq per query
+  head and φk per KV head, ready to ``load_state_dict`` distilled weights.
+
+Shapes: keys ``[..., Hkv, n, D] -> [..., Hkv, n, F]``; queries grouped by KV head
+``[..., Hkv, G, D] -> [..., Hkv, G, F]`` (query head ``h * G + g`` reads KV head ``h``).
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MAP_KINDS: dict[int, str] = {1: "favor", 2: "rezero_mlp"}
+
+
+class FeatureMap(nn.Module, abc.ABC):
+    """Head-wise positive feature maps in the log domain."""
+
+    kind: ClassVar[int]
+    phi_dim: int
+
+    @abc.abstractmethod
+    def log_phi_k(self, layer: int, k: torch.Tensor) -> torch.Tensor:
+        """``log φk``: keys ``[..., Hkv, n, D]`` -> ``[..., Hkv, n, F]`` float32."""
+
+    @abc.abstractmethod
+    def log_phi_q(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """``log φq``: queries ``[..., Hkv, G, D]`` (logit scale ``scale``) -> ``[..., Hkv, G, F]`` float32."""
+
+    @property
+    def seed(self) -> int:
+        """Seed of a random map (0 for learned maps)."""
+        return 0
+
+
+def orthogonal_gaussian(n_rows: int, dim: int, generator: torch.Generator) -> torch.Tensor:
+    """``[n_rows, dim]`` Gaussian rows, orthogonal within each block of ``dim`` (Performer ORF), float64."""
+    blocks = []
+    for _ in range(-(-n_rows // dim)):
+        q, _ = torch.linalg.qr(torch.randn(dim, dim, generator=generator, dtype=torch.float64))
+        norms = torch.randn(dim, dim, generator=generator, dtype=torch.float64).norm(dim=1)
+        blocks.append(q.T * norms[:, None])
+    return torch.cat(blocks)[:n_rows]
+
+
+class FavorFeatureMap(FeatureMap):
+    """FAVOR+ positive random features: ``E[<φq(q), φk(k)>] = exp(scale q . k)`` (unbiased).
+
+    ``log φ(x)[f] = ω_f . x' - |x'|^2 / 2 - log(F) / 2`` with ``k' = k d^{-1/4}`` and
+    ``q' = scale d^{1/4} q`` (the logit scale lives on the query side, so the key-side cache
+    built at prefill does not depend on it). ``ω`` is orthogonal Gaussian, drawn from
+    ``(seed, layer, kv_head)``: the same map at prefill and at decode, on any device.
+    """
+
+    kind = 1
+
+    def __init__(self, phi_dim: int, seed: int = 0):
+        super().__init__()
+        if phi_dim <= 0:
+            raise ValueError(f"phi_dim must be positive, got {phi_dim}")
+        self.phi_dim, self._seed = phi_dim, seed
+        self._omega: dict[tuple[int, int, int, str], torch.Tensor] = {}
+
+    @property
+    def seed(self) -> int:
+        """The random-feature seed."""
+        return self._seed
+
+    def omega(self, layer: int, kv_heads: int, dim: int, device: torch.device) -> torch.Tensor:
+        """Projections ``[Hkv, F, D]`` float32 of one layer (cached per device)."""
+        key = (layer, kv_heads, dim, str(device))
+        if key not in self._omega:
+            rows = []
+            for h in range(kv_heads):
+                g = torch.Generator().manual_seed((self._seed * 1_000_003 + layer) * 4099 + h)
+                rows.append(orthogonal_gaussian(self.phi_dim, dim, g))
+            self._omega[key] = torch.stack(rows).float().to(device)
+        return self._omega[key]
+
+    def _log_features(self, layer: int, x: torch.Tensor, mult: float) -> torch.Tensor:
+        xs = x.float() * mult
+        w = self.omega(layer, x.shape[-3], x.shape[-1], x.device)
+        proj = torch.einsum("...hnd,hfd->...hnf", xs, w)
+        return proj - 0.5 * xs.square().sum(-1, keepdim=True) - 0.5 * math.log(self.phi_dim)
+
+    def log_phi_k(self, layer: int, k: torch.Tensor) -> torch.Tensor:
+        """``log φk`` of keys ``[..., Hkv, n, D]``."""
+        return self._log_features(layer, k, k.shape[-1] ** -0.25)
+
+    def log_phi_q(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """``log φq`` of grouped queries ``[..., Hkv, G, D]``."""
+        return self._log_features(layer, q, scale * q.shape[-1] ** 0.25)
+
+
+class HeadwiseMLP(nn.Module):
+    """One ReZero-MLP per (layer, head): stem, gated GELU block, output (appendix J).
+
+    ``g0 = W0 x + b0``; ``g1 = g0 + α (W2 GELU(W1 g0 + b1) + b2)``; ``log φ(x) = Wo g1 + bo``
+    (so ``φ = exp(·)`` is positive). ``α`` starts at 0 (ReZero).
+    """
+
+    def __init__(self, n_layers: int, n_heads: int, d_in: int, hidden: int, d_out: int, *, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+
+        def weight(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.randn(n_layers, n_heads, *shape, generator=g) / math.sqrt(shape[0]))
+
+        self.w0, self.b0 = weight(d_in, hidden), nn.Parameter(torch.zeros(n_layers, n_heads, hidden))
+        self.w1, self.b1 = weight(hidden, hidden), nn.Parameter(torch.zeros(n_layers, n_heads, hidden))
+        self.w2, self.b2 = weight(hidden, hidden), nn.Parameter(torch.zeros(n_layers, n_heads, hidden))
+        self.alpha = nn.Parameter(torch.zeros(n_layers, n_heads))
+        self.wo, self.bo = weight(hidden, d_out), nn.Parameter(torch.zeros(n_layers, n_heads, d_out))
+
+    def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """``[..., H, n, d_in] -> [..., H, n, d_out]`` with head ``h``'s own weights."""
+        x = x.float()
+        g0 = torch.einsum("...hnd,hde->...hne", x, self.w0[layer]) + self.b0[layer][:, None]
+        a = F.gelu(torch.einsum("...hne,hef->...hnf", g0, self.w1[layer]) + self.b1[layer][:, None])
+        delta = torch.einsum("...hne,hef->...hnf", a, self.w2[layer]) + self.b2[layer][:, None]
+        g1 = g0 + self.alpha[layer][:, None, None] * delta
+        return torch.einsum("...hne,hef->...hnf", g1, self.wo[layer]) + self.bo[layer][:, None]
+
+
+class ReZeroMLPFeatureMap(FeatureMap):
+    """The paper's asymmetric head-wise maps: φq per (layer, query head), φk per (layer, KV head).
+
+    Untrained it is just a positive map; load distilled weights with ``load_state_dict``. The
+    logit scale is baked into distilled weights, so ``log_phi_q`` ignores ``scale``.
+    """
+
+    kind = 2
+
+    def __init__(self, *, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int, phi_dim: int,
+                 hidden: int | None = None, seed: int = 0):
+        super().__init__()
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads}")
+        hidden = hidden or head_dim
+        self.phi_dim, self.n_heads, self.n_kv_heads = phi_dim, n_heads, n_kv_heads
+        self.q = HeadwiseMLP(n_layers, n_heads, head_dim, hidden, phi_dim, seed=seed)
+        self.k = HeadwiseMLP(n_layers, n_kv_heads, head_dim, hidden, phi_dim, seed=seed + 1)
+
+    def log_phi_k(self, layer: int, k: torch.Tensor) -> torch.Tensor:
+        """``log φk`` of keys ``[..., Hkv, n, D]``."""
+        return self.k(layer, k)
+
+    def log_phi_q(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """``log φq`` of grouped queries ``[..., Hkv, G, D]`` (one MLP per query head)."""
+        *lead, hkv, g, d = q.shape
+        per_head = self.q(layer, q.reshape(*lead, hkv * g, 1, d))
+        return per_head.reshape(*lead, hkv, g, self.phi_dim)

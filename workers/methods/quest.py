@@ -1,0 +1,71 @@
+"""Quest (Tang et al. 2024): per-page min/max key bounds; the pages with the highest upper-bound score.
+
+For a page with element-wise key bounds ``[kmin, kmax]`` the largest logit any of its keys can
+reach is ``Σ_d max(q_d kmin_d, q_d kmax_d) = q⁺ . kmax + q⁻ . kmin`` (two matmuls). Pages are
+ranked by the group's softmax over these bounds and taken best-first while their mid tokens fit
+the budget.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.methods.base import DecodeConfig, PrefixSource, Summarizer
+from workers.methods.selector import LayerContext, Selection, Selector, choose_units, group_mass, mask_to_index
+from workers.methods.sparse import SparseMethod
+
+QUEST_PAGE = 16
+
+
+class QuestBounds(Summarizer):
+    """Prefill: element-wise min and max of the keys of each ``page_size``-token page (artifact ``bounds``)."""
+
+    name = "bounds"
+    version = 1
+    page_size = QUEST_PAGE
+
+    def summarize(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        """K ``[Hkv, N, D]`` -> ``kmin``, ``kmax`` ``[Hkv, pages, D]`` (K's dtype) and ``meta = [page_size]``."""
+        h, n, d = k.shape
+        p = self.page_size
+        pages = -(-n // p)
+        padded = torch.cat([k, k[:, -1:].expand(h, pages * p - n, d)], dim=1).view(h, pages, p, d)
+        return {"kmin": padded.amin(2), "kmax": padded.amax(2), "meta": torch.tensor([p], dtype=torch.int64)}
+
+
+class QuestSelector(Selector):
+    """Top pages by upper-bound score, within the token budget."""
+
+    def __init__(self, source: PrefixSource):
+        self.bounds = source.artifact(QuestBounds.name)
+        self.page_size = int(self.bounds["0.meta"][0])
+
+    def select(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, k: int | None) -> Selection:
+        """Pages overlapping the mid region, ranked by upper-bound mass; their mid tokens are attended."""
+        t, hkv = q.shape[0], q.shape[1]
+        p = self.page_size
+        p0, p1 = ctx.lo // p, -(-ctx.hi // p)
+        kmin = self.bounds[f"{layer}.kmin"][:, p0:p1].float()
+        kmax = self.bounds[f"{layer}.kmax"][:, p0:p1].float()
+        qf = q.float()
+        ub = (torch.einsum("thgd,hud->thgu", qf.clamp_min(0), kmax)
+              + torch.einsum("thgd,hud->thgu", qf.clamp_max(0), kmin)) * scale
+        starts = torch.arange(p0, p1, device=q.device) * p
+        sizes = (torch.clamp(starts + p, max=ctx.hi) - torch.clamp(starts, min=ctx.lo)).clamp_min(0)
+        ranked = choose_units(group_mass(ub).reshape(t * hkv, -1), sizes=sizes,
+                              budget=ctx.n_mid if k is None else k)
+        page_of = torch.arange(ctx.lo, ctx.hi, device=q.device) // p - p0
+        token_mask = ranked.mask()[:, page_of]
+        ids, counts = mask_to_index(token_mask, offset=ctx.lo)
+        return Selection(tokens=ids.reshape(t, hkv, -1), counts=counts.reshape(t, hkv))
+
+
+class Quest(SparseMethod):
+    """Sink/tail anchors + Quest page selection over the mid region."""
+
+    name = "quest"
+    summarizers = (QuestBounds,)
+
+    def selector(self, source: PrefixSource, config: DecodeConfig) -> Selector:
+        """A Quest selector over the stored page bounds."""
+        return QuestSelector(source)

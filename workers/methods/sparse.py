@@ -1,0 +1,184 @@
+"""The shared sparse decode path: anchors + a selector's picks + pseudo-entries under one softmax.
+
+Per decode step, layer and KV head, a step attends exactly the sink and tail anchors and the
+mid-region tokens its selector picks (per query token; GQA groups share one pick per KV head),
+plus pseudo-entries: Double-P centroids (extra buffer rows, bias ``log s``, value ``V̄``) and the
+φ completion term (logit ``log Ẑ_R``, value ``N̂_R / Ẑ_R``). All go through one call of the
+sparse attention op (the Triton kernel on CUDA, its float64 torch reference elsewhere).
+
+For now each layer's K/V is read once and held resident; reads are *counted* per step as if
+fetched (only what the step attends), which is what issue 5's tiered fetch will do for real.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import ClassVar
+
+import torch
+
+from workers.budget import plan_budget
+from workers.kernels.sparse_attention import sparse_decode_attention, sparse_decode_attention_ref
+from workers.methods.base import DecodeConfig, Method, PrefixSource, ReadReport, mid_range
+from workers.methods.phi import PhiCompletion, PhiSummarizer
+from workers.methods.reads import ReadCounter, mark_tokens
+from workers.methods.selector import LayerContext, Selection, Selector
+
+DEFAULT_FRACTION = 0.05
+"""Budget of fixed-budget selectors when the request gives none."""
+ROW_ELEMS = 1 << 25
+"""Rows of query tokens are processed in chunks of about this many score elements."""
+
+
+def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, idx: torch.Tensor,
+                       n_valid: torch.Tensor, bias: torch.Tensor | None, pseudo_logits: torch.Tensor | None,
+                       pseudo_values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q ``[T, Hq, D]`` over rows ``idx [T, Hkv, N]`` of one shared buffer k, v ``[Hkv, S, D]``.
+
+    Returns float32 out ``[T, Hq, D]`` and lse ``[T, Hq]``. CUDA tensors run the Triton kernel;
+    others the float64 reference.
+    """
+    t = q.shape[0]
+    kb, vb = k.unsqueeze(0).expand(t, -1, -1, -1), v.unsqueeze(0).expand(t, -1, -1, -1)
+    op = sparse_decode_attention if q.is_cuda else sparse_decode_attention_ref
+    out, lse = op(q.to(k.dtype), kb, vb, scale=scale, idx=idx, n_valid=n_valid, bias=bias,
+                  pseudo_logits=pseudo_logits, pseudo_values=pseudo_values)
+    return out.float(), lse.float()
+
+
+def _compact(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Concatenate (ids, valid, bias) parts along the last axis, valid entries first."""
+    idx = torch.cat([p[0] for p in parts], dim=-1)
+    valid = torch.cat([p[1] for p in parts], dim=-1)
+    bias = torch.cat([p[2] if p[2] is not None else torch.zeros(p[0].shape, device=idx.device) for p in parts], -1)
+    order = torch.sort((~valid).to(torch.uint8), dim=-1, stable=True).indices
+    return idx.gather(-1, order), valid.sum(-1), bias.gather(-1, order).contiguous()
+
+
+def _prefix(ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    return torch.arange(ids.shape[-1], device=ids.device) < counts.unsqueeze(-1)
+
+
+class SparsePrefixAttention:
+    """``PrefixAttention`` of a selector (+ optional φ completion) over one stored prefix."""
+
+    def __init__(self, source: PrefixSource, config: DecodeConfig, selector: Selector,
+                 completion: PhiCompletion | None, k: int | None, counter: ReadCounter):
+        self.source, self.config, self.selector, self.completion = source, config, selector, completion
+        self.k, self.counter = k, counter
+        self._ctx: dict[int, tuple[LayerContext, torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+
+    def read_report(self) -> ReadReport:
+        """Reads made so far (per step and one-time)."""
+        return self.counter.report()
+
+    def _layer(self, layer: int) -> tuple[LayerContext, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        if layer not in self._ctx:
+            k, v = self.source.layer_kv(layer)
+            lo, hi = mid_range(k.shape[1], self.config.sink, self.config.tail)
+            for r in (self.selector.summary_range(layer), self.completion and self.completion.summary_range(layer)):
+                if r:
+                    lo, hi = max(lo, r[0]), min(hi, r[1])
+            ctx = LayerContext(k, v, lo, max(lo, hi))
+            self.selector.prepare(layer, ctx)
+            if self.completion is not None:
+                self.completion.prepare(layer, ctx)
+            self.counter.add_once("selector", self.selector.resident_bytes(ctx))
+            extra = self.selector.extra_entries(layer)
+            kb, vb = (k, v) if extra is None else (torch.cat([k, extra.k.to(k.dtype)], 1),
+                                                   torch.cat([v, extra.v.to(v.dtype)], 1))
+            self._ctx[layer] = (ctx, kb, vb, None if extra is None else extra.bias.float())
+        return self._ctx[layer]
+
+    def attend(self, layer: int, q: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """q ``[B, Hq, L, D]`` -> (out ``[B, Hq, L, D]``, lse ``[B, Hq, L]``) over the prefix, per query token."""
+        if layer == 0:
+            self.counter.start_step()
+        ctx, kb, vb, ebias = self._layer(layer)
+        b, hq, l, d = q.shape
+        rows = q.permute(0, 2, 1, 3).reshape(b * l, hq, d)
+        chunk = max(1, ROW_ELEMS // max(1, hq * ctx.k.shape[1]))
+        hits = torch.zeros(ctx.k.shape[0], ctx.k.shape[1], dtype=torch.int32, device=q.device)
+        outs, lses, pseudo = [], [], []
+        for part in rows.split(chunk):
+            sel, o, s = self._attend_rows(layer, ctx, kb, vb, ebias, part, scale)
+            outs.append(o)
+            lses.append(s)
+            mark_tokens(hits, sel.tokens, sel.counts)
+            pseudo.append(sel.n_centroids.sum() if sel.n_centroids is not None else 0)
+        n_read = (hits > 0).sum() + ctx.anchors().numel() * ctx.k.shape[0]
+        phi_rows = rows.shape[0] * hq if self.completion is not None else 0
+        self.counter.add_layer(n_read, sum(pseudo) + phi_rows)
+        out = torch.cat(outs).reshape(b, l, hq, d).permute(0, 2, 1, 3)
+        return out, torch.cat(lses).reshape(b, l, hq).permute(0, 2, 1)
+
+    def _attend_rows(self, layer: int, ctx: LayerContext, kb: torch.Tensor, vb: torch.Tensor,
+                     ebias: torch.Tensor | None, q: torch.Tensor, scale: float
+                     ) -> tuple[Selection, torch.Tensor, torch.Tensor]:
+        t, hq, d = q.shape
+        hkv, n = ctx.k.shape[0], ctx.k.shape[1]
+        qg = q.view(t, hkv, hq // hkv, d)
+        sel = self.selector.select(layer, ctx, qg, scale, self.k)
+        anchors = ctx.anchors().expand(t, hkv, -1)
+        parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = [
+            (anchors, torch.ones_like(anchors, dtype=torch.bool), None),
+            (sel.tokens, _prefix(sel.tokens, sel.counts), None)]
+        if sel.centroids is not None and sel.n_centroids is not None and ebias is not None:
+            cb = ebias.unsqueeze(0).expand(t, -1, -1).gather(2, sel.centroids)
+            parts.append((sel.centroids + n, _prefix(sel.centroids, sel.n_centroids), cb))
+        idx, n_valid, bias = _compact(parts)
+        pl = pv = None
+        if self.completion is not None:
+            log_z, mean = self.completion.term(layer, ctx, qg, scale, sel.tokens, sel.counts)
+            pl, pv = log_z.reshape(t, hq, 1).contiguous(), mean.reshape(t, hq, 1, d).contiguous()
+        out, lse = gathered_attention(q, kb, vb, scale=scale, idx=idx, n_valid=n_valid,
+                                      bias=bias if ebias is not None else None, pseudo_logits=pl, pseudo_values=pv)
+        return sel, out, lse
+
+
+class SparseMethod(Method):
+    """A selector over the mid region, optionally φ-completed; the budget is matched in reads."""
+
+    completion: ClassVar[bool] = False
+    default_fraction: ClassVar[float | None] = DEFAULT_FRACTION
+    """Budget when the request gives none (None: the selector's adaptive rule)."""
+
+    @abc.abstractmethod
+    def selector(self, source: PrefixSource, config: DecodeConfig) -> Selector:
+        """The selector of one generation."""
+
+    def open(self, source: PrefixSource, config: DecodeConfig) -> SparsePrefixAttention:
+        """State for one generation: budget plan, selector, φ cache, read counter.
+
+        A φ-completed method whose budget already covers every mid token exactly reads them all
+        and skips the φ fetch (the exact answer is cheaper than the estimate).
+        """
+        lay = source.layout
+        counter = ReadCounter(n_layers=lay.n_layers, n_kv_heads=lay.n_kv_heads, token_bytes=lay.token_kv_bytes())
+        before = source.bytes_read
+        fraction = config.budget if config.budget is not None else self.default_fraction
+        lo, hi = mid_range(source.n_tokens, config.sink, config.tail)
+        plan_args = {"prefill_len": source.n_tokens, "head_dim": lay.head_dim, "sink": config.sink,
+                     "tail": config.tail, "gen_len": config.gen_len}
+        covered = fraction is not None and plan_budget(fraction=fraction, **plan_args).k_topk >= hi - lo
+        completion = PhiCompletion(source) if self.completion and not covered else None
+        selector = self.selector(source, config)
+        k = None
+        if fraction is not None:
+            phi_dim = completion.phi_dim if completion else 0
+            ratio = completion.elem_bytes / lay.elem_bytes if completion else 1
+            plan = plan_budget(fraction=fraction, phi_dim=phi_dim, elem_ratio=ratio, **plan_args)
+            k = plan.k_exact(completion is not None)
+            counter.info.update({"budget_fraction": fraction, "budget_n": plan.n_budget, "budget_k": k})
+            if completion:
+                counter.info["phi_r_once"] = plan.r_phi_once
+        counter.add_once("summaries", source.bytes_read - before)
+        return SparsePrefixAttention(source, config, selector, completion, k, counter)
+
+
+def with_phi(base: type[SparseMethod]) -> type[SparseMethod]:
+    """``base`` + φ completion on the unretrieved mid remainder (method ``"<base>+phi"``)."""
+    attrs = {"name": f"{base.name}+phi", "summarizers": (*base.summarizers, PhiSummarizer), "completion": True,
+             "__doc__": f"{base.__doc__} Plus φ completion of the unretrieved mid remainder."}
+    return type(f"{base.__name__}Phi", (base,), attrs)
