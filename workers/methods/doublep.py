@@ -133,7 +133,7 @@ class DoublePSelector(Selector):
                          n_centroids=ccounts.reshape(t, hkv))
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DoubleP(SparseMethod):
     """Sink/tail anchors + Double-P hierarchical top-p (adaptive unless a budget is given)."""
 

@@ -51,6 +51,7 @@ def shifted_sums(m: torch.Tensor, log_phi_k: torch.Tensor, v: torch.Tensor) -> t
 def stable_cache(log_phi_k: torch.Tensor, v: torch.Tensor) -> StableCache:
     """The cache of one set in one pass: ``log_phi_k [..., n, F]``, ``v [..., n, D]``."""
     m = log_phi_k.amax(-2) if log_phi_k.shape[-2] else log_phi_k.new_zeros(log_phi_k.shape[:-2] + log_phi_k.shape[-1:])
+    m = torch.where(torch.isfinite(m), m, 0.0)  # a feature no key has (log φ = -inf everywhere)
     u, t = shifted_sums(m, log_phi_k, v)
     return StableCache(m, u, t)
 
@@ -62,6 +63,7 @@ def build_cache(fmap: FeatureMap, layer: int, k: torch.Tensor, v: torch.Tensor, 
     if n <= chunk:
         return stable_cache(fmap.log_phi_k(layer, k), v.float())
     m = torch.stack([fmap.log_phi_k(layer, k[:, s:s + chunk]).amax(-2) for s in range(0, n, chunk)]).amax(0)
+    m = torch.where(torch.isfinite(m), m, 0.0)
     u = torch.zeros_like(m)
     t = torch.zeros(*m.shape, v.shape[-1], dtype=m.dtype, device=m.device)
     for s in range(0, n, chunk):
@@ -109,10 +111,14 @@ class PhiSummarizer(Summarizer):
         """K, V ``[Hkv, N, D]`` -> ``m``, ``u``, ``t`` and ``meta = [kind, phi_dim, seed, lo, hi]``."""
         d = DecodeConfig()
         lo, hi = mid_range(k.shape[1], d.sink, d.tail)
-        fmap = FavorFeatureMap(self.phi_dim or k.shape[-1], self.seed)
+        fmap = self.feature_map(k.shape[-1])
         c = build_cache(fmap, layer, k[:, lo:hi], v[:, lo:hi])
-        meta = torch.tensor([fmap.kind, fmap.phi_dim, self.seed, lo, hi], dtype=torch.int64)
+        meta = torch.tensor([fmap.kind, fmap.phi_dim, fmap.seed, lo, hi], dtype=torch.int64)
         return {"m": c.m, "u": c.u, "t": c.t, "meta": meta}
+
+    def feature_map(self, head_dim: int) -> FeatureMap:
+        """The map the cache is built with (decode must use the same one)."""
+        return FavorFeatureMap(self.phi_dim or head_dim, self.seed)
 
 
 class PhiCompletion:

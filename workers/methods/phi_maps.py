@@ -50,7 +50,8 @@ def orthogonal_gaussian(n_rows: int, dim: int, generator: torch.Generator) -> to
     """``[n_rows, dim]`` Gaussian rows, orthogonal within each block of ``dim`` (Performer ORF), float64."""
     blocks = []
     for _ in range(-(-n_rows // dim)):
-        q, _ = torch.linalg.qr(torch.randn(dim, dim, generator=generator, dtype=torch.float64))
+        q, r = torch.linalg.qr(torch.randn(dim, dim, generator=generator, dtype=torch.float64))
+        q = q * torch.sign(torch.diagonal(r))  # Householder QR folds directions; this makes Q Haar-uniform
         norms = torch.randn(dim, dim, generator=generator, dtype=torch.float64).norm(dim=1)
         blocks.append(q.T * norms[:, None])
     return torch.cat(blocks)[:n_rows]

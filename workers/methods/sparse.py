@@ -13,6 +13,7 @@ fetched (only what the step attends), which is what issue 5's tiered fetch will 
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -21,6 +22,7 @@ from workers.budget import plan_budget
 from workers.kernels.sparse_attention import sparse_decode_attention, sparse_decode_attention_ref
 from workers.methods.base import DecodeConfig, Method, PrefixSource, ReadReport, mid_range
 from workers.methods.phi import PhiCompletion, PhiSummarizer
+from workers.methods.phi_maps import FeatureMap
 from workers.methods.reads import ReadCounter, mark_tokens
 from workers.methods.selector import LayerContext, Selection, Selector
 
@@ -137,12 +139,15 @@ class SparsePrefixAttention:
         return sel, out, lse
 
 
+@dataclass(kw_only=True)
 class SparseMethod(Method):
     """A selector over the mid region, optionally φ-completed; the budget is matched in reads."""
 
     completion: ClassVar[bool] = False
     default_fraction: ClassVar[float | None] = DEFAULT_FRACTION
     """Budget when the request gives none (None: the selector's adaptive rule)."""
+    feature_map: FeatureMap | None = None
+    """φ map the prefix's cache was built with, when it is not the default FAVOR+ map."""
 
     @abc.abstractmethod
     def selector(self, source: PrefixSource, config: DecodeConfig) -> Selector:
@@ -162,7 +167,7 @@ class SparseMethod(Method):
         plan_args = {"prefill_len": source.n_tokens, "head_dim": lay.head_dim, "sink": config.sink,
                      "tail": config.tail, "gen_len": config.gen_len}
         covered = fraction is not None and plan_budget(fraction=fraction, **plan_args).k_topk >= hi - lo
-        completion = PhiCompletion(source) if self.completion and not covered else None
+        completion = PhiCompletion(source, self.feature_map) if self.completion and not covered else None
         selector = self.selector(source, config)
         k = None
         if fraction is not None:
