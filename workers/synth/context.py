@@ -30,6 +30,9 @@ class SynthContext:
 
     def count(self, text: str) -> int:
         """Tokens in `text`, encoded without special tokens."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)  # fast path, same ids
+        if backend is not None:
+            return len(backend.encode(text, add_special_tokens=False).ids)
         return len(self.tokenizer.encode(text, add_special_tokens=False))
 
     def count_unit(self, text: str) -> int:

@@ -26,6 +26,9 @@ HAYSTACKS: tuple[HaystackKind, ...] = ("noise", "text", "text", "needles")
 MULTI_VALUE_P = 0.2
 MULTI_QUERY_P = 0.15
 UUID_KEY_P = 0.15
+MAX_QA_SHARE = 0.4
+MAX_ATTEMPTS = 8
+"""Questions and answers take at most this share of the sequence (the first always fits)."""
 
 
 def questions(rng: random.Random, keys: list[str], values: dict[str, list[str]], kind, n: int):
@@ -54,11 +57,20 @@ class DenseRecall:
     def episode(self, ctx: SynthContext, n_tokens: int, seed: int) -> Episode:
         """One episode whose whole sequence (document, questions, answers) fits `n_tokens`."""
         rng = ctx.rng(self.name, n_tokens, seed)
+        n_keys = max(2, min(self.max_needles, n_tokens // self.tokens_per_needle))
+        n_keys = rng.randint(max(1, n_keys // 4), n_keys)
+        for _ in range(MAX_ATTEMPTS):
+            ep, used = self.build(ctx, rng, n_keys, n_tokens)
+            if used <= n_tokens:
+                return ep
+            n_keys = max(1, n_keys // 2)
+        raise ValueError(f"no dense-recall episode fits {n_tokens} tokens")
+
+    def build(self, ctx: SynthContext, rng: random.Random, n_keys: int, n_tokens: int) -> tuple[Episode, int]:
+        """An episode with `n_keys` keys, and the tokens its sequence takes."""
         vocab = ctx.words()
         kind = rng.choice(VALUE_KINDS)
         key_kind: KeyKind = "uuid" if rng.random() < UUID_KEY_P else "words"
-        n_keys = max(2, min(self.max_needles, n_tokens // self.tokens_per_needle))
-        n_keys = rng.randint(max(1, n_keys // 4), n_keys)
         keys = distinct(make_key, n_keys, rng, key_kind, vocab)
         n_vals = [rng.randint(2, 4) if rng.random() < MULTI_VALUE_P else 1 for _ in keys]
         flat = distinct(make_value, sum(n_vals), rng, kind, vocab)
@@ -67,8 +79,15 @@ class DenseRecall:
         values: dict[str, list[str]] = {k: [] for k in keys}
         for _, k, v in sorted(zip(depths, owners, flat)):
             values[k].append(v)
-        qa = questions(rng, keys, values, kind, self.max_questions)
-        turns = tuple((PROMPT.query(q), PROMPT.target(a)) for q, a in qa)
+        turns: list[tuple[str, str]] = []
+        used = ctx.special_tokens
+        for q, a in questions(rng, keys, values, kind, self.max_questions):
+            turn = (PROMPT.query(q), PROMPT.target(a))
+            cost = ctx.count(turn[0]) + ctx.count(turn[1]) + 1  # + 1: the answer's </s>
+            if turns and used + cost > n_tokens * MAX_QA_SHARE:
+                break
+            turns.append(turn)
+            used += cost
         needles = [needle_text(kind, k, v) for k, v in zip(owners, flat)]
 
         def distractor() -> str:
@@ -77,10 +96,9 @@ class DenseRecall:
                 key = make_key(rng, key_kind, vocab)
             return needle_text(kind, key, make_value(rng, kind, vocab))
 
-        used = sum(ctx.count(q) + ctx.count(t) + 1 for q, t in turns)  # + 1: each answer's EOS
-        budget = n_tokens - ctx.special_tokens - used
-        doc = hs.fit(ctx, stream(ctx, rng, rng.choice(HAYSTACKS), distractor), needles, depths, budget)
-        return Episode(document=doc, turns=turns)
+        units = stream(ctx, rng, rng.choice(HAYSTACKS), distractor)
+        doc = hs.fit(ctx, units, needles, depths, n_tokens - used)
+        return Episode(document=doc, turns=tuple(turns)), used + ctx.count(doc)
 
 
 @dataclass(frozen=True, kw_only=True)

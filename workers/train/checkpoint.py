@@ -1,0 +1,49 @@
+"""Training state on disk (resume) and bf16 safetensors exports (ship / bring back)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+
+import torch
+from transformers import LlamaForCausalLM
+
+STATE_FILE = "state.pt"
+TRAINER_STATE = "trainer_state.json"
+MAX_SHARD = "15MB"
+
+
+def save_state(out: Path, model, optimizer, step: int, config: dict) -> None:
+    """Write model + optimizer + step atomically (temp file, fsync, rename)."""
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / (STATE_FILE + ".tmp")
+    state = {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": step, "config": config}
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out / STATE_FILE)
+
+
+def load_state(out: Path) -> dict | None:
+    """The saved training state, or None when there is none."""
+    path = out / STATE_FILE
+    return torch.load(path, map_location="cpu", weights_only=False) if path.exists() else None
+
+
+def export(model: LlamaForCausalLM, dest: Path, step: int, config: dict) -> None:
+    """Save bf16 weights in shards of at most 15 MB, the HF config and trainer_state.json."""
+    dest.mkdir(parents=True, exist_ok=True)
+    shipped = copy.deepcopy(model).to(device="cpu", dtype=torch.bfloat16)  # type: ignore[call-arg]
+    shipped.save_pretrained(dest, max_shard_size=MAX_SHARD)
+    (dest / TRAINER_STATE).write_text(json.dumps({"step": step, "train_config": config}, indent=1))
+
+
+def load_export(src: Path) -> tuple[LlamaForCausalLM, int]:
+    """An exported model in float32, and the step it was exported at."""
+    model = LlamaForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="sdpa")
+    meta = src / TRAINER_STATE
+    step = json.loads(meta.read_text())["step"] if meta.exists() else 0
+    return model, step

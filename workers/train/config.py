@@ -1,0 +1,134 @@
+"""Typed, frozen configuration of the model and of a training run."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+from transformers import LlamaConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shape of the Llama model (GQA with 4 query heads per KV head, large RoPE base)."""
+
+    vocab_size: int = 8192
+    hidden_size: int = 384
+    intermediate_size: int = 768
+    num_layers: int = 8
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    rope_theta: float = 1e6
+    max_positions: int = 32768
+    """Longest sequence the config declares (RoPE itself has no hard limit)."""
+    rms_norm_eps: float = 1e-5
+    initializer_range: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+
+    def to_llama(self, pad_id: int, bos_id: int, eos_id: int) -> LlamaConfig:
+        """The transformers LlamaConfig (tied embeddings, no biases)."""
+        return LlamaConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+            max_position_embeddings=self.max_positions,
+            rms_norm_eps=self.rms_norm_eps,
+            initializer_range=self.initializer_range,
+            tie_word_embeddings=True,
+            pad_token_id=pad_id,
+            bos_token_id=bos_id,
+            eos_token_id=eos_id,
+        )
+
+
+TINY_MODEL = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=1, head_dim=16)
+"""A model small enough for CPU tests."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stage:
+    """One curriculum stage: until this fraction of the run, lengths drawn from `lengths`."""
+
+    until: float
+    lengths: tuple[int, ...]
+
+
+DEFAULT_CURRICULUM = (
+    Stage(until=0.12, lengths=(512, 1024)),
+    Stage(until=0.30, lengths=(1024, 2048, 4096)),
+    Stage(until=0.55, lengths=(2048, 4096, 8192)),
+    Stage(until=1.00, lengths=(4096, 8192, 16384, 16384)),
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixConfig:
+    """Relative weights of the training components (normalized when drawn)."""
+
+    dense_recall: float = 0.40
+    ruler: float = 0.40
+    repeat: float = 0.10
+    plain_text: float = 0.10
+    max_repeat_tokens: int = 4096
+    """Cap on a copy document (its answer doubles the sequence)."""
+    answer_reserve: int = 48
+    """Tokens first kept free after a RULER prompt for its answer (retried smaller if it is longer)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One training run; every number that shapes training lives here."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mix: MixConfig = field(default_factory=MixConfig)
+    curriculum: tuple[Stage, ...] = DEFAULT_CURRICULUM
+    steps: int = 4000
+    tokens_per_batch: int = 131072
+    """Sequences per batch = tokens_per_batch // that batch's length."""
+    lr: float = 1.5e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    lm_weight: float = 0.3
+    """Weight of the language-modelling loss next to the answer loss."""
+    seed: int = 0
+    checkpoint_every: int = 200
+    log_every: int = 20
+    workers: int = 8
+    """DataLoader worker processes generating batches."""
+
+    def __post_init__(self) -> None:
+        if not self.curriculum or self.curriculum[-1].until < 1.0:
+            raise ValueError("the last curriculum stage must reach until=1.0")
+
+    def to_dict(self) -> dict:
+        """A JSON-able dict of this config."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TrainConfig:
+        """Inverse of `to_dict`; unknown keys are errors."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown TrainConfig keys: {sorted(unknown)}")
+        data = dict(data)
+        if "model" in data:
+            data["model"] = ModelConfig(**data["model"])
+        if "mix" in data:
+            data["mix"] = MixConfig(**data["mix"])
+        if "curriculum" in data:
+            data["curriculum"] = tuple(Stage(until=s["until"], lengths=tuple(s["lengths"])) for s in data["curriculum"])
+        if "betas" in data:
+            data["betas"] = tuple(data["betas"])
+        return cls(**data)

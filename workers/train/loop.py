@@ -1,0 +1,117 @@
+"""The training loop: curriculum batches, AdamW, bf16 autocast on GPU, checkpoints, time budget."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from workers.train import checkpoint as ckpt
+from workers.train.config import TrainConfig
+from workers.train.data import batch_length, loader
+from workers.train.objective import build_model, compute_loss
+
+LOG_FILE = "log.jsonl"
+RESTART_WARMUP = 50
+"""Warm-up steps when resuming from exported weights without optimizer state."""
+
+
+def lr_at(cfg: TrainConfig, step: int, restart: int | None = None) -> float:
+    """Linear warm-up, cosine decay to `min_lr_ratio`; a fresh warm-up after a restart."""
+    warm = min(1.0, (step + 1) / cfg.warmup_steps)
+    if restart is not None:
+        warm = min(warm, (step - restart + 1) / RESTART_WARMUP)
+    progress = min(1.0, step / max(1, cfg.steps))
+    cosine = cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return cfg.lr * warm * cosine
+
+
+def make_optimizer(cfg: TrainConfig, model) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    fused = next(model.parameters()).is_cuda
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=fused)
+
+
+def restore(cfg: TrainConfig, out: Path, init: Path | None, tokenizer, device: str):
+    """(model, optimizer, step, restart): from out/state.pt, else exported weights, else fresh."""
+    state = ckpt.load_state(out)
+    restart = None
+    if state is not None:
+        model = build_model(cfg.model, tokenizer, cfg.seed)
+        model.load_state_dict(state["model"])
+        step = state["step"]
+    elif init is not None:
+        model, step = ckpt.load_export(init)
+        restart = step
+    else:
+        model, step = build_model(cfg.model, tokenizer, cfg.seed), 0
+    model.to(device)  # type: ignore[arg-type]  # transformers wraps .to
+    opt = make_optimizer(cfg, model)
+    if state is not None:
+        opt.load_state_dict(state["optim"])
+    return model, opt, step, restart
+
+
+def train(
+    cfg: TrainConfig,
+    out: Path,
+    tokenizer,
+    *,
+    init: Path | None = None,
+    time_budget: float = math.inf,
+    export_to: Path | None = None,
+    device: str | None = None,
+) -> list[dict]:
+    """Train from where `out` left off until `cfg.steps` or `time_budget` seconds; returns the log."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    model, opt, step, restart = restore(cfg, out, init, tokenizer, device)
+    model.train()
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else nullcontext()
+    t0, last_t, last_step, records = time.time(), time.time(), step, []
+    out.mkdir(parents=True, exist_ok=True)
+    for batch in loader(cfg, tokenizer, step, pin=device == "cuda"):
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        for group in opt.param_groups:
+            group["lr"] = lr_at(cfg, step, restart)
+        with autocast:
+            parts = compute_loss(model, batch, cfg.lm_weight)
+        parts.loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            now = time.time()
+            rec = {
+                "step": step,
+                "len": batch_length(cfg, step - 1),
+                "loss": round(float(parts.loss.detach()), 4),
+                "ans_loss": round(float(parts.answer_loss), 4),
+                "ans_acc": round(float(parts.answer_acc), 4),
+                "lm_loss": round(float(parts.lm_loss), 4),
+                "gnorm": round(float(gnorm), 3),
+                "lr": lr_at(cfg, step - 1, restart),
+                "s_per_step": round((now - last_t) / (step - last_step), 4),
+                "elapsed": round(now - t0, 1),
+            }
+            last_t, last_step = now, step
+            records.append(rec)
+            print(json.dumps(rec), flush=True)
+            with open(out / LOG_FILE, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        if step % cfg.checkpoint_every == 0:
+            ckpt.save_state(out, model, opt, step, cfg.to_dict())
+        if time.time() - t0 > time_budget:
+            break
+    ckpt.save_state(out, model, opt, step, cfg.to_dict())
+    if export_to is not None:
+        ckpt.export(model, export_to, step, cfg.to_dict())
+    return records
