@@ -29,8 +29,8 @@ def test_choose_units_budget_and_mass() -> None:
     assert choose_units(scores, p=1.0).n_chosen.tolist() == [4, 4]
     assert choose_units(scores, budget=0).n_chosen.tolist() == [0, 0]
     both = choose_units(scores, sizes=sizes, budget=5, p=0.99)
-    assert both.n_chosen.tolist() == [1, 4] and both.mask(start=torch.tensor([1, 2]))[1].tolist() == [
-        False, False, True, True]
+    assert both.n_chosen.tolist() == [1, 2]  # row 0: sizes 4+2 > 5; row 1 (ties: lower id first): 1+4 fit
+    assert both.mask(start=torch.tensor([0, 1]))[1].tolist() == [False, True, False, False]
 
 
 def test_mask_to_index_puts_valid_ids_first() -> None:
