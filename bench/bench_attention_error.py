@@ -1,0 +1,166 @@
+"""Attention-level error of every sparse method at matched token-equivalent reads.
+
+Relative L1 error of the attention output against full attention (``topk-phi-completion.txt``
+eq. 53), per (query head, query) row, averaged within quartiles of the mid-region normalized
+entropy H_mid (eq. 52), at per-step budgets f = 1..5 % of the prefix (appendix D: Top-K reads
+``k_topk(f)`` mid tokens, φ-completed methods ``k_hyb(f, L_gen=1)``). Data is synthetic (planted):
+keys follow topic segments (locality, cluster structure) and queries aim at a needle token or a
+topic with a per-head sharpness that spreads H_mid over [0, 1]. Until captured q/K/V from the
+project's model exist, this is the attention-level evidence.
+
+    .venv/bin/python bench/bench_attention_error.py            # the table in docs/benchmarks.md
+    .venv/bin/python bench/bench_attention_error.py --n 4096   # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+
+from workers.attention import dense_attention
+from workers.budget import plan_budget
+from workers.methods.base import DecodeConfig, mid_range
+from workers.methods.memory import MemorySource
+from workers.methods.registry import METHODS, get_method
+
+METHODS_SHOWN = ["topk", "topk+phi", "quest", "quest+phi", "doublep", "doublep+phi"]
+
+
+def synth(n: int, d: int, hkv: int, g: int, nq: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Planted K, V ``[Hkv, n, d]`` and queries ``[1, Hkv*g, nq, d]``.
+
+    Keys: topic segments (mean length 128) around per-topic centers, plus 4 sink keys along a
+    shared direction. Values: a per-head mean, a per-topic component and noise. Queries: a random
+    mix of a sink component and a target (a single mid token, or a topic center) scaled by a
+    per-KV-head sharpness spread log-uniformly over [0.3, 3] (so H_mid covers ~[0, 1]).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    n_topics = max(2, n // 128)
+    cuts = torch.sort(torch.randperm(n - 1, generator=gen)[: n_topics - 1] + 1).values
+    topic = torch.zeros(n, dtype=torch.long)
+    topic[cuts] = 1
+    topic = topic.cumsum(0)
+    centers = torch.randn(hkv, n_topics, d, generator=gen)
+    k = centers[:, topic] * 0.8 + torch.randn(hkv, n, d, generator=gen) * 0.6
+    sink_dir = torch.nn.functional.normalize(torch.randn(hkv, d, generator=gen), dim=-1)
+    k[:, :4] = sink_dir[:, None] * math.sqrt(d) * 1.5
+    v = (torch.randn(hkv, 1, d, generator=gen) + 0.5 * torch.randn(hkv, n_topics, d, generator=gen)[:, topic]
+         + torch.randn(hkv, n, d, generator=gen))
+    sharp = torch.logspace(math.log10(0.3), math.log10(3.0), hkv)
+    q = torch.empty(1, hkv * g, nq, d)
+    for h in range(hkv * g):
+        kv_h = h // g
+        for j in range(nq):
+            if torch.rand((), generator=gen) < 0.5:
+                target = k[kv_h, int(torch.randint(4, n - 16, (), generator=gen))]
+            else:
+                target = centers[kv_h, int(torch.randint(n_topics, (), generator=gen))]
+            jitter = float(torch.empty(()).uniform_(0.5, 2.0, generator=gen))
+            sink = float(torch.empty(()).uniform_(0.0, 1.0, generator=gen))
+            q[0, h, j] = sharp[kv_h] * jitter * target / target.norm() * math.sqrt(d)
+            q[0, h, j] += sink * sink_dir[kv_h] * math.sqrt(d) + 0.3 * torch.randn(d, generator=gen)
+    return k, v, q
+
+
+def mid_entropy(q: torch.Tensor, k: torch.Tensor, scale: float, lo: int, hi: int) -> torch.Tensor:
+    """H_mid per (query head, query): normalized entropy of full attention restricted to the mid region."""
+    g = q.shape[1] // k.shape[0]
+    logits = torch.einsum("hqd,hnd->hqn", q[0].double(), k.repeat_interleave(g, 0)[:, lo:hi].double()) * scale
+    p = torch.softmax(logits, -1)
+    return -(p * p.clamp_min(1e-300).log()).sum(-1) / math.log(hi - lo)
+
+
+def rel_l1(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Eq. 53 per row: ``|y - y_full|_1 / (|y_full|_1 + eps)``."""
+    return (out - ref).abs().sum(-1) / (ref.abs().sum(-1) + 1e-6)
+
+
+def variants(f: float) -> list[tuple[str, str, DecodeConfig]]:
+    """(label, method, config) rows of one budget."""
+    rows = [(m, m, DecodeConfig(budget=f)) for m in METHODS_SHOWN]
+    rows.append(("topk+phi, L_gen=1e9 (same k as topk)", "topk+phi", DecodeConfig(budget=f, gen_len=10**9)))
+    return rows
+
+
+def measure(src: MemorySource, name: str, cfg: DecodeConfig, q: torch.Tensor, scale: float
+            ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Attend each query token as its own decode step; (out, per-step read counters per KV head)."""
+    attn = get_method(name).open(src, cfg)
+    outs = [attn.attend(0, q[:, :, j:j + 1], scale)[0] for j in range(q.shape[2])]
+    rep = attn.read_report()
+    hkv, tok = src.layout.n_kv_heads, src.layout.token_kv_bytes()
+    return torch.cat(outs, dim=2), {
+        "k": rep.extra.get("budget_k", float("nan")),
+        "exact": rep.extra["exact_tokens_per_step"] / hkv,
+        "pseudo": rep.extra["pseudo_entries_per_step"] / q.shape[1],
+        "once": rep.once_bytes / tok / hkv,
+    }
+
+
+def run(args: argparse.Namespace) -> tuple[list[str], dict]:
+    k, v, q = synth(args.n, args.head_dim, args.kv_heads, args.group, args.queries, args.seed)
+    scale = args.head_dim ** -0.5
+    ref, _ = dense_attention(q, k[None], v[None], scale)
+    lo, hi = mid_range(args.n, 4, 16)
+    ent = mid_entropy(q, k, scale, lo, hi).flatten()
+    edges = torch.quantile(ent, torch.tensor([0.25, 0.5, 0.75], dtype=ent.dtype))
+    quart = torch.bucketize(ent, edges)
+    t0 = time.perf_counter()
+    src = MemorySource.build([(k, v)], {s for m in METHODS_SHOWN for s in METHODS[m].summarizers})
+    prefill_s = time.perf_counter() - t0
+    rows, results = [], {}
+    cases = [(f, *c) for f in args.budgets for c in variants(f)]
+    cases.append((None, "doublep, top-p (0.95, 0.7), no budget", "doublep", DecodeConfig()))
+    for f, label, name, cfg in cases:
+        out, c = measure(src, name, cfg, q, scale)
+        err = rel_l1(out, ref).flatten()
+        per_q = [float(err[quart == i].mean()) for i in range(4)]
+        results[(f, label)] = (float(err.mean()), per_q)
+        feasible = f is None or not name.endswith("+phi") or cfg.gen_len > 1 or plan_budget(
+            prefill_len=args.n, fraction=f, head_dim=args.head_dim, phi_dim=args.head_dim).hybrid_feasible
+        rows.append(f"| {'-' if f is None else f'{f:.0%}'} | {label}{'' if feasible else ' (infeasible)'} | "
+                    f"{c['k']:.0f} | {float(err.mean()):.3f} | " + " | ".join(f"{e:.3f}" for e in per_q)
+                    + f" | {c['exact']:.0f} | {c['pseudo']:.0f} | {c['once']:.0f} |")
+    header = [f"N={args.n}, d_h=d_phi={args.head_dim}, {args.kv_heads} KV heads x G={args.group}, "
+              f"{args.queries} decode steps per head ({args.kv_heads * args.group * args.queries} rows), "
+              f"seed {args.seed}; H_mid quartile edges {', '.join(f'{x:.2f}' for x in edges.tolist())}; "
+              f"summaries built in {prefill_s:.1f} s",
+              "",
+              "| f | method | k | rel. L1 all | Q1 (low H_mid) | Q2 | Q3 | Q4 (high H_mid) | exact reads/step "
+              "| pseudo-entries/step | one-time reads |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    return header + rows, results
+
+
+def gain_lines(results: dict, budgets: list[float]) -> list[str]:
+    """Gain = e_sel - e_hyb per quartile (positive: φ completion helps at matched reads)."""
+    lines = ["", "| f | selector | gain all | gain Q1 | Q2 | Q3 | Q4 |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for f in budgets:
+        for sel in ("topk", "quest", "doublep"):
+            a, qa = results[(f, sel)]
+            b, qb = results[(f, sel + "+phi")]
+            lines.append(f"| {f:.0%} | {sel} | {a - b:+.3f} | " + " | ".join(f"{x - y:+.3f}" for x, y in zip(qa, qb))
+                         + " |")
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--n", type=int, default=16384)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--group", type=int, default=4)
+    p.add_argument("--queries", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budgets", type=lambda s: [float(x) for x in s.split(",")], default=[0.01, 0.02, 0.03, 0.04, 0.05])
+    args = p.parse_args()
+    torch.manual_seed(args.seed)
+    lines, results = run(args)
+    print("\n".join(lines + gain_lines(results, args.budgets)))
+
+
+if __name__ == "__main__":
+    main()
