@@ -1,0 +1,445 @@
+"""One contract for every metadata backend (LMDB and a real redis-server): commits, listing,
+deletes, leases, single-flight prefill locks, LRU byte accounting, eviction, restarts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from redis_server import RedisServer, redis_server  # noqa: F401 - the fixture
+
+from store.artifacts import digest
+from store.errors import InvalidInput, LockTimeout, PrefixNotFound
+from store.layout import KVLayout
+from store.manifest import ArtifactInfo, FileInfo, Manifest
+from store.metadata import MetadataBackend, PrefixUsage, open_metadata
+from store.prefix_key import PrefixKey
+
+REPO = Path(__file__).resolve().parents[1]
+LAYOUT = KVLayout(n_layers=1, n_kv_heads=1, head_dim=8, dtype="float32", page_size=16)
+
+
+def make_manifest(seed: int, kv_bytes: int = 1000, artifacts: Mapping[str, bytes] | None = None) -> Manifest:
+    """A manifest of ``kv_bytes`` page bytes plus ``artifacts``; its id depends on ``seed`` only."""
+    key = PrefixKey(model_fingerprint="fp", tenant_salt="salt", token_hash=f"{seed:064x}", layout=LAYOUT)
+    arts = tuple(ArtifactInfo(name=n, size=len(b), blake2b=digest(b)) for n, b in sorted((artifacts or {}).items()))
+    return Manifest(prefix_id=key.prefix_id, key=key, model_name="m", n_tokens=16,
+                    files=(FileInfo(name="layer_000.kv", size=kv_bytes, blake2b="0" * 32),), artifacts=arts,
+                    created_at=time.time())
+
+
+def commit(meta: MetadataBackend, seed: int, kv_bytes: int = 1000, artifacts: Mapping[str, bytes] | None = None,
+           ) -> str:
+    m = make_manifest(seed, kv_bytes, artifacts)
+    meta.commit(m, artifacts or {})
+    return m.prefix_id
+
+
+def commit_in_order(meta: MetadataBackend, seeds: range, kv_bytes: tuple[int, ...]) -> list[str]:
+    """Commit one prefix per seed, a few ms apart, so their LRU order is the commit order."""
+    ids = []
+    for seed, size in zip(seeds, kv_bytes):
+        ids.append(commit(meta, seed, size))
+        time.sleep(0.01)
+    return ids
+
+
+def usage_of(meta: MetadataBackend, prefix_id: str) -> PrefixUsage:
+    u = meta.prefix_usage(prefix_id)
+    assert u is not None, f"{prefix_id} is not committed"
+    return u
+
+
+@dataclass
+class Env:
+    """One metadata store as a test sees it: more clients, restarts, a URL for subprocesses."""
+
+    kind: str
+    home: Path
+    server: RedisServer | None = None
+    opened: list[MetadataBackend] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return self.server.url if self.server else "lmdb"
+
+    def open(self) -> MetadataBackend:
+        """A client. Redis: a new one each call. LMDB: one per process (LMDB forbids opening twice)."""
+        if self.kind == "lmdb" and self.opened:
+            return self.opened[0]
+        meta = open_metadata(self.url, self.home)
+        self.opened.append(meta)
+        return meta
+
+    def restart(self, hard: bool) -> MetadataBackend:
+        """Close every client and restart the server (Redis: SIGKILL when ``hard``); a new client."""
+        self.close()
+        if self.server:
+            self.server.restart(hard=hard)
+        return self.open()
+
+    def close(self) -> None:
+        for meta in self.opened:
+            meta.close()
+        self.opened.clear()
+
+
+@pytest.fixture(params=["lmdb", "redis"])
+def env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Env]:
+    server = request.getfixturevalue("redis_server") if request.param == "redis" else None
+    e = Env(request.param, tmp_path / "home", server)
+    yield e
+    e.close()
+
+
+@pytest.fixture()
+def meta(env: Env) -> MetadataBackend:
+    return env.open()
+
+
+class ExplodingArtifacts(Mapping[str, bytes]):
+    """Yields one artifact, then fails: a commit interrupted half way through its artifacts."""
+
+    def __getitem__(self, name: str) -> bytes:
+        return b"first"
+
+    def __iter__(self) -> Iterator[str]:
+        yield "first"
+        raise RuntimeError("disk on fire")
+
+    def __len__(self) -> int:
+        return 2
+
+
+# -- registry --------------------------------------------------------------------------------
+def test_commit_is_visible_to_every_client(env: Env, meta: MetadataBackend) -> None:
+    arts = {"phi": b"\x00\x01" * 100, "bounds": b"b"}
+    m = make_manifest(1, 1000, arts)
+    meta.commit(m, arts)
+    pid, other = m.prefix_id, env.open()
+    assert other.manifest(pid) == m
+    assert other.artifact(pid, "phi") == arts["phi"] and other.artifact(pid, "bounds") == b"b"
+    assert other.artifact(pid, "nope") is None and other.manifest("0" * 32) is None
+    assert [m.prefix_id for m in other.manifests()] == [pid]
+    assert other.usage() == 1000 + 201
+
+
+def test_interrupted_commit_leaves_nothing_and_keeps_the_old_version(meta: MetadataBackend) -> None:
+    m = make_manifest(2)
+    with pytest.raises(RuntimeError, match="on fire"):
+        meta.commit(m, ExplodingArtifacts())
+    assert meta.manifest(m.prefix_id) is None and meta.artifact(m.prefix_id, "first") is None
+    assert meta.manifests() == [] and meta.usage() == 0 and meta.prefix_usage(m.prefix_id) is None
+    old = make_manifest(2, 1000, {"a": b"old"})
+    meta.commit(old, {"a": b"old"})
+    pid = old.prefix_id
+    with pytest.raises(RuntimeError):
+        meta.commit(make_manifest(2, 5000), ExplodingArtifacts())
+    assert meta.manifest(pid) == old and meta.artifact(pid, "a") == b"old"
+    assert meta.artifact(pid, "first") is None and meta.usage() == 1003
+
+
+def test_manifest_is_never_visible_before_its_artifacts(env: Env, meta: MetadataBackend) -> None:
+    arts = {f"a{i}": bytes([i]) * 40_000 for i in range(4)}
+    ids = [make_manifest(100 + i, artifacts=arts).prefix_id for i in range(30)]
+    reader, seen, done = env.open(), [0], threading.Event()
+
+    def read() -> None:
+        while not done.is_set():
+            for pid in ids:
+                if reader.manifest(pid) is not None:
+                    assert all(reader.artifact(pid, n) == b for n, b in arts.items()), pid
+                    seen[0] += 1
+
+    t = threading.Thread(target=read)
+    t.start()
+    try:
+        for i in range(30):
+            commit(meta, 100 + i, artifacts=arts)
+    finally:
+        done.set()
+        t.join()
+    assert seen[0] > 0
+
+
+def test_recommit_replaces_artifacts_and_bytes(meta: MetadataBackend) -> None:
+    pid = commit(meta, 3, 1000, {"a": b"aa", "b": b"bbb"})
+    commit(meta, 3, 500, {"a": b"a"})
+    assert meta.artifact(pid, "b") is None and meta.artifact(pid, "a") == b"a"
+    assert meta.usage() == 501 and usage_of(meta, pid).bytes == 501
+    assert len(meta.manifests()) == 1
+
+
+def test_delete_and_listing(meta: MetadataBackend) -> None:
+    ids = [commit(meta, 10 + i, 100, {"x": b"12345"}) for i in range(5)]
+    assert {m.prefix_id for m in meta.manifests()} == set(ids) and meta.usage() == 5 * 105
+    meta.pin(ids[0])
+    lease = meta.acquire_lease(ids[0], "w", 60)
+    assert meta.delete(ids[0]) is True  # explicit delete proceeds even when pinned and leased
+    assert meta.manifest(ids[0]) is None and meta.artifact(ids[0], "x") is None
+    assert meta.prefix_usage(ids[0]) is None and meta.leases(ids[0]) == []
+    assert meta.release_lease(lease) is False and meta.unpin(ids[0]) is False
+    assert meta.delete(ids[0]) is False
+    assert {m.prefix_id for m in meta.manifests()} == set(ids[1:]) and meta.usage() == 4 * 105
+
+
+# -- leases ----------------------------------------------------------------------------------
+def test_lease_acquire_renew_release(env: Env, meta: MetadataBackend) -> None:
+    with pytest.raises(PrefixNotFound):
+        meta.acquire_lease("f" * 32, "w", 10)
+    pid = commit(meta, 20)
+    a, b = meta.acquire_lease(pid, "worker-a", 60), env.open().acquire_lease(pid, "worker-b", 60)
+    assert a != b
+    leases = {x.lease_id: x for x in meta.leases(pid)}
+    assert set(leases) == {a, b} and leases[a].holder == "worker-a" and leases[a].prefix_id == pid
+    assert time.time() + 50 < leases[a].expires_at < time.time() + 70
+    assert usage_of(meta, pid).leases == 2
+    assert meta.release_lease(a) is True and meta.release_lease(a) is False
+    assert [x.lease_id for x in meta.leases(pid)] == [b]
+    assert meta.renew_lease(b, 120) is True and meta.leases(pid)[0].expires_at > time.time() + 100
+    assert meta.release_lease(b) is True and meta.leases(pid) == []
+    assert meta.release_lease("garbage") is False and meta.renew_lease("x.y", 5) is False
+    for bad in (0, -1, 10**6):
+        with pytest.raises(InvalidInput):
+            meta.acquire_lease(pid, "w", bad)
+
+
+def test_leases_expire(meta: MetadataBackend) -> None:
+    pid = commit(meta, 21)
+    short, long = meta.acquire_lease(pid, "crashed", 0.2), meta.acquire_lease(pid, "alive", 0.6)
+    assert meta.evict(pid) is False and meta.eviction_candidates(1) == []
+    time.sleep(0.35)
+    assert [x.lease_id for x in meta.leases(pid)] == [long]
+    assert meta.renew_lease(short, 10) is False and meta.release_lease(short) is False
+    assert meta.evict(pid) is False
+    time.sleep(0.4)
+    assert meta.leases(pid) == [] and meta.eviction_candidates(1) == [pid]
+    assert meta.evict(pid) is True and meta.manifest(pid) is None
+
+
+# -- single flight ---------------------------------------------------------------------------
+def test_single_flight_across_threads(env: Env) -> None:
+    m = make_manifest(30)
+    work, holders, max_holders, lock = [], [0], [0], threading.Lock()
+    clients = [env.open() for _ in range(6)]
+    barrier = threading.Barrier(len(clients))
+
+    def prefill(meta: MetadataBackend) -> None:
+        barrier.wait()
+        with meta.prefill_lock(m.prefix_id, ttl_s=5):
+            with lock:
+                holders[0] += 1
+                max_holders[0] = max(max_holders[0], holders[0])
+            if meta.manifest(m.prefix_id) is None:
+                time.sleep(0.2)  # the forward pass
+                work.append(1)
+                meta.commit(m, {})
+            with lock:
+                holders[0] -= 1
+
+    threads = [threading.Thread(target=prefill, args=(c,)) for c in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(work) == 1 and max_holders[0] == 1
+
+
+CHILD = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from store.manifest import Manifest
+    from store.metadata import open_metadata
+    mode, url, home, manifest_path, go = sys.argv[1:6]
+    m = Manifest.from_json(Path(manifest_path).read_text())
+    meta = open_metadata(url, Path(home))
+    if mode == "hold":
+        with meta.prefill_lock(m.prefix_id, ttl_s=1.0):
+            print("held", flush=True)
+            time.sleep(60)
+    print("ready", flush=True)
+    while not Path(go).exists():
+        time.sleep(0.005)
+    with meta.prefill_lock(m.prefix_id, ttl_s=5):
+        if meta.manifest(m.prefix_id) is None:
+            time.sleep(0.3)
+            meta.commit(m, {"a": b"x"})
+            print("did the work", flush=True)
+""")
+
+
+def _child(env: Env, mode: str, tmp_path: Path, m: Manifest) -> subprocess.Popen[str]:
+    (tmp_path / "m.json").write_text(m.to_json())
+    args = [sys.executable, "-c", CHILD, mode, env.url, str(env.home), str(tmp_path / "m.json"), str(tmp_path / "go")]
+    return subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_single_flight_across_processes(env: Env, tmp_path: Path) -> None:
+    m = make_manifest(31)
+    env.open()  # LMDB: create the environment before the children race to
+    children = [_child(env, "prefill", tmp_path, m) for _ in range(3)]
+    for c in children:
+        assert c.stdout is not None and c.stdout.readline().strip() == "ready"
+    (tmp_path / "go").touch()  # all three are past their imports: they contend for real
+    outs = [c.communicate(timeout=60) for c in children]
+    assert all(c.returncode == 0 for c in children), [err for _, err in outs]
+    assert sum(out.count("did the work") for out, _ in outs) == 1
+    assert env.open().artifact(m.prefix_id, "a") == b"x"
+
+
+def test_prefill_lock_times_out_then_frees_when_its_holder_crashes(env: Env, meta: MetadataBackend,
+                                                                   tmp_path: Path) -> None:
+    m = make_manifest(32)
+    child = _child(env, "hold", tmp_path, m)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "held", child.stderr
+        t0 = time.monotonic()
+        with pytest.raises(LockTimeout), meta.prefill_lock(m.prefix_id, wait_s=0.3):
+            pass
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        child.kill()
+        child.communicate()
+    t0 = time.monotonic()
+    with meta.prefill_lock(m.prefix_id, ttl_s=1, wait_s=10):  # Redis: its TTL (1 s) runs out; flock: at once
+        assert time.monotonic() - t0 < 5.0
+
+
+def test_prefill_lock_is_renewed_while_held(env: Env, meta: MetadataBackend) -> None:
+    pid, entered, release = make_manifest(33).prefix_id, threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with meta.prefill_lock(pid, ttl_s=0.6):
+            entered.set()
+            release.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    try:
+        assert entered.wait(10)
+        time.sleep(1.5)  # well past the TTL: only renewal keeps it
+        with pytest.raises(LockTimeout), env.open().prefill_lock(pid, wait_s=0):
+            pass
+    finally:
+        release.set()
+        t.join()
+    with env.open().prefill_lock(pid, wait_s=0):
+        pass
+
+
+# -- LRU, pins, eviction ---------------------------------------------------------------------
+def test_lru_order_and_byte_accounting(meta: MetadataBackend) -> None:
+    a, b, c = commit_in_order(meta, range(40, 43), (100, 200, 300))
+    assert meta.usage() == 600 and usage_of(meta, b).bytes == 200
+    before = usage_of(meta, a).last_used
+    time.sleep(0.01)
+    assert meta.touch(a) is True and usage_of(meta, a).last_used > before
+    assert meta.eviction_candidates(0) == []
+    assert meta.eviction_candidates(1) == [b]
+    assert meta.eviction_candidates(200) == [b]
+    assert meta.eviction_candidates(201) == [b, c]
+    assert meta.eviction_candidates(10**12) == [b, c, a]
+    assert meta.touch("0" * 32) is False and meta.prefix_usage("0" * 32) is None and meta.usage() == 600
+    assert meta.evict(b) is True and meta.usage() == 400 and meta.eviction_candidates(10**12) == [c, a]
+
+
+def test_eviction_skips_pinned_and_leased(env: Env, meta: MetadataBackend) -> None:
+    a, b, c = commit_in_order(meta, range(50, 53), (100, 100, 100))
+    meta.pin(a)
+    lease = env.open().acquire_lease(b, "gen", 60)
+    assert usage_of(meta, a).pinned and not usage_of(meta, b).pinned
+    assert meta.eviction_candidates(10**12) == [c]
+    assert meta.evict(a) is False and meta.evict(b) is False and meta.evict(c) is True
+    assert meta.usage() == 200 and {m.prefix_id for m in meta.manifests()} == {a, b}
+    assert meta.unpin(a) is True and meta.unpin(a) is False
+    assert meta.eviction_candidates(10**12) == [a]
+    assert meta.release_lease(lease) is True
+    assert meta.eviction_candidates(10**12) == [a, b]
+    with pytest.raises(PrefixNotFound):
+        meta.pin(c)
+    assert meta.evict(c) is False
+
+
+# -- restarts --------------------------------------------------------------------------------
+@pytest.mark.parametrize("hard", [False, True], ids=["clean", "killed"])
+def test_committed_state_survives_a_restart(env: Env, meta: MetadataBackend, hard: bool) -> None:
+    a = commit(meta, 60, 100, {"phi": b"p" * 1000})
+    time.sleep(0.01)
+    mb = make_manifest(61, 200, {"phi": b"q"})
+    meta.commit(mb, {"phi": b"q"})
+    b = mb.prefix_id
+    meta.pin(b)
+    lease = meta.acquire_lease(a, "w", 60)
+    usage = meta.usage()
+    after = env.restart(hard=hard)
+    assert {m.prefix_id for m in after.manifests()} == {a, b}
+    assert after.artifact(a, "phi") == b"p" * 1000 and after.manifest(b) == mb
+    assert after.usage() == usage and usage_of(after, b).pinned
+    assert [x.lease_id for x in after.leases(a)] == [lease] and after.eviction_candidates(10**12) == []
+    assert after.release_lease(lease) is True and after.eviction_candidates(1) == [a]
+
+
+# -- Redis specifics -------------------------------------------------------------------------
+def test_redis_client_reconnects_after_a_restart(redis_server: RedisServer, tmp_path: Path) -> None:  # noqa: F811
+    meta = open_metadata(redis_server.url, tmp_path)
+    pid = commit(meta, 70)
+    redis_server.restart(hard=True)  # also empties the server's script cache
+    assert meta.manifest(pid) is not None
+    assert meta.release_lease(meta.acquire_lease(pid, "w", 5)) is True
+    meta.close()
+
+
+def test_redis_down_is_store_unavailable(redis_server: RedisServer, tmp_path: Path) -> None:  # noqa: F811
+    from store.errors import StoreUnavailable
+
+    meta = open_metadata(redis_server.url, tmp_path)
+    redis_server.stop()
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnavailable, match="Redis"):
+        meta.manifest("0" * 32)
+    with pytest.raises(StoreUnavailable, match="cannot reach"):
+        open_metadata(redis_server.url, tmp_path)
+    assert time.monotonic() - t0 < 10
+    meta.close()
+
+
+def test_redis_namespaces_are_isolated(redis_server: RedisServer, tmp_path: Path) -> None:  # noqa: F811
+    import redis
+
+    one = open_metadata(redis_server.url, tmp_path, namespace="one:")
+    two = open_metadata(redis_server.url, tmp_path, namespace="two:")
+    pid = commit(one, 80)
+    one.acquire_lease(pid, "w", 60)
+    assert two.manifest(pid) is None and two.manifests() == [] and two.usage() == 0
+    raw = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    assert raw.keys("*") and all(str(k).startswith("one:") for k in raw.keys("*"))
+    for c in (one, two, raw):
+        c.close()
+
+
+def test_open_metadata_by_url(tmp_path: Path) -> None:
+    from store.lmdb_metadata import LmdbMetadata
+
+    for url in (None, "lmdb", f"lmdb://{tmp_path}/elsewhere"):
+        meta = open_metadata(url, tmp_path / "home")
+        assert isinstance(meta, LmdbMetadata)
+        meta.close()
+    assert (tmp_path / "home" / "meta" / "data.mdb").exists() and (tmp_path / "elsewhere" / "data.mdb").exists()
+    with pytest.raises(ValueError, match="unknown metadata URL"):
+        open_metadata("ftp://x", tmp_path)
+
+
+def test_missing_redis_server_fails_instead_of_skipping(monkeypatch: pytest.MonkeyPatch,
+                                                        request: pytest.FixtureRequest) -> None:
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(pytest.fail.Exception, match="apt-get install -y redis-server"):
+        request.getfixturevalue("redis_server")
