@@ -11,12 +11,13 @@ budget and/or reaches a mass.
 from __future__ import annotations
 
 import abc
+import functools
 from dataclasses import dataclass
 
 import torch
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class LayerContext:
     """One layer's resident prefix K/V and the mid region ``[lo, hi)`` selection works on."""
 
@@ -32,6 +33,7 @@ class LayerContext:
         """Tokens in the mid region."""
         return self.hi - self.lo
 
+    @functools.cached_property
     def anchors(self) -> torch.Tensor:
         """Token ids outside the mid region (sink + tail), always attended exactly."""
         n = self.k.shape[1]

@@ -109,7 +109,7 @@ class SparsePrefixAttention:
             lses.append(s)
             mark_tokens(hits, sel.tokens, sel.counts)
             pseudo.append(sel.n_centroids.sum() if sel.n_centroids is not None else 0)
-        n_read = (hits > 0).sum() + ctx.anchors().numel() * ctx.k.shape[0]
+        n_read = (hits > 0).sum() + ctx.anchors.numel() * ctx.k.shape[0]
         phi_rows = rows.shape[0] * hq if self.completion is not None else 0
         self.counter.add_layer(n_read, sum(pseudo) + phi_rows)
         out = torch.cat(outs).reshape(b, l, hq, d).permute(0, 2, 1, 3)
@@ -122,7 +122,7 @@ class SparsePrefixAttention:
         hkv, n = ctx.k.shape[0], ctx.k.shape[1]
         qg = q.view(t, hkv, hq // hkv, d)
         sel = self.selector.select(layer, ctx, qg, scale, self.k)
-        anchors = ctx.anchors().expand(t, hkv, -1)
+        anchors = ctx.anchors.expand(t, hkv, -1)
         parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = [
             (anchors, torch.ones_like(anchors, dtype=torch.bool), None),
             (sel.tokens, _prefix(sel.tokens, sel.counts), None)]
