@@ -92,7 +92,7 @@ class Worker:
         pid = key.prefix_id
         if (m := self.store.meta.manifest(pid)) is not None:
             return PrefillResult(prefix_id=pid, n_tokens=m.n_tokens, cached=True, manifest=m)
-        with self.store.prefix_lock(pid):  # single flight across processes of this host
+        with self.store.prefill_lock(pid):  # single flight across processes and hosts sharing the metadata
             if (m := self.store.meta.manifest(pid)) is not None:
                 return PrefillResult(prefix_id=pid, n_tokens=m.n_tokens, cached=True, manifest=m)
             m = self._write_prefix(key, ids, tenant)
@@ -142,8 +142,16 @@ class Worker:
         source = PrefixSource(self.store, m, self.lm.device)
         attn = get_method(method).open(source, decode or DecodeConfig())
         stop = params.stop or self.lm.prompt.stop
-        return self._stream(attn, source, m.n_tokens, q_ids, params, stop, min(room, params.max_new_tokens),
+        return self._leased(attn, source, q_ids, params, stop, min(room, params.max_new_tokens),
                             stats if stats is not None else GenerationStats())
+
+    def _leased(self, attn: PrefixAttention, source: PrefixSource, q_ids: list[int], params: SamplingParams,
+                stop: tuple[str, ...], max_new: int, stats: GenerationStats) -> Iterator[str]:
+        # A live lease keeps eviction away from the prefix while it is decoded; released however the stream ends.
+        with self.store.lease(source.manifest.prefix_id) as lease:
+            for piece in self._stream(attn, source, source.n_tokens, q_ids, params, stop, max_new, stats):
+                lease.keepalive()
+                yield piece
 
     @torch.inference_mode()
     def _stream(self, attn: PrefixAttention, source: PrefixSource, n_prefix: int, q_ids: list[int],
