@@ -10,6 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from client.cli_budget import add_budget_command
 from client.config import ClientConfig
 from client.kvclient import KVClient
 from store.errors import KVStashError
@@ -142,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--stop", action="append", help="stop string (repeatable)")
     s.add_argument("--stats", action="store_true", help="print per-generation statistics to stderr")
     s.set_defaults(func=cmd_generate)
+    add_budget_command(sub, common)
     s = sub.add_parser("eval", parents=[common], help="accuracy on the synthetic long-context suite")
     s.add_argument("--task", action="append", required=True, help="task name (repeatable)")
     s.add_argument("--length", action="append", type=int, required=True, help="context tokens (repeatable)")

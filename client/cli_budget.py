@@ -1,7 +1,4 @@
 """``kvstash budget``: the matched-read retrieval budgets of appendix D for one prefix size.
-
-Wire it into ``client/cli.py`` with ``add_budget_command(sub, common)``; the command's function
-returns the JSON-ready dict (``main`` prints it under ``--json``).
 """
 
 from __future__ import annotations
@@ -10,6 +7,7 @@ import argparse
 import json
 from typing import Any
 
+from store.errors import InvalidInput
 from workers.budget import plan_budget
 
 
@@ -20,7 +18,7 @@ def cmd_budget(args: argparse.Namespace) -> dict[str, Any]:
         plan = plan_budget(prefill_len=args.prefill_len, fraction=args.fraction, head_dim=args.head_dim,
                            phi_dim=phi_dim, sink=args.sink, tail=args.tail, gen_len=args.gen_len)
     except ValueError as e:
-        raise SystemExit(f"kvstash budget: {e}") from None
+        raise InvalidInput(str(e)) from None
     d = plan.to_dict()
     if not getattr(args, "json", False):
         print(json.dumps(d, indent=2))

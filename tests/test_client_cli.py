@@ -94,3 +94,16 @@ def test_cli_errors_are_clear(tmp_path: Path, tiny_model_dir: Path) -> None:
     assert r.returncode == 2 and "No such file" in r.stderr
     r = _cli(["rm", "a" * 32], home, tiny_model_dir)
     assert r.returncode == 2
+
+
+def test_cli_budget_json(capsys) -> None:
+    from client.cli import main
+
+    assert main(["budget", "--prefill-len", "131072", "--fraction", "0.02", "--head-dim", "128", "--phi-dim", "128",
+                 "--sink", "4", "--tail", "16", "--gen-len", "64", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["n_budget"] == 2622  # ceil(0.02 * 131072)
+    assert d["k_topk"] == d["n_budget"] - 4 - 16
+    assert d["k_hyb"] == d["k_topk"] - d["n_off"] and d["n_off"] >= 1
+    assert main(["budget", "--prefill-len", "10", "--fraction", "5", "--head-dim", "64", "--json"]) == 2
+    assert json.loads(capsys.readouterr().out)["code"] == "INVALID_ARGUMENT"

@@ -10,7 +10,8 @@ from workers.engine import GenerationStats, Worker
 from workers.model import LoadedModel
 from workers.sampling import SamplingParams
 
-WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november".split()
+WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet",
+         "kilo", "lima", "mike", "november"]
 
 
 def _document(n_words: int, seed: int) -> str:
