@@ -19,7 +19,9 @@ from store.config import StoreConfig, default_home
 from store.errors import InvalidInput, PrefixNotFound
 from store.kvstore import KVStore
 from store.manifest import Manifest
+from store.metadata import lease_prefix
 
+MAX_LEASE_TTL_S = 3600.0
 READ_CHUNK_BYTES = 4 << 20
 """Bytes of pages per streamed chunk (well under the gRPC message limit)."""
 
@@ -57,6 +59,26 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             self._visible(context, request.prefix_id)
             self.store.remove(request.prefix_id)
             return pb.DeletePrefixResponse(prefix_id=request.prefix_id)
+        raise AssertionError("unreachable")
+
+    def AcquireLease(self, request: pb.AcquireLeaseRequest, context: grpc.ServicerContext) -> pb.Lease:
+        """Pin a prefix against eviction for ``ttl_s`` seconds (renew by acquiring again)."""
+        with mapped_errors(context):
+            self._visible(context, request.prefix_id)
+            if not 0 < request.ttl_s <= MAX_LEASE_TTL_S:
+                raise InvalidInput(f"ttl_s must be in (0, {MAX_LEASE_TTL_S}]")
+            lease_id = self.store.meta.acquire_lease(request.prefix_id, request.holder or context.peer(),
+                                                     request.ttl_s)
+            return pb.Lease(prefix_id=request.prefix_id, lease_id=lease_id, ttl_s=request.ttl_s)
+        raise AssertionError("unreachable")
+
+    def ReleaseLease(self, request: pb.Lease, context: grpc.ServicerContext) -> pb.ReleaseLeaseResponse:
+        """Release a lease early (leases also expire on their own)."""
+        with mapped_errors(context):
+            self._visible(context, request.prefix_id)
+            if lease_prefix(request.lease_id) != request.prefix_id:
+                raise InvalidInput("lease_id does not belong to prefix_id")
+            return pb.ReleaseLeaseResponse(released=self.store.meta.release_lease(request.lease_id))
         raise AssertionError("unreachable")
 
     def ReadPages(self, request: pb.ReadPagesRequest, context: grpc.ServicerContext) -> Iterator[pb.PageChunk]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -14,7 +16,10 @@ from client import KVClient
 from client.backends import RemoteError
 from services.gen import kvstash_pb2 as pb
 from services.gen import kvstash_pb2_grpc as pb_grpc
-from tests.services_harness import topology
+from store.config import StoreConfig
+from store.kvstore import KVStore
+from tests.redis_server import INSTALL_HINT, RedisServer
+from tests.services_harness import start, stop, topology, wait_grpc
 
 KEYS = {"alice": "key-alice", "bob": "key-bob"}
 ENV = {"KVSTASH_API_KEYS": ",".join(f"{k}:{t}" for t, k in KEYS.items()), "KVSTASH_TENANT_SECRET": "s3cret"}
@@ -25,10 +30,23 @@ N_NEW = 12
 
 
 @pytest.fixture(scope="module")
-def topo(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
+def redis(tmp_path_factory: pytest.TempPathFactory):
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.fail(INSTALL_HINT, pytrace=False)
+    server = RedisServer(exe, tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def topo(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, redis: RedisServer):
     home = tmp_path_factory.mktemp("e2e") / "home"
-    with topology(home, tiny_model_dir, ENV, worker_args=("--max-document-bytes", str(MAX_DOC_BYTES)),
+    with topology(home, tiny_model_dir, ENV, metadata_url=redis.url,
+                  worker_args=("--max-document-bytes", str(MAX_DOC_BYTES)),
                   gateway_args=("--max-body-bytes", str(4 * MAX_DOC_BYTES))) as t:
+        t.home = home  # type: ignore[attr-defined]
         yield t
 
 
@@ -161,3 +179,36 @@ def test_concurrent_prefill_is_single_flight_and_generations_complete(topo) -> N
     for t in threads:
         t.join()
     assert errors == [] and len(outs) == 16 and len(set(outs)) == 1
+    store = KVStore(StoreConfig(home=topo.home, metadata_url=topo_redis_url(topo)))
+    assert store.meta.leases(pid) == []  # every generation released its lease
+    lease = pb_grpc.KVStoreStub(grpc.insecure_channel(topo.store_addr)).AcquireLease(
+        pb.AcquireLeaseRequest(prefix_id=pid, holder="test", ttl_s=30), metadata=[("x-api-key", KEYS["alice"])])
+    assert [x.lease_id for x in store.meta.leases(pid)] == [lease.lease_id]
+    assert pb_grpc.KVStoreStub(grpc.insecure_channel(topo.store_addr)).ReleaseLease(
+        lease, metadata=[("x-api-key", KEYS["alice"])]).released
+    assert store.meta.leases(pid) == []
+
+
+def topo_redis_url(topo) -> str:
+    return next(a for a in topo.procs["store"].args if str(a).startswith("redis://"))
+
+
+def test_restarting_store_and_redis_loses_no_prefix(topo, redis: RedisServer) -> None:
+    url = topo.gateway_url
+    before = {p["prefix_id"] for p in httpx.get(f"{url}/v1/prefixes", headers=_h()).json()["prefixes"]}
+    assert before
+    redis.restart()
+    old = topo.procs["store"]
+    stop(old)
+    topo.procs["store"], topo.logs["store"] = start("store-restarted", list(old.args[2:]), old_env(), topo.home.parent)
+    wait_grpc(topo.store_addr, topo.procs["store"], topo.logs["store"])
+    after = {p["prefix_id"] for p in httpx.get(f"{url}/v1/prefixes", headers=_h()).json()["prefixes"]}
+    assert after == before
+    pid = sorted(before)[0]
+    r = httpx.post(f"{url}/v1/prefixes/{pid}/generate", json={"query": QUERIES[0], "max_new_tokens": 3},
+                   headers=_h(), timeout=120)
+    assert r.status_code == 200, r.text
+
+
+def old_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", **ENV}
