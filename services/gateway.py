@@ -67,38 +67,32 @@ class GenerateBody(BaseModel):
     stream: bool = False
 
 
-class CompletionBody(BaseModel):
+class OpenAIBody(BaseModel):
+    """Fields shared by the OpenAI-compatible endpoints (plus kvstash's prefix_id, method, budget)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prefix_id: str | None = None
+    method: str = "full"
+    budget: float | None = None
+    max_tokens: int = Field(64, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+
+
+class CompletionBody(OpenAIBody):
     """OpenAI /v1/completions; ``prompt`` is a query with ``prefix_id`` beside it, or JSON {prefix_id, query}."""
 
-    model_config = ConfigDict(extra="allow")
-    model: str | None = None
     prompt: str
-    prefix_id: str | None = None
-    method: str = "full"
-    budget: float | None = None
-    max_tokens: int = Field(64, ge=1)
-    temperature: float = Field(0.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
 
 
-class ChatBody(BaseModel):
+class ChatBody(OpenAIBody):
     """OpenAI /v1/chat/completions; the last user message is the query."""
 
-    model_config = ConfigDict(extra="allow")
-    model: str | None = None
     messages: list[dict[str, Any]]
-    prefix_id: str | None = None
-    method: str = "full"
-    budget: float | None = None
-    max_tokens: int = Field(64, ge=1)
-    temperature: float = Field(0.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
 
 
 class Metrics:
@@ -228,22 +222,29 @@ def create_app(cfg: GatewayConfig, keys: ApiKeys) -> FastAPI:
         text, stats = _collect(events)
         return {"prefix_id": prefix_id, "text": text, "stats": stats}
 
+    def openai(body: OpenAIBody, prompt: str, chat: bool, meta: list[tuple[str, str]]) -> Response | dict[str, Any]:
+        prefix_id, query = _prefix_and_query(body.prefix_id, prompt)
+        req = _request(prefix_id, query, body.method, body.budget, body.max_tokens, body.temperature, body.top_p,
+                       body.seed, _stops(body.stop), False)
+        events = first_then_rest(run(req, meta))
+        cid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
+        model = body.model or "kvstash"
+        if body.stream:
+            return StreamingResponse(_openai_stream(events, cid, created, model, chat=chat),
+                                     media_type="text/event-stream")
+        text, stats = _collect(events)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": _finish(stats)}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice.update(text=text, logprobs=None)
+        return {"id": cid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": model, "choices": [choice], "usage": _usage(stats)}
+
     @app.post("/v1/completions", response_model=None)
     def completions(body: CompletionBody, authorization: str | None = Header(None),
                     x_api_key: str | None = Header(None)) -> Response | dict[str, Any]:
-        prefix_id, query = _prefix_and_query(body.prefix_id, body.prompt)
-        req = _request(prefix_id, query, body.method, body.budget, body.max_tokens, body.temperature, body.top_p,
-                       body.seed, _stops(body.stop), False)
-        events = first_then_rest(run(req, md(authorization, x_api_key)))
-        cid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-        model = body.model or "kvstash"
-        if body.stream:
-            return StreamingResponse(_openai_stream(events, cid, created, model, chat=False),
-                                     media_type="text/event-stream")
-        text, stats = _collect(events)
-        return {"id": cid, "object": "text_completion", "created": created, "model": model,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": _finish(stats)}],
-                "usage": _usage(stats)}
+        return openai(body, body.prompt, False, md(authorization, x_api_key))
 
     @app.post("/v1/chat/completions", response_model=None)
     def chat(body: ChatBody, authorization: str | None = Header(None),
@@ -251,19 +252,7 @@ def create_app(cfg: GatewayConfig, keys: ApiKeys) -> FastAPI:
         users = [m for m in body.messages if m.get("role") == "user"]
         if not users or not isinstance(users[-1].get("content"), str):
             raise InvalidInput("messages must end with a user message whose content is text")
-        prefix_id, query = _prefix_and_query(body.prefix_id, users[-1]["content"])
-        req = _request(prefix_id, query, body.method, body.budget, body.max_tokens, body.temperature, body.top_p,
-                       body.seed, _stops(body.stop), False)
-        events = first_then_rest(run(req, md(authorization, x_api_key)))
-        cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-        model = body.model or "kvstash"
-        if body.stream:
-            return StreamingResponse(_openai_stream(events, cid, created, model, chat=True),
-                                     media_type="text/event-stream")
-        text, stats = _collect(events)
-        return {"id": cid, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "finish_reason": _finish(stats)}], "usage": _usage(stats)}
+        return openai(body, users[-1]["content"], True, md(authorization, x_api_key))
 
     @app.get("/v1/models")
     def models(authorization: str | None = Header(None), x_api_key: str | None = Header(None)) -> dict[str, Any]:

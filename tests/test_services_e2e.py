@@ -86,6 +86,9 @@ def test_three_frontends_match_embedded(topo, tmp_path: Path, tiny_model_dir: Pa
     stream = oa.chat.completions.create(model="kvstash", messages=[{"role": "user", "content": QUERIES[2]}],
                                         max_tokens=N_NEW, temperature=0, stream=True, extra_body={"prefix_id": pid})
     assert "".join(ch.choices[0].delta.content or "" for ch in stream) == expected[2]
+    chat = oa.chat.completions.create(model="kvstash", messages=[{"role": "user", "content": QUERIES[2]}],
+                                      max_tokens=N_NEW, temperature=0, extra_body={"prefix_id": pid})
+    assert chat.choices[0].message.content == expected[2] and chat.usage.completion_tokens >= 1
 
     # Same prefix listed through both front doors, and the raw SSE wire format is as documented.
     assert pid in [m.prefix_id for m in via_grpc.ls()] and via_sse.info(pid).n_tokens == r.json()["n_tokens"]
