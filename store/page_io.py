@@ -1,0 +1,316 @@
+"""Batched page reads: one call per (layer, step) reads every requested (head, page) of a layer file.
+
+A layer file stores pages ``[kv_head][page]`` with stride ``page_bytes``, so the *linear* page index
+``head * n_pages + page`` orders pages as the file does. ``plan_runs`` coalesces sorted linear
+indices into maximal runs of consecutive pages; each run is one read into consecutive rows of a
+staging buffer. Two readers: POSIX ``preadv`` (optionally ``O_DIRECT``, optionally spread over a few
+threads: ``preadv`` releases the GIL) and kvikio (one ``CuFile.pread`` future per run; kvikio's
+compat mode where the machine has no GPUDirect Storage). Never one future per page.
+
+Fail closed: a missing or wrongly sized file, a short read, an I/O error, or (``verify_pages``) a
+page whose keyed CRC does not match the identity asked for raises ``CorruptData``.
+"""
+
+from __future__ import annotations
+
+import abc
+import functools
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from store.errors import CorruptData
+from store.pages import page_crc
+
+DIRECT_ALIGN = 4096
+"""Buffer, offset and size alignment ``O_DIRECT`` needs (page files are aligned to it)."""
+SPLIT_BYTES = 8 << 20
+"""With several threads, runs longer than this are split so that threads share one big read."""
+PARALLEL_MIN_BYTES = 256 << 10
+"""Below this many bytes per call, threads cost more than they save: read on the calling thread."""
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """Maximal runs of consecutive pages among sorted unique linear page indices."""
+
+    linear: np.ndarray
+    """``[n]`` int64 linear page indices (``head * n_pages + page``), strictly increasing."""
+    starts: np.ndarray
+    """``[runs]`` row (in ``linear`` and in the staging buffer) where each run starts."""
+    counts: np.ndarray
+    """``[runs]`` pages per run."""
+
+    @property
+    def n_runs(self) -> int:
+        """Number of runs: the fewest reads that fetch exactly these pages."""
+        return int(self.starts.shape[0])
+
+    @property
+    def n_pages(self) -> int:
+        """Pages requested."""
+        return int(self.linear.shape[0])
+
+
+def plan_runs(linear: np.ndarray | Sequence[int], max_pages: int | None = None) -> ReadPlan:
+    """Coalesce strictly increasing linear page indices into runs (each at most ``max_pages`` long)."""
+    lin = np.ascontiguousarray(linear, dtype=np.int64)
+    if lin.ndim != 1:
+        raise ValueError(f"linear page indices must be 1-D, got shape {lin.shape}")
+    if lin.size == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return ReadPlan(lin, empty, empty)
+    step = np.diff(lin)
+    if (step <= 0).any():
+        raise ValueError("linear page indices must be strictly increasing (sort and deduplicate them)")
+    starts = np.concatenate([[0], np.flatnonzero(step != 1) + 1]).astype(np.int64)
+    counts = np.diff(np.append(starts, lin.size))
+    if max_pages is not None and (counts > max_pages).any():
+        pieces = [(s + off, min(max_pages, c - off)) for s, c in zip(starts.tolist(), counts.tolist())
+                  for off in range(0, c, max_pages)]
+        starts = np.array([p[0] for p in pieces], dtype=np.int64)
+        counts = np.array([p[1] for p in pieces], dtype=np.int64)
+    return ReadPlan(lin, starts, counts.astype(np.int64))
+
+
+def _check_out(out: np.ndarray, plan: ReadPlan, page_bytes: int) -> None:
+    if out.dtype != np.uint8 or out.ndim != 2 or out.shape[1] != page_bytes or out.shape[0] < plan.n_pages:
+        raise ValueError(f"out must be uint8 [>= {plan.n_pages}, {page_bytes}], got {out.dtype} {out.shape}")
+    if not out.flags.c_contiguous:
+        raise ValueError("out must be C-contiguous")
+
+
+def _balanced_groups(plan: ReadPlan, n_groups: int) -> list[range]:
+    """Split the runs into at most ``n_groups`` consecutive groups of about equal pages."""
+    if n_groups <= 1 or plan.n_runs <= 1:
+        return [range(plan.n_runs)]
+    cum = np.cumsum(plan.counts)
+    cuts = np.searchsorted(cum, np.linspace(0, cum[-1], n_groups + 1)[1:-1], side="right")
+    bounds = [0, *sorted(set(cuts.tolist()) - {0, plan.n_runs}), plan.n_runs]
+    return [range(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def run_all(pool: Executor | None, tasks: Sequence[Callable[[], Any]]) -> list[Any]:
+    """Run ``tasks`` (on ``pool`` when given) and return their results in order.
+
+    Waits for every task before raising the first error, so no task still writes a buffer the caller
+    goes on to reuse.
+    """
+    if pool is None or len(tasks) <= 1:
+        return [t() for t in tasks]
+    futures = [pool.submit(t) for t in tasks]
+    wait(futures)
+    return [f.result() for f in futures]
+
+
+class PageReader(abc.ABC):
+    """Reads the runs of a ``ReadPlan`` of one layer file into consecutive rows of a host buffer."""
+
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def read(self, path: Path, file_bytes: int, plan: ReadPlan, page_bytes: int, out: np.ndarray) -> int:
+        """Read every run of ``plan`` into ``out[:plan.n_pages]``; returns the number of read calls.
+
+        ``file_bytes`` is the size the manifest recorded: a file of another size raises CorruptData.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release open files."""
+
+
+def _size_error(path: Path, size: int, file_bytes: int) -> CorruptData:
+    return CorruptData(f"page file {path.name} has {size} bytes, expected {file_bytes} (truncated or replaced)")
+
+
+class PosixPageReader(PageReader):
+    """``os.preadv`` per run; ``O_DIRECT`` when asked and the file system allows it."""
+
+    name = "posix"
+
+    def __init__(self, *, pool: Executor | None = None, threads: int = 1, direct: bool = False):
+        self.pool, self.threads, self.direct = pool, max(1, threads), direct
+        self.direct_active = False
+        """Whether the last file opened actually uses O_DIRECT (some file systems refuse it)."""
+        self._fds: dict[Path, int] = {}
+
+    def _open(self, path: Path, file_bytes: int) -> int:
+        fd = self._fds.get(path)
+        if fd is not None:
+            return fd
+        flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if self.direct else 0)
+        try:
+            try:
+                fd = os.open(path, flags)
+            except OSError:
+                if flags == os.O_RDONLY:
+                    raise
+                flags = os.O_RDONLY
+                fd = os.open(path, flags)
+        except FileNotFoundError as e:
+            raise CorruptData(f"page file {path.name} is missing") from e
+        except OSError as e:
+            raise CorruptData(f"cannot open page file {path.name}: {e.strerror or e}") from e
+        size = os.fstat(fd).st_size
+        if size != file_bytes:
+            os.close(fd)
+            raise _size_error(path, size, file_bytes)
+        self.direct_active = flags != os.O_RDONLY
+        self._fds[path] = fd
+        return fd
+
+    def read(self, path: Path, file_bytes: int, plan: ReadPlan, page_bytes: int, out: np.ndarray) -> int:
+        """See ``PageReader.read``."""
+        _check_out(out, plan, page_bytes)
+        if plan.n_runs == 0:
+            return 0
+        fd = self._open(path, file_bytes)
+        if self.direct_active and (out.ctypes.data % DIRECT_ALIGN or page_bytes % DIRECT_ALIGN):
+            raise ValueError("O_DIRECT reads need a 4 KiB aligned buffer and page size")
+        total = plan.n_pages * page_bytes
+        parallel = self.threads > 1 and self.pool is not None and total >= PARALLEL_MIN_BYTES
+        if parallel and plan.n_runs < self.threads:
+            plan = plan_runs(plan.linear, max(1, SPLIT_BYTES // page_bytes))
+        flat = out.reshape(-1)
+
+        def read_group(runs: range) -> int:
+            for r in runs:
+                row, count = int(plan.starts[r]), int(plan.counts[r])
+                dst = flat[row * page_bytes : (row + count) * page_bytes]
+                _pread_fully(fd, path, dst, int(plan.linear[row]) * page_bytes)
+            return len(runs)
+
+        groups = _balanced_groups(plan, self.threads if parallel else 1)
+        return sum(run_all(self.pool if parallel else None, [functools.partial(read_group, g) for g in groups]))
+
+    def close(self) -> None:
+        """Close every open file."""
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def _pread_fully(fd: int, path: Path, dst: np.ndarray, offset: int) -> None:
+    """Fill ``dst`` from ``offset``; a read that ends early (EOF) or fails raises CorruptData."""
+    view = dst.data.cast("B")
+    done, want = 0, view.nbytes
+    while done < want:
+        try:
+            got = os.preadv(fd, [view[done:]], offset + done)
+        except OSError as e:
+            raise CorruptData(f"I/O error reading {path.name} at byte {offset + done}: {e.strerror or e}") from e
+        if got <= 0:
+            raise CorruptData(f"short read in {path.name}: {done} of {want} bytes at byte {offset} "
+                              "(file truncated?)")
+        done += got
+
+
+class KvikioPageReader(PageReader):
+    """kvikio ``CuFile.pread`` into host memory, one future per run, all in flight together."""
+
+    name = "kvikio"
+
+    def __init__(self) -> None:
+        import kvikio  # noqa: F401 - raises ImportError when absent (open_page_reader falls back)
+
+        self._kvikio = kvikio
+        self._files: dict[Path, Any] = {}
+
+    def _open(self, path: Path, file_bytes: int) -> Any:
+        f = self._files.get(path)
+        if f is not None:
+            return f
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError as e:
+            raise CorruptData(f"page file {path.name} is missing") from e
+        if size != file_bytes:
+            raise _size_error(path, size, file_bytes)
+        try:
+            f = self._kvikio.CuFile(path, "r")
+        except (OSError, RuntimeError) as e:
+            raise CorruptData(f"cannot open page file {path.name} with kvikio: {e}") from e
+        self._files[path] = f
+        return f
+
+    def read(self, path: Path, file_bytes: int, plan: ReadPlan, page_bytes: int, out: np.ndarray) -> int:
+        """See ``PageReader.read``."""
+        _check_out(out, plan, page_bytes)
+        if plan.n_runs == 0:
+            return 0
+        f = self._open(path, file_bytes)
+        pending = []
+        for row, count in zip(plan.starts.tolist(), plan.counts.tolist()):
+            size = count * page_bytes
+            pending.append((row, size, f.pread(out[row : row + count], size, int(plan.linear[row]) * page_bytes)))
+        first_error: CorruptData | None = None
+        for row, size, fut in pending:  # wait for all before raising: none may still write into ``out``
+            try:
+                got = fut.get()
+            except (OSError, RuntimeError) as e:
+                first_error = first_error or CorruptData(f"I/O error reading {path.name} (kvikio): {e}")
+                continue
+            if got != size and first_error is None:
+                first_error = CorruptData(f"short read in {path.name}: {got} of {size} bytes at page row {row}")
+        if first_error is not None:
+            raise first_error
+        return len(pending)
+
+    def close(self) -> None:
+        """Close every open file."""
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+
+def kvikio_available() -> bool:
+    """Whether kvikio imports."""
+    try:
+        import kvikio  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def open_page_reader(kind: str, *, cuda: bool, pool: Executor | None = None, threads: int = 1,
+                     direct: bool = False) -> PageReader:
+    """``auto`` (kvikio when it imports and the device is CUDA, else POSIX), ``posix`` or ``kvikio``."""
+    if kind not in ("auto", "posix", "kvikio"):
+        raise ValueError(f"reader must be 'auto', 'posix' or 'kvikio', got {kind!r}")
+    if kind == "kvikio" or (kind == "auto" and cuda and kvikio_available()):
+        return KvikioPageReader()
+    return PosixPageReader(pool=pool, threads=threads, direct=direct)
+
+
+def verify_pages(prefix_id: str, layer: int, n_pages: int, linear: np.ndarray, out: np.ndarray,
+                 crcs: np.ndarray, pool: Executor | None = None, threads: int = 1) -> None:
+    """Check each page ``out[i]`` against the keyed CRC of (prefix, layer, head, page) ``linear[i]``.
+
+    ``crcs`` is the prefix's ``[kv_heads, n_pages]`` table for ``layer``. The first mismatch raises
+    CorruptData naming the page: bytes of another page, layer or prefix never pass.
+    """
+    heads, pages = np.divmod(linear, n_pages)
+    want = crcs[heads, pages]
+    hs, ps = heads.tolist(), pages.tolist()
+
+    def check(lo: int, hi: int) -> int:
+        for i in range(lo, hi):
+            if page_crc(prefix_id, layer, hs[i], ps[i], out[i].data) != want[i]:
+                return i
+        return -1
+
+    n = len(hs)
+    parts = max(1, min(threads, n // 256)) if pool is not None else 1
+    edges = np.linspace(0, n, parts + 1).astype(int).tolist()
+    tasks = [functools.partial(check, a, b) for a, b in zip(edges[:-1], edges[1:])]
+    bad = [i for i in run_all(pool, tasks) if i >= 0]
+    if bad:
+        i = bad[0]
+        raise CorruptData(f"prefix {prefix_id}: layer {layer} head {hs[i]} page {ps[i]} failed its checksum "
+                          "(corrupt, or not the page asked for)")

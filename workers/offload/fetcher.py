@@ -1,0 +1,274 @@
+"""Fetch the pages a selector picks, per (layer, step): GPU page cache -> pinned host tier -> page files.
+
+One ``PageFetcher`` per generation. ``fetch(layer, pages)`` (or ``fetch_tokens``) makes every
+requested page resident in the layer's GPU page cache and returns a ``FetchResult`` whose pools
+the sparse attention kernel reads through ``idx`` rows (``FetchResult.token_rows``). Per call:
+
+1. one device -> host copy of the request; numpy planning (exact LRU, no per-page Python);
+2. GPU-cache misses are looked up in the host tier; host misses are read from the layer file in
+   coalesced runs (one ``preadv`` / kvikio future per run) into a staging buffer, checked (sizes,
+   short reads, keyed CRC when ``verify``) and inserted into the host tier;
+3. one gather launch copies every missing page host -> GPU slots (reading mapped pinned memory);
+   a second only when SSD pages did not fit in the host tier.
+
+Any failure raises ``CorruptData`` (or ``InvalidInput``) and empties the layer's GPU cache, so
+nothing half-written is ever attended.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from store.errors import CorruptData, InvalidInput
+from store.kvstore import KVStore
+from store.manifest import Manifest
+from store.page_io import PageReader, open_page_reader, plan_runs, verify_pages
+from workers.offload.config import OffloadConfig
+from workers.offload.gather import gather_pages
+from workers.offload.gpu_cache import FetchResult, LayerCache
+from workers.offload.host_tier import HostTier
+from workers.offload.memory import HostBuffer, pin_default
+from workers.offload.stats import OffloadStats, StepCounts
+
+WARM_CHUNK_BYTES = 64 << 20
+
+
+class CacheTooSmall(InvalidInput):
+    """One step asked for more pages of a layer than its GPU page cache holds."""
+
+
+class PageFetcher:
+    """Tiered page fetch for one generation over one stored prefix (see the module docstring)."""
+
+    def __init__(self, store: KVStore, manifest: Manifest, device: torch.device | str,
+                 config: OffloadConfig | None = None, host: HostTier | None = None, *,
+                 reader: PageReader | None = None):
+        self.config = cfg = config or OffloadConfig()
+        self.device = torch.device(device)
+        self.manifest, self.prefix_id, self.layout = manifest, manifest.prefix_id, manifest.layout
+        lay = self.layout
+        self.n_tokens, self.n_pages = manifest.n_tokens, lay.n_pages(manifest.n_tokens)
+        self.n_keys = lay.n_kv_heads * self.n_pages
+        self.slots_per_layer = cfg.gpu_cache_bytes // lay.n_layers // lay.page_payload_bytes
+        if self.slots_per_layer < 1:
+            raise InvalidInput(f"gpu_cache_bytes {cfg.gpu_cache_bytes} holds no page per layer "
+                               f"({lay.n_layers} layers x {lay.page_payload_bytes} B)")
+        self._paths, self._sizes = self._files(store, manifest)
+        self._crcs = store.page_crcs(self.prefix_id) if cfg.verify else None
+        self.host = host
+        if host is not None:
+            if host.page_bytes != lay.page_bytes:
+                raise ValueError(f"host tier pages are {host.page_bytes} B, this prefix's {lay.page_bytes} B")
+            host.open_prefix(self.prefix_id, lay.n_layers * self.n_keys)
+        self.cuda = self.device.type == "cuda"
+        self.pin = self.cuda and pin_default(cfg.pin_memory)
+        self._pool = ThreadPoolExecutor(cfg.io_threads) if cfg.io_threads > 1 else None
+        self.reader = reader or open_page_reader(cfg.reader, cuda=self.cuda, pool=self._pool,
+                                                 threads=cfg.io_threads, direct=cfg.direct_io)
+        self._staging: HostBuffer | None = None
+        self._staging_pages = 0
+        self._layers: dict[int, LayerCache] = {}
+        self._fetches: dict[int, int] = {}
+        self._event: torch.cuda.Event | None = None
+        self.gather_mode = "triton" if self.cuda else "torch"
+        self.stats = OffloadStats(payload_bytes=lay.page_payload_bytes, page_bytes=lay.page_bytes)
+
+    def _files(self, store: KVStore, m: Manifest) -> tuple[list[Path], list[int]]:
+        want = m.layout.layer_file_bytes(m.n_tokens)
+        if len(m.files) != m.layout.n_layers or any(f.size != want for f in m.files):
+            raise CorruptData(f"manifest of prefix {m.prefix_id} lists page files that do not match its layout")
+        return [store.prefix_dir(m.prefix_id) / f.name for f in m.files], [f.size for f in m.files]
+
+    # -- public API ------------------------------------------------------------------------------
+    def fetch(self, layer: int, pages: torch.Tensor) -> FetchResult:
+        """Make pages ``[Hkv, n]`` (ids per KV head, any device; -1 = padding) of ``layer`` resident."""
+        with self.stats.timed("fetch", self.device):
+            p = pages.detach().to("cpu", torch.int64).numpy()
+            h = self.layout.n_kv_heads
+            if p.ndim != 2 or p.shape[0] != h:
+                raise InvalidInput(f"pages must be [{h}, n] page ids per KV head, got {tuple(p.shape)}")
+            valid = p >= 0
+            if (p[valid] >= self.n_pages).any():
+                raise InvalidInput(f"page ids must be < {self.n_pages} (the prefix has {self.n_tokens} tokens)")
+            keys = np.unique((np.arange(h)[:, None] * self.n_pages + p)[valid])
+            return self._fetch_keys(layer, keys)
+
+    def fetch_tokens(self, layer: int, tokens: torch.Tensor, counts: torch.Tensor) -> FetchResult:
+        """Fetch the pages of the first ``counts`` token ids of each row of ``tokens [..., Hkv, n]``
+        (counts ``[..., Hkv]``; rows of a step are merged); token ids outside the prefix raise."""
+        with self.stats.timed("fetch", self.device):
+            h, n, np_ = self.layout.n_kv_heads, tokens.shape[-1], self.n_pages
+            tok = tokens.reshape(-1, h, n)
+            valid = torch.arange(n, device=tok.device) < counts.reshape(-1, h, 1).to(tok.device)
+            col = torch.where(valid, torch.div(tok, self.layout.page_size, rounding_mode="floor"), np_)
+            col = torch.where(valid & ((tok < 0) | (tok >= self.n_tokens)), np_ + 1, col)
+            mask = torch.zeros(h, np_ + 2, dtype=torch.bool, device=tok.device)
+            mask.scatter_(1, col.transpose(0, 1).reshape(h, -1).long(), True)
+            m = mask.cpu().numpy()
+            if m[:, np_ + 1].any():
+                raise InvalidInput(f"token ids must lie in [0, {self.n_tokens})")
+            return self._fetch_keys(layer, np.flatnonzero(m[:, :np_]))
+
+    def set_extra_rows(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Per-head extra entries ``[Hkv, M, D]`` (e.g. Double-P centroids) in ``layer``'s pools."""
+        self._wait_own()
+        self._layer(layer).set_extra(k.to(self.device), v.to(self.device))
+
+    def warm_host(self, layers: Iterable[int] | None = None) -> int:
+        """Load every page of ``layers`` (default all) into the host tier with large sequential reads;
+        returns the bytes read (pages already there are skipped)."""
+        if self.host is None or self.host.n_slots == 0:
+            return 0
+        chunk = max(1, WARM_CHUNK_BYTES // self.layout.page_bytes)
+        done = 0
+        for layer in range(self.layout.n_layers) if layers is None else layers:
+            for lo in range(0, self.n_keys, chunk):
+                keys = np.arange(lo, min(lo + chunk, self.n_keys), dtype=np.int64)
+                with self.host.lock:
+                    self.host.begin_batch()
+                    keys = keys[self.host.lookup(self.prefix_id, layer * self.n_keys + keys) < 0]
+                    if keys.size:
+                        buf = self._read(layer, keys)
+                        self.host.insert(self.prefix_id, layer * self.n_keys + keys, buf)
+                        done += keys.size * self.layout.page_bytes
+        return done
+
+    def close(self) -> None:
+        """Release files, threads, staging and GPU pools."""
+        self._wait_own()
+        if self.host is not None:
+            self.host.forget_reader(id(self))
+        self.reader.close()
+        if self._pool is not None:
+            self._pool.shutdown()
+        if self._staging is not None:
+            self._staging.close()
+        self._layers.clear()
+
+    def __enter__(self) -> PageFetcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals -------------------------------------------------------------------------------
+    def _layer(self, layer: int) -> LayerCache:
+        if not 0 <= layer < self.layout.n_layers:
+            raise InvalidInput(f"layer {layer} out of range [0, {self.layout.n_layers})")
+        if layer not in self._layers:
+            lay = self.layout
+            self._layers[layer] = LayerCache(n_slots=self.slots_per_layer, n_heads=lay.n_kv_heads,
+                                             n_pages=self.n_pages, n_tokens=self.n_tokens, page_size=lay.page_size,
+                                             head_dim=lay.head_dim, dtype=lay.torch_dtype, device=self.device)
+        return self._layers[layer]
+
+    def _fetch_keys(self, layer: int, keys: np.ndarray) -> FetchResult:
+        cache = self._layer(layer)
+        if keys.size > cache.n_slots:
+            raise CacheTooSmall(f"a step asked for {keys.size} pages of layer {layer} but its GPU page cache holds "
+                                f"{cache.n_slots}; raise OffloadConfig.gpu_cache_bytes to at least "
+                                f"{keys.size * self.layout.page_payload_bytes * self.layout.n_layers} bytes")
+        step = self._fetches.get(layer, 0)
+        self._fetches[layer] = step + 1
+        lru = cache.lru
+        lru.begin_batch()
+        slots = lru.lookup(0, keys)
+        hit = slots >= 0
+        lru.touch(slots[hit])
+        counts = StepCounts(pages=int(keys.size), gpu_hits=int(hit.sum()))
+        miss = keys[~hit]
+        if miss.size:
+            alloc = lru.allocate(0, miss)
+            try:
+                self._fill(layer, cache, miss, alloc.slots, counts)
+            except BaseException:
+                cache.invalidate()
+                raise
+            self._set_map(cache, np.concatenate([alloc.evicted_keys, miss]),
+                          np.concatenate([np.full(alloc.evicted_keys.size, -1, np.int64), alloc.slots]))
+            self.stats.gpu_evictions += int(alloc.evicted_keys.size)
+        self.stats.record(step, counts)
+        return cache.result()
+
+    def _fill(self, layer: int, cache: LayerCache, miss: np.ndarray, dst: np.ndarray, counts: StepCounts) -> None:
+        """Copy pages ``miss`` into slots ``dst``: from the host tier, else from SSD (then into the tier)."""
+        if self.host is None:
+            self._read(layer, miss)
+            counts.ssd_pages = int(miss.size)
+            self._gather(self._staging_tensor(miss.size), np.arange(miss.size), cache, dst)
+            return
+        with self.host.lock:
+            self.host.begin_batch()
+            hkeys = layer * self.n_keys + miss
+            src = self.host.lookup(self.prefix_id, hkeys)
+            cold = src < 0
+            counts.host_pages, counts.ssd_pages = int((~cold).sum()), int(cold.sum())
+            if cold.any():
+                buf = self._read(layer, miss[cold])
+                put = self.host.insert(self.prefix_id, hkeys[cold], buf)
+                if put is None:  # does not fit beside this batch: serve the SSD pages from staging
+                    self._gather(self._staging_tensor(buf.shape[0]), np.arange(buf.shape[0]), cache, dst[cold])
+                    src, dst = src[~cold], dst[~cold]
+                else:
+                    src[cold] = put
+            self._gather(self.host.pages, src, cache, dst)
+            if self._event is not None:
+                self.host.note_reader(id(self), self._event)
+
+    def _read(self, layer: int, keys: np.ndarray) -> np.ndarray:
+        """Read pages ``keys`` (sorted linear ids) of ``layer`` into staging rows ``[0, n)``, checked."""
+        buf = self._staging_rows(keys.size)
+        with self.stats.timed("ssd_read"):
+            self.stats.read_calls += self.reader.read(self._paths[layer], self._sizes[layer], plan_runs(keys),
+                                                      self.layout.page_bytes, buf)
+        if self._crcs is not None:
+            with self.stats.timed("verify"):
+                verify_pages(self.prefix_id, layer, self.n_pages, keys, buf, self._crcs[layer], self._pool,
+                             self.config.io_threads)
+        return buf
+
+    def _staging_rows(self, n: int) -> np.ndarray:
+        self._wait_own()  # a pending gather may still read the staging buffer
+        if n > self._staging_pages:
+            if self._staging is not None:
+                self._staging.close()
+            self._staging_pages = max(n, 2 * self._staging_pages)
+            self._staging = HostBuffer(self._staging_pages * self.layout.page_bytes, pin=self.pin)
+        return self._staging_tensor(n).numpy()
+
+    def _staging_tensor(self, n: int) -> torch.Tensor:
+        assert self._staging is not None
+        return self._staging.tensor[: n * self.layout.page_bytes].view(n, self.layout.page_bytes)
+
+    def _gather(self, src: torch.Tensor, rows: np.ndarray, cache: LayerCache, dst: np.ndarray) -> None:
+        if rows.size == 0:
+            return
+        with self.stats.timed("gather"):
+            idx = torch.from_numpy(np.stack([rows, dst]).astype(np.int64)).to(self.device, non_blocking=True)
+            triton_ok = self.gather_mode == "triton" and src.is_pinned()
+            try:
+                gather_pages(src, idx[0], cache.k, cache.v, idx[1], block_bytes=self.layout.block_bytes,
+                             use_triton=triton_ok)
+            except ValueError as e:  # this GPU/driver cannot read the host buffer in place
+                if not triton_ok or "cannot be accessed" not in str(e):
+                    raise
+                self.gather_mode = "copy"
+                gather_pages(src, idx[0], cache.k, cache.v, idx[1], block_bytes=self.layout.block_bytes,
+                             use_triton=False)
+            self.stats.gather_launches += 1
+            if self.cuda:
+                self._event = torch.cuda.Event()
+                self._event.record()
+
+    def _set_map(self, cache: LayerCache, keys: np.ndarray, slots: np.ndarray) -> None:
+        kv = torch.from_numpy(np.stack([keys, slots])).to(self.device, non_blocking=True)
+        cache.slot_map[kv[0]] = kv[1].to(torch.int32)
+
+    def _wait_own(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()

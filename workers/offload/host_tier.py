@@ -1,0 +1,114 @@
+"""The pinned host tier: warm pages of open prefixes, exact LRU under a byte budget.
+
+One per worker, shared by its generations (thread-safe), keyed by (prefix id, layer, head, page).
+Pages enter only after the SSD read that brought them passed its checks, so a hit is served as is.
+GPU kernels read the tier's pages directly (mapped pinned memory); before the CPU overwrites a slot
+it waits for the last such read of every fetcher (``note_reader``).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from workers.offload.lru import CapacityError, SlotLRU
+from workers.offload.memory import HostBuffer, pin_default
+
+
+class HostTier:
+    """``budget_bytes // page_bytes`` page slots of host memory (pinned on CUDA machines)."""
+
+    def __init__(self, *, page_bytes: int, budget_bytes: int, pin: bool | None = None):
+        if page_bytes <= 0 or budget_bytes < 0:
+            raise ValueError("page_bytes must be positive and budget_bytes >= 0")
+        self.page_bytes = page_bytes
+        self.n_slots = budget_bytes // page_bytes
+        self._buf = HostBuffer(self.n_slots * page_bytes, pin=pin_default(pin)) if self.n_slots else None
+        empty = torch.zeros(0, page_bytes, dtype=torch.uint8)
+        self.pages = self._buf.tensor.view(self.n_slots, page_bytes) if self._buf else empty
+        """``[n_slots, page_bytes]`` uint8: the slots (kernels read rows of it)."""
+        self._rows = self.pages.numpy()
+        self.lru = SlotLRU(self.n_slots)
+        self._ns: dict[str, int] = {}
+        self._next_ns = 0
+        self.lock = threading.RLock()
+        self._readers: dict[int, Any] = {}
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the slots are page-locked (GPU-readable)."""
+        return bool(self._buf and self._buf.pinned)
+
+    @property
+    def budget_bytes(self) -> int:
+        """Bytes of page slots."""
+        return self.n_slots * self.page_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of slots holding a page."""
+        return self.lru.used * self.page_bytes
+
+    def open_prefix(self, prefix_id: str, n_keys: int) -> None:
+        """Make room in the key space for a prefix of ``n_keys`` pages (idempotent)."""
+        with self.lock:
+            if prefix_id not in self._ns:
+                self._ns[prefix_id] = self._next_ns
+                self._next_ns += 1
+            self.lru.add_namespace(self._ns[prefix_id], n_keys)
+
+    def drop_prefix(self, prefix_id: str) -> int:
+        """Forget a prefix's pages (e.g. the prefix was removed); returns how many slots it freed."""
+        with self.lock:
+            ns = self._ns.pop(prefix_id, None)
+            return 0 if ns is None else self.lru.drop_namespace(ns)
+
+    def begin_batch(self) -> None:
+        """Start one fetch: slots it looks up or inserts are not evicted until the next."""
+        self.lru.begin_batch()
+
+    def lookup(self, prefix_id: str, keys: np.ndarray) -> np.ndarray:
+        """Slots of ``keys`` (-1: absent); hits are touched."""
+        slots = self.lru.lookup(self._ns[prefix_id], keys)
+        self.lru.touch(slots[slots >= 0])
+        return slots
+
+    def insert(self, prefix_id: str, keys: np.ndarray, src: np.ndarray) -> np.ndarray | None:
+        """Copy pages ``src[i]`` of ``keys[i]`` into slots (LRU eviction); their slots, or None when the
+        pages do not fit beside those of the current batch (the caller then serves them from staging)."""
+        ns = self._ns[prefix_id]
+        slots = self.lru.lookup(ns, keys)
+        new = slots < 0
+        if not new.any():
+            self.lru.touch(slots)
+            return slots
+        try:
+            alloc = self.lru.allocate(ns, keys[new])
+        except CapacityError:
+            return None
+        self.lru.touch(slots[~new])
+        self.wait_readers()
+        self._rows[alloc.slots] = src[new]
+        slots[new] = alloc.slots
+        return slots
+
+    def note_reader(self, owner: int, event: Any) -> None:
+        """Record the last GPU read of ``owner`` (a CUDA event) from these slots."""
+        self._readers[owner] = event
+
+    def forget_reader(self, owner: int) -> None:
+        """``owner`` reads no more."""
+        self._readers.pop(owner, None)
+
+    def wait_readers(self) -> None:
+        """Block until every recorded GPU read has finished (before slots are overwritten)."""
+        for event in list(self._readers.values()):
+            event.synchronize()
+
+    def close(self) -> None:
+        """Unpin the slots."""
+        if self._buf is not None:
+            self._buf.close()
