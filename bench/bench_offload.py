@@ -1,0 +1,570 @@
+"""Offloaded sparse decode vs dense attention, side by side in one run (issue 5's "must show").
+
+Llama-3.1-8B attention shape (32 layers, 32 q heads, 8 KV heads, D=128, bf16, page 16), random
+K/V (performance does not depend on values; keys get a per-page offset so pages differ). Per
+decode token (attention part over all layers: select + fetch + attend), B=1:
+
+- (a) dense SDPA with the whole KV resident in HBM;
+- (b) full attention fetching the whole KV each step from the same tier (host: one pinned copy
+  per layer; SSD: whole layer files, measured on a few layers and scaled to all);
+- (i) sparse, KV in the pinned host tier; (ii) sparse, KV on SSD page files (O_DIRECT, no host
+  tier); both through ``workers.offload.PageFetcher`` with a GPU page cache;
+- (r) the same sparse selection + kernel over KV resident in HBM (no fetch: the floor).
+
+Selection: Quest-style page upper bounds (resident), top pages per KV head at the budget plus the
+first and last page; queries follow a random walk per layer (``--alpha``) so consecutive steps
+overlap (overlap and hit rate are reported). Also: fetch bandwidth vs the pinned host->GPU copy
+and raw disk read measured in this run, and a prefill write through the store writer vs raw disk
+write. Ratios are the result; absolute times are for reference.
+
+    python3 bench/bench_offload.py --ctx 32768 131072 --json out.json
+    python3 bench/bench_offload.py --quick          # CPU smoke run (tiny shape)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import mmap
+import os
+import shutil
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from store.config import StoreConfig  # noqa: E402
+from store.kvstore import KVStore  # noqa: E402
+from store.layout import KVLayout  # noqa: E402
+from store.manifest import Manifest  # noqa: E402
+from store.page_io import PosixPageReader, kvikio_available, plan_runs  # noqa: E402
+from store.pages import unpack_pages  # noqa: E402
+from store.prefix_key import PrefixKey, tenant_salt, token_hash  # noqa: E402
+from workers.offload import HostTier, OffloadConfig, PageFetcher  # noqa: E402
+from workers.offload.gather import gather_pages  # noqa: E402
+from workers.offload.memory import HostBuffer  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    hq: int
+    hkv: int
+    d: int
+    page: int
+    dtype: torch.dtype
+
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+RESULTS: dict = {"device": "", "ctx": {}}
+T_START = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T_START:7.1f}s] {msg}", flush=True)
+
+
+def sync() -> None:
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def drop_caches() -> bool:
+    """Drop the OS page cache (root only); whether it worked."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError:
+        return False
+    return True
+
+
+# -- ceilings ------------------------------------------------------------------------------------
+def h2d_ceiling(nbytes: int) -> float:
+    """Pinned host -> GPU copy, GB/s (median of 5)."""
+    if DEV.type != "cuda":
+        return float("nan")
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=DEV)
+    dst.copy_(src, non_blocking=True)
+    times = []
+    for _ in range(5):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        dst.copy_(src, non_blocking=True)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def disk_ceilings(path: Path, nbytes: int) -> tuple[float, float, str]:
+    """Raw sequential write (with fsync) and cold read of one file, GB/s each, and how read was cold."""
+    chunk = 64 << 20
+    buf = np.random.default_rng(0).integers(0, 255, chunk, dtype=np.uint8)
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(nbytes // chunk):
+            f.write(buf.data)
+        f.flush()
+        os.fsync(f.fileno())
+    write = nbytes / (time.perf_counter() - t0) / 1e9
+    dropped = drop_caches()
+    aligned = mmap.mmap(-1, chunk)
+    mode = "O_DIRECT" if hasattr(os, "O_DIRECT") else "buffered"
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    except OSError:
+        fd, mode = os.open(path, os.O_RDONLY), "buffered"
+    t0 = time.perf_counter()
+    done = 0
+    while done < nbytes:
+        done += os.preadv(fd, [aligned], done)
+    read = nbytes / (time.perf_counter() - t0) / 1e9
+    os.close(fd)
+    path.unlink()
+    return write, read, mode + (", caches dropped" if dropped else "")
+
+
+# -- data ----------------------------------------------------------------------------------------
+def gen_layer(shape: Shape, ctx: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random K, V ``[Hkv, ctx, D]`` (keys with a per-page offset), deterministic per layer."""
+    g = torch.Generator(device=DEV).manual_seed(1000 + layer)
+    n_pages = -(-ctx // shape.page)
+    off = torch.randn(shape.hkv, n_pages, 1, shape.d, device=DEV, generator=g)
+    k = torch.randn(shape.hkv, n_pages, shape.page, shape.d, device=DEV, generator=g) + off
+    k = k.view(shape.hkv, -1, shape.d)[:, :ctx]
+    v = torch.randn(shape.hkv, ctx, shape.d, device=DEV, generator=g)
+    return k.to(shape.dtype).contiguous(), v.to(shape.dtype)
+
+
+def bounds(shape: Shape, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quest bounds transposed for a batched matmul: kmax, kmin ``[Hkv, D, n_pages]``."""
+    h, n, d = k.shape
+    pages = k.view(h, n // shape.page, shape.page, d)
+    return pages.amax(2).transpose(1, 2).contiguous(), pages.amin(2).transpose(1, 2).contiguous()
+
+
+def write_prefix(store: KVStore, shape: Shape, ctx: int) -> tuple[Manifest, float, dict]:
+    """Prefill write of random K/V through the store writer; (manifest, seconds in the writer, bounds)."""
+    lay = KVLayout(n_layers=shape.layers, n_kv_heads=shape.hkv, head_dim=shape.d,
+                   dtype=str(shape.dtype).removeprefix("torch."), page_size=shape.page)
+    key = PrefixKey(model_fingerprint=f"bench-offload-{ctx}", tenant_salt=tenant_salt("bench"),
+                    token_hash=token_hash([ctx]), layout=lay)
+    secs, bnd = 0.0, {}
+    with store.write_prefix(key, model_name="bench", n_tokens=ctx) as w:
+        for layer in range(shape.layers):
+            k, v = gen_layer(shape, ctx, layer)
+            bnd[layer] = bounds(shape, k)
+            kc, vc = k.cpu(), v.cpu()
+            del k, v
+            t0 = time.perf_counter()
+            w.write_layer(layer, kc, vc)
+            secs += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        manifest = w.commit()
+        secs += time.perf_counter() - t0
+    return manifest, secs, bnd
+
+
+# -- decode steps --------------------------------------------------------------------------------
+class Workload:
+    """Per-layer queries (random walk over steps), bounds, and the Quest-style page selection."""
+
+    def __init__(self, shape: Shape, ctx: int, budget: float, bnd: dict, alpha: float, steps: int):
+        self.shape, self.ctx, self.bnd = shape, ctx, bnd
+        self.n_pages = ctx // shape.page
+        self.k_sel = max(1, round(budget * self.n_pages) - 2)
+        g = torch.Generator(device=DEV).manual_seed(7)
+        q = torch.randn(shape.layers, shape.hq, shape.d, device=DEV, generator=g)
+        qs = []
+        for _ in range(steps):
+            q = alpha * q + math.sqrt(1 - alpha**2) * torch.randn(q.shape, device=DEV, generator=g)
+            qs.append(q.to(shape.dtype))
+        self.q = torch.stack(qs)  # [steps, layers, Hq, D]
+        ends = torch.tensor([0, self.n_pages - 1], device=DEV)
+        self.anchors = ends.expand(shape.hkv, 2)
+        self.scale = shape.d**-0.5
+        self.tok = torch.arange(shape.page, device=DEV)
+
+    def select(self, step: int, layer: int) -> torch.Tensor:
+        """Page ids ``[Hkv, k_sel + 2]``: first and last page, then the top pages by upper bound."""
+        kmax, kmin = self.bnd[layer]
+        qg = self.q[step, layer].view(self.shape.hkv, -1, self.shape.d)
+        ub = torch.baddbmm(torch.bmm(qg.clamp_min(0), kmax), qg.clamp_max(0), kmin).amax(1)
+        ub[:, 0] = ub[:, -1] = float("-inf")
+        top = ub.topk(self.k_sel, dim=-1, sorted=False).indices
+        return torch.cat([self.anchors, top], dim=1)
+
+    def attend(self, step: int, layer: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Sparse kernel over page rows ``[Hkv, n]`` (first row of each page) of buffers ``[Hkv, S, D]``."""
+        idx = (rows.unsqueeze(-1) + self.tok).view(1, self.shape.hkv, -1)
+        q = self.q[step, layer].unsqueeze(0)
+        from workers.kernels.sparse_attention import sparse_decode_attention, sparse_decode_attention_ref
+
+        op = sparse_decode_attention if DEV.type == "cuda" else sparse_decode_attention_ref
+        return op(q, k.unsqueeze(0), v.unsqueeze(0), scale=self.scale, idx=idx)[0]
+
+
+def per_token(fn, steps: range, budget_s: float = float("inf")) -> list[float]:
+    """Wall seconds of each token (all layers), synchronized at token boundaries; stops early once
+    ``budget_s`` is spent (at least one token)."""
+    out: list[float] = []
+    for t in steps:
+        if out and sum(out) > budget_s:
+            break
+        sync()
+        t0 = time.perf_counter()
+        fn(t)
+        sync()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def overlap(w: Workload, steps: int) -> float:
+    """Mean fraction of a step's selected pages also selected at the previous step."""
+    fr = []
+    for layer in range(w.shape.layers):
+        prev = None
+        for t in range(steps):
+            s = torch.zeros(w.shape.hkv, w.n_pages, dtype=torch.bool, device=DEV)
+            s.scatter_(1, w.select(t, layer), True)
+            if prev is not None:
+                fr.append(((s & prev).sum() / s.sum()).item())
+            prev = s
+    return statistics.mean(fr)
+
+
+def sparse_tokens(w: Workload, fetcher: PageFetcher, steps: range, stats_sync: bool = False,
+                  budget_s: float = float("inf")) -> list[float]:
+    """Per-token time of the offloaded sparse path (select + fetch + attend over all layers)."""
+    st = fetcher.stats
+    st.sync_timing = stats_sync
+
+    def token(t: int) -> None:
+        for layer in range(w.shape.layers):
+            with st.timed("select", DEV):
+                pages = w.select(t, layer)
+            r = fetcher.fetch(layer, pages)
+            with st.timed("attend", DEV):
+                w.attend(t, layer, r.k, r.v, r.page_rows(pages))
+
+    return per_token(token, steps, budget_s)
+
+
+def resident_tokens(w: Workload, k: torch.Tensor, v: torch.Tensor, steps: range) -> list[float]:
+    """Same selection + kernel over KV resident in HBM (layer 0's buffers for every layer)."""
+    def token(t: int) -> None:
+        for layer in range(w.shape.layers):
+            pages = w.select(t, layer)
+            w.attend(t, layer, k, v, pages * w.shape.page)
+
+    return per_token(token, steps)
+
+
+def dense_tokens(w: Workload, k: torch.Tensor, v: torch.Tensor, reps: int) -> list[float]:
+    """(a): SDPA over the whole resident KV per layer (layer 0's buffers for every layer)."""
+    kk, vv = k.unsqueeze(0), v.unsqueeze(0)
+
+    def token(t: int) -> None:
+        for layer in range(w.shape.layers):
+            q = w.q[t % w.q.shape[0], layer].view(1, w.shape.hq, 1, w.shape.d)
+            F.scaled_dot_product_attention(q, kk, vv, scale=w.scale, enable_gqa=True)
+
+    return per_token(token, range(reps))
+
+
+def full_host_tokens(w: Workload, tier: HostTier, first_slot: list[int], lay: KVLayout, reps: int) -> list[float]:
+    """(b) host: per layer, one pinned copy of the layer's pages to the GPU, unpack, SDPA."""
+    n_layer = lay.n_kv_heads * w.n_pages
+    raw = torch.empty(n_layer, lay.page_bytes, dtype=torch.uint8, device=DEV)
+
+    def token(t: int) -> None:
+        for layer in range(w.shape.layers):
+            s0 = first_slot[layer]
+            raw.copy_(tier.pages[s0 : s0 + n_layer], non_blocking=True)
+            k, v = unpack_pages(lay, raw.view(lay.n_kv_heads, w.n_pages, -1))
+            q = w.q[t % w.q.shape[0], layer].view(1, w.shape.hq, 1, w.shape.d)
+            F.scaled_dot_product_attention(q, k.reshape(1, lay.n_kv_heads, -1, lay.head_dim),
+                                           v.reshape(1, lay.n_kv_heads, -1, lay.head_dim), scale=w.scale,
+                                           enable_gqa=True)
+
+    return per_token(token, range(reps))
+
+
+def full_ssd_layer_s(w: Workload, store: KVStore, manifest, n_layers: int) -> tuple[float, float]:
+    """(b) SSD: seconds per layer reading whole layer files (O_DIRECT, 8 threads) + copy + SDPA; and GB/s."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    lay = manifest.layout
+    n_layer = lay.n_kv_heads * w.n_pages
+    staging = HostBuffer(n_layer * lay.page_bytes, pin=DEV.type == "cuda")
+    buf = staging.tensor.view(n_layer, lay.page_bytes)
+    pool = ThreadPoolExecutor(8)
+    reader = PosixPageReader(pool=pool, threads=8, direct=True)
+    plan = plan_runs(np.arange(n_layer))
+    drop_caches()
+    sync()
+    t0 = time.perf_counter()
+    read_s = 0.0
+    for layer in range(n_layers):
+        f = manifest.files[layer]
+        r0 = time.perf_counter()
+        reader.read(store.prefix_dir(manifest.prefix_id) / f.name, f.size, plan, lay.page_bytes, buf.numpy())
+        read_s += time.perf_counter() - r0
+        raw = buf.to(DEV, non_blocking=True)
+        k, v = unpack_pages(lay, raw.view(lay.n_kv_heads, w.n_pages, -1))
+        q = w.q[0, layer].view(1, w.shape.hq, 1, w.shape.d)
+        F.scaled_dot_product_attention(q, k.reshape(1, lay.n_kv_heads, -1, lay.head_dim),
+                                       v.reshape(1, lay.n_kv_heads, -1, lay.head_dim), scale=w.scale, enable_gqa=True)
+    sync()
+    per_layer = (time.perf_counter() - t0) / n_layers
+    reader.close()
+    pool.shutdown()
+    staging.close()
+    return per_layer, n_layers * n_layer * lay.page_bytes / read_s / 1e9
+
+
+def gather_bandwidth(tier: HostTier, lay: KVLayout, m: int, reps: int = 20) -> float:
+    """Kernel-only GB/s (K+V payload) of one gather of ``m`` random host-tier pages into GPU slots."""
+    if DEV.type != "cuda":
+        return float("nan")
+    g = torch.Generator().manual_seed(3)
+    src = torch.randperm(tier.n_slots, generator=g)[:m].to(DEV)
+    dst = torch.arange(m, device=DEV)
+    kp = torch.empty(m * lay.page_size, lay.head_dim, dtype=lay.torch_dtype, device=DEV)
+    vp = torch.empty_like(kp)
+    gather_pages(tier.pages, src, kp, vp, dst, block_bytes=lay.block_bytes)
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        gather_pages(tier.pages, src, kp, vp, dst, block_bytes=lay.block_bytes)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return m * lay.page_payload_bytes / statistics.median(times) / 1e9
+
+
+def check_equal(w: Workload, fetcher: PageFetcher, k0: torch.Tensor, v0: torch.Tensor) -> float:
+    """max |offloaded - resident| of layer 0's sparse output at step 0 (same selection, same kernel)."""
+    pages = w.select(0, 0)
+    r = fetcher.fetch(0, pages)
+    a = w.attend(0, 0, r.k, r.v, r.page_rows(pages)).float()
+    b = w.attend(0, 0, k0, v0, pages * w.shape.page).float()
+    return (a - b).abs().max().item()
+
+
+# -- one context ---------------------------------------------------------------------------------
+def med_ms(xs: list[float]) -> float:
+    return statistics.median(xs) * 1e3 if xs else float("nan")
+
+
+def run_ctx(args, shape: Shape, ctx: int, home: Path, ceil: dict) -> dict:
+    res: dict = {"ctx": ctx}
+    store = KVStore(StoreConfig(home=home / f"store-{ctx}", page_size=shape.page))
+    log(f"ctx {ctx}: prefill write through the store writer ...")
+    manifest, wsecs, bnd = write_prefix(store, shape, ctx)
+    lay = manifest.layout
+    kv_bytes = shape.layers * shape.hkv * ctx * lay.token_kv_bytes()
+    res["write_s"], res["write_gbps"] = wsecs, kv_bytes / wsecs / 1e9
+    res["write_frac"] = res["write_gbps"] / ceil["disk_write_gbps"]
+    log(f"  wrote {kv_bytes / 1e9:.2f} GB of KV in {wsecs:.1f} s = {res['write_gbps']:.2f} GB/s")
+    w = Workload(shape, ctx, args.budget, bnd, args.alpha, args.steps + 8)
+    res["pages_per_head"] = w.k_sel + 2
+    res["overlap"] = overlap(w, min(8, args.steps))
+    k0, v0 = gen_layer(shape, ctx, 0)
+    res["dense_ms"] = med_ms(dense_tokens(w, k0, v0, args.reps))
+    res["resident_sparse_ms"] = med_ms(resident_tokens(w, k0, v0, range(1, args.steps)))
+    log(f"  (a) dense {res['dense_ms']:.2f} ms/token, (r) resident sparse {res['resident_sparse_ms']:.2f}")
+    step_pages = shape.hkv * (w.k_sel + 2)
+    gpu_bytes = args.cache_factor * step_pages * lay.page_payload_bytes * shape.layers
+    res["gpu_cache_gb"] = gpu_bytes / 1e9
+    host_section(args, res, w, store, manifest, lay, gpu_bytes, k0, v0, ceil)
+    with guard(res, "ssd"):
+        ssd_section(args, res, w, store, manifest, gpu_bytes, k0, v0, ceil)
+    store.close()
+    shutil.rmtree(home / f"store-{ctx}", ignore_errors=True)
+    return res
+
+
+@contextlib.contextmanager
+def guard(res: dict, name: str):
+    """Report a failed section and go on (a benchmark, not product code)."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - print and continue with the other sections
+        traceback.print_exc()
+        res[f"{name}_error"] = f"{type(e).__name__}: {e}"
+
+
+def host_section(args, res, w, store, manifest, lay, gpu_bytes, k0, v0, ceil) -> None:
+    n_all = lay.n_layers * lay.n_kv_heads * w.n_pages
+    tier = HostTier(page_bytes=lay.page_bytes, budget_bytes=n_all * lay.page_bytes)
+    cfg = OffloadConfig(gpu_cache_bytes=gpu_bytes, host_cache_bytes=tier.budget_bytes, io_threads=args.threads)
+    fetcher = PageFetcher(store, manifest, DEV, cfg, tier)
+    t0 = time.perf_counter()
+    warm = fetcher.warm_host()
+    res["host_warm_gbps"] = warm / (time.perf_counter() - t0) / 1e9
+    res["host_pinned"] = tier.pinned
+    log(f"  host tier warmed: {warm / 1e9:.2f} GB at {res['host_warm_gbps']:.2f} GB/s (verified), pinned={tier.pinned}")
+    n_layer = lay.n_kv_heads * w.n_pages
+    slots = [tier.lookup(manifest.prefix_id, layer * n_layer + np.arange(n_layer)) for layer in range(lay.n_layers)]
+    assert all((np.diff(s) == 1).all() for s in slots), "a fresh tier holds each layer contiguously"
+    first = [int(s[0]) for s in slots]
+    res["full_host_ms"] = med_ms(full_host_tokens(w, tier, first, lay, args.full_reps))
+    cold = sparse_tokens(w, fetcher, range(0, 1))
+    steady = sparse_tokens(w, fetcher, range(1, args.steps))
+    res["max_abs_diff_host"] = check_equal(w, fetcher, k0, v0)
+    res["sparse_host_first_ms"], res["sparse_host_ms"] = med_ms(cold), med_ms(steady)
+    res["hit_rate_host"] = fetcher.stats.hit_rate
+    res["host_fetch_cpu_ms_per_token"] = fetcher.stats.seconds["fetch"] * 1e3 / fetcher.stats.steps
+    stats0 = dict(fetcher.stats.seconds)
+    sparse_tokens(w, fetcher, range(args.steps, args.steps + 5), stats_sync=True)
+    res["breakdown_host_ms"] = {k: (fetcher.stats.seconds[k] - stats0.get(k, 0.0)) * 1e3 / 5
+                                for k in ("select", "fetch", "attend", "gather")}
+    fetched = fetcher.stats.total.host_pages
+    res["host_pages_per_token"] = fetched / fetcher.stats.steps
+    res["gather_mode"] = fetcher.gather_mode
+    res["gather_gbps_step"] = gather_bandwidth(tier, lay, w.shape.hkv * (w.k_sel + 2))
+    res["gather_gbps_big"] = gather_bandwidth(tier, lay, min(tier.n_slots, 65536))
+    res["gather_frac"] = res["gather_gbps_step"] / ceil["h2d_gbps"]
+    log(f"  (b) host full {res['full_host_ms']:.1f} ms/token; (i) sparse host {res['sparse_host_ms']:.2f} "
+        f"(first {res['sparse_host_first_ms']:.2f}); hit {res['hit_rate_host']:.3f}; "
+        f"gather {res['gather_gbps_step']:.1f} GB/s; breakdown {res['breakdown_host_ms']}")
+    fetcher.close()
+    tier.close()
+    del fetcher, tier
+    gc.collect()
+
+
+def ssd_section(args, res, w, store, manifest, gpu_bytes, k0, v0, ceil) -> None:
+    readers = ["posix"] + (["kvikio"] if kvikio_available() and DEV.type == "cuda" else [])
+    for name in readers:
+        cfg = OffloadConfig(gpu_cache_bytes=gpu_bytes, host_cache_bytes=0, reader=name, direct_io=True,
+                            io_threads=args.threads)
+        dropped = drop_caches()
+        fetcher = PageFetcher(store, manifest, DEV, cfg, None)
+        with guard(res, f"ssd_{name}"):
+            cold = sparse_tokens(w, fetcher, range(0, 1))
+            n = args.ssd_steps if name == "posix" else max(2, args.ssd_steps // 2)
+            steady = sparse_tokens(w, fetcher, range(1, 1 + n), budget_s=args.ssd_seconds)
+            res[f"ssd_{name}_steps"] = len(steady)
+            st = fetcher.stats
+            res[f"sparse_ssd_{name}_first_ms"], res[f"sparse_ssd_{name}_ms"] = med_ms(cold), med_ms(steady)
+            res[f"hit_rate_ssd_{name}"] = st.hit_rate
+            res[f"ssd_{name}_read_gbps"] = st.bytes_ssd / max(st.seconds.get("ssd_read", 0.0), 1e-9) / 1e9
+            res[f"ssd_{name}_pages_per_token"] = st.total.ssd_pages / st.steps
+            res[f"ssd_{name}_reads_per_token"] = st.read_calls / st.steps
+            res[f"ssd_{name}_verify_ms_per_token"] = st.seconds.get("verify", 0.0) * 1e3 / st.steps
+            res[f"ssd_{name}_caches_dropped"] = dropped
+            res[f"ssd_{name}_direct_io"] = getattr(fetcher.reader, "direct_active", None)
+            res[f"max_abs_diff_ssd_{name}"] = check_equal(w, fetcher, k0, v0)
+            log(f"  (ii) sparse SSD [{name}] {res[f'sparse_ssd_{name}_ms']:.1f} ms/token (first "
+                f"{res[f'sparse_ssd_{name}_first_ms']:.1f}); reads {res[f'ssd_{name}_read_gbps']:.2f} GB/s; "
+                f"hit {st.hit_rate:.3f}")
+        fetcher.close()
+        del fetcher
+        gc.collect()
+    per_layer, gbps = full_ssd_layer_s(w, store, manifest, min(args.ssd_full_layers, w.shape.layers))
+    res["full_ssd_ms"], res["full_ssd_read_gbps"] = per_layer * w.shape.layers * 1e3, gbps
+    log(f"  (b) SSD full {res['full_ssd_ms']:.0f} ms/token (from {args.ssd_full_layers} layers), read {gbps:.2f} GB/s")
+
+
+# -- report --------------------------------------------------------------------------------------
+def report(results: list[dict], ceil: dict) -> None:
+    def f(x, p=2):
+        return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{p}f}"
+
+    print("\n| ctx | pages/head (budget) | (a) dense HBM ms | (r) sparse HBM ms | (i) sparse host ms "
+          "| (b) full host ms | (i)/(a) | (b)/(i) host | hit rate | overlap |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        sp = r.get("sparse_host_ms")
+        print(f"| {r['ctx'] // 1024}k | {r['pages_per_head']} ({100 * r['pages_per_head'] * 16 / r['ctx']:.1f}%) | "
+              f"{f(r['dense_ms'])} | {f(r['resident_sparse_ms'])} | {f(sp)} | {f(r.get('full_host_ms'), 1)} | "
+              f"{f(sp / r['dense_ms'] if sp else None)} | {f(r['full_host_ms'] / sp if sp else None, 1)} | "
+              f"{f(r.get('hit_rate_host'), 3)} | {f(r['overlap'], 3)} |")
+    print("\n| ctx | (ii) sparse SSD ms (posix) | first token ms | (b) full SSD ms (scaled) | (b)/(ii) | (ii)/(a) "
+          "| SSD read GB/s (% raw read) | reads/token | kvikio sparse ms | kvikio read GB/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        sp = r.get("sparse_ssd_posix_ms")
+        rd = r.get("ssd_posix_read_gbps")
+        full = r.get("full_ssd_ms")
+        rd_frac = 100 * rd / ceil["disk_read_gbps"] if rd else None
+        print(f"| {r['ctx'] // 1024}k | {f(sp, 1)} | {f(r.get('sparse_ssd_posix_first_ms'), 0)} | "
+              f"{f(full, 0)} | {f(full / sp if sp and full else None, 1)} | "
+              f"{f(sp / r['dense_ms'] if sp else None, 1)} | {f(rd)} ({f(rd_frac, 0)}%) | "
+              f"{f(r.get('ssd_posix_reads_per_token'), 0)} | {f(r.get('sparse_ssd_kvikio_ms'), 1)} | "
+              f"{f(r.get('ssd_kvikio_read_gbps'))} |")
+    print("\n| ctx | gather GB/s, one step's pages (% pinned copy) | gather GB/s, 64k pages | breakdown ms/token "
+          "(select / fetch / attend, synced) | prefill write GB/s (% raw disk write) |")
+    print("| --- | --- | --- | --- | --- |")
+    for r in results:
+        b = r.get("breakdown_host_ms", {})
+        frac = 100 * r.get("gather_frac", float("nan"))
+        print(f"| {r['ctx'] // 1024}k | {f(r.get('gather_gbps_step'), 1)} ({f(frac, 0)}%) "
+              f"| {f(r.get('gather_gbps_big'), 1)} | {f(b.get('select'))} / {f(b.get('fetch'))} / {f(b.get('attend'))} "
+              f"| {f(r['write_gbps'])} ({f(100 * r['write_frac'], 0)}%) |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ctx", type=int, nargs="+", default=[32768, 131072])
+    p.add_argument("--budget", type=float, default=0.02)
+    p.add_argument("--steps", type=int, default=24, help="decode steps timed per configuration (host)")
+    p.add_argument("--ssd-steps", type=int, default=6)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--full-reps", type=int, default=3)
+    p.add_argument("--ssd-full-layers", type=int, default=4)
+    p.add_argument("--ssd-seconds", type=float, default=20.0, help="time budget of steady SSD steps per reader")
+    p.add_argument("--alpha", type=float, default=0.99, help="query random-walk persistence (step overlap)")
+    p.add_argument("--cache-factor", type=int, default=4, help="GPU page cache = this x one step's pages")
+    p.add_argument("--threads", type=int, default=8)
+    p.add_argument("--dir", type=Path, default=REPO / "runs" / "bench_offload")
+    p.add_argument("--ceiling-bytes", type=int, default=2 << 30)
+    p.add_argument("--quick", action="store_true", help="tiny shape (CPU smoke run)")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    if args.quick:
+        shape = Shape(layers=2, hq=8, hkv=2, d=32, page=16, dtype=torch.float32)
+        args.ctx, args.ceiling_bytes, args.steps, args.ssd_steps, args.reps = [4096], 64 << 20, 4, 2, 2
+        args.ssd_full_layers, args.budget = 1, 0.05
+    else:
+        shape = Shape(layers=32, hq=32, hkv=8, d=128, page=16, dtype=torch.bfloat16)
+    args.dir.mkdir(parents=True, exist_ok=True)
+    name = torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu"
+    RESULTS["device"] = f"{name}, torch {torch.__version__}, kvikio {'yes' if kvikio_available() else 'no'}"
+    log(RESULTS["device"])
+    ceil: dict = {"h2d_gbps": h2d_ceiling(args.ceiling_bytes)}
+    w_, r_, mode = disk_ceilings(args.dir / "ceiling.bin", args.ceiling_bytes)
+    ceil.update(disk_write_gbps=w_, disk_read_gbps=r_, disk_read_mode=mode)
+    RESULTS["ceilings"] = ceil
+    log(f"ceilings: pinned H2D {ceil['h2d_gbps']:.1f} GB/s, disk write {w_:.2f} GB/s (fsync), "
+        f"read {r_:.2f} GB/s ({mode})")
+    results = []
+    for ctx in args.ctx:
+        res = run_ctx(args, shape, ctx, args.dir, ceil)
+        results.append(res)
+        RESULTS["ctx"][ctx] = res
+        if args.json:
+            args.json.write_text(json.dumps(RESULTS, indent=1, default=str))
+        gc.collect()
+    report(results, ceil)
+
+
+if __name__ == "__main__":
+    main()
