@@ -119,3 +119,17 @@ def test_text_stream_holds_back_stop_prefixes(lm) -> None:
     ts2 = TextStream(lm.tokenizer, stop=("\nQ:",))
     pieces = [ts2.push(t) for t in lm.tokenizer("ab\nc", add_special_tokens=False).input_ids]
     assert "".join(pieces) + ts2.finish() == "ab\nc"
+
+
+def test_prompt_format_from_model_dir(tmp_path: Path) -> None:
+    import json
+
+    from workers.prompt import PromptFormat
+
+    assert PromptFormat.load(str(tmp_path)).format_query("hi") == "hi"  # no kvstash.json: the query as-is
+    (tmp_path / "kvstash.json").write_text(json.dumps({"query_template": "\nQ: {question}\nA:", "stop": ["\n"]}))
+    fmt = PromptFormat.load(str(tmp_path))
+    assert fmt.format_query("Who?") == "\nQ: Who?\nA:" and fmt.stop == ("\n",)
+    (tmp_path / "kvstash.json").write_text(json.dumps({"query_template": "no placeholder"}))
+    with pytest.raises(ValueError, match="question"):
+        PromptFormat.load(str(tmp_path))

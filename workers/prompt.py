@@ -7,18 +7,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PROMPT_FILE = "kvstash.json"
+PLACEHOLDER = "{question}"
+"""Where the user's query goes in ``query_template`` (the training format's name for it)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class PromptFormat:
     """Query template appended to the document, and default stop strings."""
 
-    query_template: str = "{query}"
+    query_template: str = PLACEHOLDER
     stop: tuple[str, ...] = field(default=())
 
     def format_query(self, query: str) -> str:
         """The text appended after the document for ``query``."""
-        return self.query_template.replace("{query}", query)
+        return self.query_template.replace(PLACEHOLDER, query)
 
     @classmethod
     def load(cls, model_dir: str) -> PromptFormat:
@@ -27,4 +29,7 @@ class PromptFormat:
         if not path.is_file():
             return cls()
         d = json.loads(path.read_text())
-        return cls(query_template=d.get("query_template", "{query}"), stop=tuple(d.get("stop", ())))
+        template = d.get("query_template", PLACEHOLDER)
+        if PLACEHOLDER not in template:
+            raise ValueError(f"{path}: query_template must contain {PLACEHOLDER}")
+        return cls(query_template=template, stop=tuple(d.get("stop", ())))
