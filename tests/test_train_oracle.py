@@ -1,0 +1,45 @@
+"""The oracle top-k attention used for the model card's realism check."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from workers.train.oracle_topk import STATE, topk_attention
+
+
+def reference(q, k, v):
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    q_len, k_len = q.shape[2], k.shape[2]
+    mask = torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+
+
+def make(q_len: int, k_len: int):
+    g = torch.Generator().manual_seed(0)
+    return (
+        torch.randn(1, 4, q_len, 16, generator=g),
+        torch.randn(1, 2, k_len, 16, generator=g),
+        torch.randn(1, 2, k_len, 16, generator=g),
+    )
+
+
+def test_full_fraction_matches_causal_sdpa():
+    q, k, v = make(5, 37)
+    STATE.doc_len, STATE.fraction = 32, 1.0
+    out, _ = topk_attention(None, q, k, v, None)
+    torch.testing.assert_close(out, reference(q, k, v), rtol=1e-4, atol=1e-5)
+
+
+def test_topk_keeps_only_best_document_keys():
+    q, k, v = make(1, 40)
+    STATE.doc_len, STATE.fraction = 32, 0.05  # ceil(1.6) = 2 of 32 document keys, plus 8 resident keys
+    out, _ = topk_attention(None, q, k, v, None)
+    k2, v2 = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    for h in range(4):
+        scores = (q[0, h, 0] @ k2[0, h].T) / 4.0  # 1 / sqrt(head_dim 16)
+        kept = scores[:32].topk(2).indices.tolist() + list(range(32, 40))
+        p = torch.softmax(scores[kept], 0)
+        torch.testing.assert_close(out[0, 0, h], p @ v2[0, h, kept], rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(out, reference(q, k, v), atol=1e-3)
