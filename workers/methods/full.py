@@ -5,22 +5,33 @@ from __future__ import annotations
 import torch
 
 from workers.attention import PrefixAttention, dense_attention
-from workers.methods.base import DecodeConfig, Method, PrefixSource
+from workers.methods.base import DecodeConfig, Method, PrefixSource, ReadReport
+from workers.methods.reads import ReadCounter
 
 
 class FullPrefixAttention:
-    """Reads each layer's whole KV once per generation and attends all of it."""
+    """Attends every prefix token at every step; reads are counted as a fetch-everything decoder
+    makes them (all of a layer's K/V per step), even though this in-process path keeps them resident."""
 
     def __init__(self, source: PrefixSource):
         self.source = source
         self._kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        lay = source.layout
+        self.counter = ReadCounter(n_layers=lay.n_layers, n_kv_heads=lay.n_kv_heads, token_bytes=lay.token_kv_bytes())
 
     def attend(self, layer: int, q: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact attention of q ``[B, Hq, L, D]`` over the layer's prefix."""
         if layer not in self._kv:
             self._kv[layer] = self.source.layer_kv(layer)
+        if layer == 0:
+            self.counter.start_step()
         k, v = self._kv[layer]
+        self.counter.add_layer(k.shape[0] * k.shape[1])
         return dense_attention(q, k[None], v[None], scale)
+
+    def read_report(self) -> ReadReport:
+        """All prefix tokens of every layer and KV head, each step."""
+        return self.counter.report()
 
 
 class FullAttention(Method):
