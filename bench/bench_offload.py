@@ -53,7 +53,7 @@ from store.page_io import PosixPageReader, kvikio_available, plan_runs  # noqa: 
 from store.pages import unpack_pages  # noqa: E402
 from store.prefix_key import PrefixKey, tenant_salt, token_hash  # noqa: E402
 from workers.offload import HostTier, OffloadConfig, PageFetcher  # noqa: E402
-from workers.offload.gather import gather_pages  # noqa: E402
+from workers.offload.gather import TRITON_CONFIG, gather_pages  # noqa: E402
 from workers.offload.memory import HostBuffer  # noqa: E402
 
 
@@ -258,8 +258,9 @@ def sparse_tokens(w: Workload, fetcher: PageFetcher, steps: range, stats_sync: b
             with st.timed("select", DEV):
                 pages = w.select(t, layer)
             r = fetcher.fetch(layer, pages)
+            assert r.rows is not None
             with st.timed("attend", DEV):
-                w.attend(t, layer, r.k, r.v, r.page_rows(pages))
+                w.attend(t, layer, r.k, r.v, r.rows)
 
     return per_token(token, steps, budget_s)
 
@@ -358,11 +359,30 @@ def gather_bandwidth(tier: HostTier, lay: KVLayout, m: int, reps: int = 20) -> f
     return m * lay.page_payload_bytes / statistics.median(times) / 1e9
 
 
+def gather_section(res: dict, tier: HostTier, lay: KVLayout, w: Workload, ceil: dict) -> None:
+    """Sweep the gather kernel's chunk size and warps on one step's pages; keep the best for this run."""
+    step = w.shape.hkv * (w.k_sel + 2)
+    sweep = {}
+    for cfg in ({"block_bytes": 4096, "num_warps": 4}, {"block_bytes": 2048, "num_warps": 4},
+                {"block_bytes": 1024, "num_warps": 4}, {"block_bytes": 4096, "num_warps": 8},
+                {"block_bytes": 2048, "num_warps": 2}):
+        TRITON_CONFIG.update(cfg)
+        sweep[f"{cfg['block_bytes']}B/w{cfg['num_warps']}"] = gather_bandwidth(tier, lay, step)
+    best = max(sweep, key=lambda k: sweep[k] if not math.isnan(sweep[k]) else -1)
+    TRITON_CONFIG.update(block_bytes=int(best.split("B")[0]), num_warps=int(best.split("/w")[1]))
+    res["gather_sweep_gbps"], res["gather_config"] = sweep, best
+    res["gather_gbps_step"] = sweep[best]
+    res["gather_gbps_big"] = gather_bandwidth(tier, lay, min(tier.n_slots, 65536))
+    res["gather_frac"] = res["gather_gbps_step"] / ceil["h2d_gbps"]
+    log(f"  gather sweep (GB/s, {step} pages): {sweep}; 64k pages {res['gather_gbps_big']:.1f}")
+
+
 def check_equal(w: Workload, fetcher: PageFetcher, k0: torch.Tensor, v0: torch.Tensor) -> float:
     """max |offloaded - resident| of layer 0's sparse output at step 0 (same selection, same kernel)."""
     pages = w.select(0, 0)
     r = fetcher.fetch(0, pages)
-    a = w.attend(0, 0, r.k, r.v, r.page_rows(pages)).float()
+    assert r.rows is not None and torch.equal(r.rows, r.page_rows(pages))
+    a = w.attend(0, 0, r.k, r.v, r.rows).float()
     b = w.attend(0, 0, k0, v0, pages * w.shape.page).float()
     return (a - b).abs().max().item()
 
@@ -424,6 +444,7 @@ def host_section(args, res, w, store, manifest, lay, gpu_bytes, k0, v0, ceil) ->
     slots = [tier.lookup(manifest.prefix_id, layer * n_layer + np.arange(n_layer)) for layer in range(lay.n_layers)]
     assert all((np.diff(s) == 1).all() for s in slots), "a fresh tier holds each layer contiguously"
     first = [int(s[0]) for s in slots]
+    gather_section(res, tier, lay, w, ceil)
     res["full_host_ms"] = med_ms(full_host_tokens(w, tier, first, lay, args.full_reps))
     cold = sparse_tokens(w, fetcher, range(0, 1))
     steady = sparse_tokens(w, fetcher, range(1, args.steps))
@@ -433,17 +454,14 @@ def host_section(args, res, w, store, manifest, lay, gpu_bytes, k0, v0, ceil) ->
     res["host_fetch_cpu_ms_per_token"] = fetcher.stats.seconds["fetch"] * 1e3 / fetcher.stats.steps
     stats0 = dict(fetcher.stats.seconds)
     sparse_tokens(w, fetcher, range(args.steps, args.steps + 5), stats_sync=True)
-    res["breakdown_host_ms"] = {k: (fetcher.stats.seconds[k] - stats0.get(k, 0.0)) * 1e3 / 5
-                                for k in ("select", "fetch", "attend", "gather")}
+    res["breakdown_host_ms"] = {k: (fetcher.stats.seconds.get(k, 0.0) - stats0.get(k, 0.0)) * 1e3 / 5
+                                for k in ("select", "fetch", "attend", "plan", "sources", "to_device", "launch")}
     fetched = fetcher.stats.total.host_pages
     res["host_pages_per_token"] = fetched / fetcher.stats.steps
     res["gather_mode"] = fetcher.gather_mode
-    res["gather_gbps_step"] = gather_bandwidth(tier, lay, w.shape.hkv * (w.k_sel + 2))
-    res["gather_gbps_big"] = gather_bandwidth(tier, lay, min(tier.n_slots, 65536))
-    res["gather_frac"] = res["gather_gbps_step"] / ceil["h2d_gbps"]
     log(f"  (b) host full {res['full_host_ms']:.1f} ms/token; (i) sparse host {res['sparse_host_ms']:.2f} "
         f"(first {res['sparse_host_first_ms']:.2f}); hit {res['hit_rate_host']:.3f}; "
-        f"gather {res['gather_gbps_step']:.1f} GB/s; breakdown {res['breakdown_host_ms']}")
+        f"breakdown {res['breakdown_host_ms']}")
     fetcher.close()
     tier.close()
     del fetcher, tier
@@ -511,13 +529,15 @@ def report(results: list[dict], ceil: dict) -> None:
               f"{f(r.get('ssd_posix_reads_per_token'), 0)} | {f(r.get('sparse_ssd_kvikio_ms'), 1)} | "
               f"{f(r.get('ssd_kvikio_read_gbps'))} |")
     print("\n| ctx | gather GB/s, one step's pages (% pinned copy) | gather GB/s, 64k pages | breakdown ms/token "
-          "(select / fetch / attend, synced) | prefill write GB/s (% raw disk write) |")
-    print("| --- | --- | --- | --- | --- |")
+          "(select / fetch / attend, synced) | fetch CPU ms/token (plan / sources / to_device / launch) "
+          "| prefill write GB/s (% raw disk write) |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for r in results:
         b = r.get("breakdown_host_ms", {})
         frac = 100 * r.get("gather_frac", float("nan"))
         print(f"| {r['ctx'] // 1024}k | {f(r.get('gather_gbps_step'), 1)} ({f(frac, 0)}%) "
               f"| {f(r.get('gather_gbps_big'), 1)} | {f(b.get('select'))} / {f(b.get('fetch'))} / {f(b.get('attend'))} "
+              f"| {f(b.get('plan'))} / {f(b.get('sources'))} / {f(b.get('to_device'))} / {f(b.get('launch'))} "
               f"| {f(r['write_gbps'])} ({f(100 * r['write_frac'], 0)}%) |")
 
 
@@ -533,7 +553,7 @@ def main() -> None:
     p.add_argument("--ssd-seconds", type=float, default=20.0, help="time budget of steady SSD steps per reader")
     p.add_argument("--alpha", type=float, default=0.99, help="query random-walk persistence (step overlap)")
     p.add_argument("--cache-factor", type=int, default=4, help="GPU page cache = this x one step's pages")
-    p.add_argument("--threads", type=int, default=8)
+    p.add_argument("--threads", type=int, default=16)
     p.add_argument("--dir", type=Path, default=REPO / "runs" / "bench_offload")
     p.add_argument("--ceiling-bytes", type=int, default=2 << 30)
     p.add_argument("--quick", action="store_true", help="tiny shape (CPU smoke run)")

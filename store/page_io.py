@@ -32,6 +32,8 @@ DIRECT_ALIGN = 4096
 SPLIT_BYTES = 8 << 20
 """With several threads, runs longer than this are split so that threads share one big read."""
 PARALLEL_MIN_BYTES = 256 << 10
+VERIFY_CHUNK = 32
+"""Pages per verification task at least (``zlib.crc32`` releases the GIL on pages this large)."""
 """Below this many bytes per call, threads cost more than they save: read on the calling thread."""
 
 
@@ -306,7 +308,7 @@ def verify_pages(prefix_id: str, layer: int, n_pages: int, linear: np.ndarray, o
         return -1
 
     n = len(hs)
-    parts = max(1, min(threads, n // 256)) if pool is not None else 1
+    parts = max(1, min(threads, n // VERIFY_CHUNK)) if pool is not None else 1
     edges = np.linspace(0, n, parts + 1).astype(int).tolist()
     tasks = [functools.partial(check, a, b) for a, b in zip(edges[:-1], edges[1:])]
     bad = [i for i in run_all(pool, tasks) if i >= 0]

@@ -17,6 +17,7 @@ nothing half-written is ever attended.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -75,6 +76,8 @@ class PageFetcher:
         self._layers: dict[int, LayerCache] = {}
         self._fetches: dict[int, int] = {}
         self._event: torch.cuda.Event | None = None
+        self._index: HostBuffer | None = None
+        self._head_base = (np.arange(lay.n_kv_heads, dtype=np.int64) * self.n_pages)[:, None]
         self.gather_mode = "triton" if self.cuda else "torch"
         self.stats = OffloadStats(payload_bytes=lay.page_payload_bytes, page_bytes=lay.page_bytes)
 
@@ -86,17 +89,21 @@ class PageFetcher:
 
     # -- public API ------------------------------------------------------------------------------
     def fetch(self, layer: int, pages: torch.Tensor) -> FetchResult:
-        """Make pages ``[Hkv, n]`` (ids per KV head, any device; -1 = padding) of ``layer`` resident."""
+        """Make pages ``[Hkv, n]`` (ids per KV head, any device; -1 = padding) of ``layer`` resident.
+
+        The result's ``rows [Hkv, n]`` gives each requested page's first row in the pools.
+        """
         with self.stats.timed("fetch", self.device):
             p = pages.detach().to("cpu", torch.int64).numpy()
             h = self.layout.n_kv_heads
             if p.ndim != 2 or p.shape[0] != h:
                 raise InvalidInput(f"pages must be [{h}, n] page ids per KV head, got {tuple(p.shape)}")
-            valid = p >= 0
-            if (p[valid] >= self.n_pages).any():
+            if p.size and p.max() >= self.n_pages:
                 raise InvalidInput(f"page ids must be < {self.n_pages} (the prefix has {self.n_tokens} tokens)")
-            keys = np.unique((np.arange(h)[:, None] * self.n_pages + p)[valid])
-            return self._fetch_keys(layer, keys)
+            lin = np.where(p >= 0, self._head_base + p, -1).reshape(-1)
+            keys = np.sort(lin[lin >= 0])
+            keys = keys[np.concatenate(([True], keys[1:] != keys[:-1]))] if keys.size else keys
+            return self._fetch_keys(layer, keys, lin)
 
     def fetch_tokens(self, layer: int, tokens: torch.Tensor, counts: torch.Tensor) -> FetchResult:
         """Fetch the pages of the first ``counts`` token ids of each row of ``tokens [..., Hkv, n]``
@@ -146,8 +153,9 @@ class PageFetcher:
         self.reader.close()
         if self._pool is not None:
             self._pool.shutdown()
-        if self._staging is not None:
-            self._staging.close()
+        for buf in (self._staging, self._index):
+            if buf is not None:
+                buf.close()
         self._layers.clear()
 
     def __enter__(self) -> PageFetcher:
@@ -167,7 +175,11 @@ class PageFetcher:
                                              head_dim=lay.head_dim, dtype=lay.torch_dtype, device=self.device)
         return self._layers[layer]
 
-    def _fetch_keys(self, layer: int, keys: np.ndarray) -> FetchResult:
+    def _fetch_keys(self, layer: int, keys: np.ndarray, lin: np.ndarray | None = None) -> FetchResult:
+        """Make sorted unique linear keys resident; ``lin`` (request order, -1 padding) -> result rows.
+
+        Any failure empties the layer's cache before it propagates: nothing half-written is served.
+        """
         cache = self._layer(layer)
         if keys.size > cache.n_slots:
             raise CacheTooSmall(f"a step asked for {keys.size} pages of layer {layer} but its GPU page cache holds "
@@ -175,50 +187,82 @@ class PageFetcher:
                                 f"{keys.size * self.layout.page_payload_bytes * self.layout.n_layers} bytes")
         step = self._fetches.get(layer, 0)
         self._fetches[layer] = step + 1
-        lru = cache.lru
-        lru.begin_batch()
-        slots = lru.lookup(0, keys)
-        hit = slots >= 0
-        lru.touch(slots[hit])
-        counts = StepCounts(pages=int(keys.size), gpu_hits=int(hit.sum()))
-        miss = keys[~hit]
-        if miss.size:
-            alloc = lru.allocate(0, miss)
+        counts = StepCounts(pages=int(keys.size))
+        st = self.stats
+        with self.host.lock if self.host is not None else contextlib.nullcontext():
             try:
-                self._fill(layer, cache, miss, alloc.slots, counts)
+                with st.timed("plan"):
+                    slots, where_miss, evicted = self._plan(cache, keys, counts)
+                groups: list[tuple[torch.Tensor, bool]] = []
+                parts: list[np.ndarray] = []
+                if where_miss.size:
+                    miss, dst = keys[where_miss], slots[where_miss]
+                    with st.timed("sources"):
+                        for src, pinned, rows, to in self._sources(layer, miss, dst, counts):
+                            groups.append((src, pinned))
+                            parts += [rows, to]
+                    parts.append(np.concatenate([evicted, miss, np.full(evicted.size, -1, np.int64), dst]))
+                if lin is not None:
+                    at = slots[np.minimum(np.searchsorted(keys, lin), keys.size - 1)] if keys.size else lin
+                    parts.append(np.where(lin >= 0, at * self.layout.page_size, -1))
+                with st.timed("to_device"):
+                    dev = self._to_device(parts)
+                with st.timed("launch"):
+                    self._launch(cache, dev, groups)
             except BaseException:
                 cache.invalidate()
                 raise
-            self._set_map(cache, np.concatenate([alloc.evicted_keys, miss]),
-                          np.concatenate([np.full(alloc.evicted_keys.size, -1, np.int64), alloc.slots]))
-            self.stats.gpu_evictions += int(alloc.evicted_keys.size)
-        self.stats.record(step, counts)
-        return cache.result()
+        st.record(step, counts)
+        return cache.result(dev[-1].view(self.layout.n_kv_heads, -1) if lin is not None else None)
 
-    def _fill(self, layer: int, cache: LayerCache, miss: np.ndarray, dst: np.ndarray, counts: StepCounts) -> None:
-        """Copy pages ``miss`` into slots ``dst``: from the host tier, else from SSD (then into the tier)."""
+    def _plan(self, cache: LayerCache, keys: np.ndarray, counts: StepCounts
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """LRU lookup, touch, and slots for the misses: (slots of keys, positions of misses, evicted keys)."""
+        lru = cache.lru
+        lru.begin_batch()
+        slots = lru.tables[0][keys]
+        hit = slots >= 0
+        lru.stamp[slots[hit]] = lru.tick
+        counts.gpu_hits = int(np.count_nonzero(hit))
+        where_miss = np.flatnonzero(~hit)
+        evicted = np.zeros(0, dtype=np.int64)
+        if where_miss.size:
+            alloc = lru.allocate(0, keys[where_miss])
+            slots[where_miss] = alloc.slots
+            evicted = alloc.evicted_keys
+            self.stats.gpu_evictions += int(evicted.size)
+        return slots, where_miss, evicted
+
+    def _sources(self, layer: int, miss: np.ndarray, dst: np.ndarray, counts: StepCounts
+                 ) -> list[tuple[torch.Tensor, bool, np.ndarray, np.ndarray]]:
+        """Where each missing page comes from: (source pages, pinned, source rows, destination slots).
+
+        Host-tier pages are read in place; SSD pages are read into staging, checked and put into the
+        host tier (then read from there), or served from staging when they do not fit in it.
+        """
         if self.host is None:
             self._read(layer, miss)
             counts.ssd_pages = int(miss.size)
-            self._gather(self._staging_tensor(miss.size), np.arange(miss.size), cache, dst)
-            return
-        with self.host.lock:
-            self.host.begin_batch()
-            hkeys = layer * self.n_keys + miss
-            src = self.host.lookup(self.prefix_id, hkeys)
-            cold = src < 0
-            counts.host_pages, counts.ssd_pages = int((~cold).sum()), int(cold.sum())
-            if cold.any():
-                buf = self._read(layer, miss[cold])
-                put = self.host.insert(self.prefix_id, hkeys[cold], buf)
-                if put is None:  # does not fit beside this batch: serve the SSD pages from staging
-                    self._gather(self._staging_tensor(buf.shape[0]), np.arange(buf.shape[0]), cache, dst[cold])
-                    src, dst = src[~cold], dst[~cold]
-                else:
-                    src[cold] = put
-            self._gather(self.host.pages, src, cache, dst)
-            if self._event is not None:
-                self.host.note_reader(id(self), self._event)
+            return [(self._staging_tensor(miss.size), self.pin, np.arange(miss.size, dtype=np.int64), dst)]
+        self.host.begin_batch()
+        hkeys = layer * self.n_keys + miss
+        src = self.host.lookup(self.prefix_id, hkeys)
+        cold = src < 0
+        counts.ssd_pages = int(np.count_nonzero(cold))
+        counts.host_pages = int(miss.size) - counts.ssd_pages
+        groups = []
+        if counts.ssd_pages:
+            buf = self._read(layer, miss[cold])
+            put = self.host.insert(self.prefix_id, hkeys[cold], buf)
+            if put is None:  # does not fit beside this batch: serve the SSD pages from staging
+                groups.append((self._staging_tensor(buf.shape[0]), self.pin, np.arange(buf.shape[0], dtype=np.int64),
+                               dst[cold]))
+                src, dst = src[~cold], dst[~cold]
+            else:
+                src[cold] = put
+        if src.size:
+            groups.append((self.host.pages, self.host.pinned, src, dst))
+        return groups
 
     def _read(self, layer: int, keys: np.ndarray) -> np.ndarray:
         """Read pages ``keys`` (sorted linear ids) of ``layer`` into staging rows ``[0, n)``, checked."""
@@ -245,29 +289,46 @@ class PageFetcher:
         assert self._staging is not None
         return self._staging.tensor[: n * self.layout.page_bytes].view(n, self.layout.page_bytes)
 
-    def _gather(self, src: torch.Tensor, rows: np.ndarray, cache: LayerCache, dst: np.ndarray) -> None:
-        if rows.size == 0:
-            return
-        with self.stats.timed("gather"):
-            idx = torch.from_numpy(np.stack([rows, dst]).astype(np.int64)).to(self.device, non_blocking=True)
-            triton_ok = self.gather_mode == "triton" and src.is_pinned()
-            try:
-                gather_pages(src, idx[0], cache.k, cache.v, idx[1], block_bytes=self.layout.block_bytes,
-                             use_triton=triton_ok)
-            except ValueError as e:  # this GPU/driver cannot read the host buffer in place
-                if not triton_ok or "cannot be accessed" not in str(e):
-                    raise
-                self.gather_mode = "copy"
-                gather_pages(src, idx[0], cache.k, cache.v, idx[1], block_bytes=self.layout.block_bytes,
-                             use_triton=False)
-            self.stats.gather_launches += 1
-            if self.cuda:
-                self._event = torch.cuda.Event()
-                self._event.record()
+    def _to_device(self, parts: list[np.ndarray]) -> list[torch.Tensor]:
+        """One host -> device copy of every index array of a fetch (through a pinned buffer on CUDA)."""
+        sizes = [a.size for a in parts]
+        flat = np.concatenate(parts).astype(np.int64, copy=False) if parts else np.zeros(0, np.int64)
+        if not self.cuda:
+            return list(torch.from_numpy(flat).split(sizes))
+        self._wait_own()  # the previous copy out of the pinned buffer has finished
+        if self._index is None or self._index.tensor.numel() < flat.nbytes:
+            self._index = HostBuffer(max(flat.nbytes, 2 * (self._index.tensor.numel() if self._index else 0), 1 << 16),
+                                     pin=True)
+        host = self._index.tensor[: flat.nbytes].view(torch.int64)
+        host.numpy()[:] = flat
+        return list(host.to(self.device, non_blocking=True).split(sizes))
 
-    def _set_map(self, cache: LayerCache, keys: np.ndarray, slots: np.ndarray) -> None:
-        kv = torch.from_numpy(np.stack([keys, slots])).to(self.device, non_blocking=True)
-        cache.slot_map[kv[0]] = kv[1].to(torch.int32)
+    def _launch(self, cache: LayerCache, dev: list[torch.Tensor], groups: list[tuple[torch.Tensor, bool]]) -> None:
+        """Gather launches (one per source group), then the device map update; records the fetch's event."""
+        if groups:
+            for i, (src, pinned) in enumerate(groups):
+                self._gather(src, pinned, dev[2 * i], cache, dev[2 * i + 1])
+            upd = dev[2 * len(groups)]
+            half = upd.shape[0] // 2
+            cache.slot_map[upd[:half]] = upd[half:]
+        if self.cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+            if self.host is not None:
+                self.host.note_reader(id(self), self._event)
+
+    def _gather(self, src: torch.Tensor, pinned: bool, rows: torch.Tensor, cache: LayerCache,
+                dst: torch.Tensor) -> None:
+        triton_ok = self.gather_mode == "triton" and pinned
+        bb = self.layout.block_bytes
+        try:
+            gather_pages(src, rows, cache.k, cache.v, dst, block_bytes=bb, use_triton=triton_ok)
+        except ValueError as e:  # this GPU/driver cannot read the host buffer in place
+            if not triton_ok or "cannot be accessed" not in str(e):
+                raise
+            self.gather_mode = "copy"
+            gather_pages(src, rows, cache.k, cache.v, dst, block_bytes=bb, use_triton=False)
+        self.stats.gather_launches += 1
 
     def _wait_own(self) -> None:
         if self._event is not None:

@@ -16,7 +16,9 @@ try:
 except ImportError:  # CPU-only installs: the torch path serves
     triton = None
 
-MAX_BLOCK_WORDS = 2048
+TRITON_CONFIG = {"block_bytes": 4096, "num_warps": 4}
+"""Bytes each program copies (at most; a K or V block is split into such chunks) and its warps.
+``bench/bench_offload.py`` sweeps both and may set the best for the run."""
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
@@ -94,11 +96,11 @@ def _gather_triton(src: torch.Tensor, src_rows: torch.Tensor, k_pool: torch.Tens
     w = _word_bytes(page_bytes, block_bytes, k_pool.element_size() * k_pool.shape[-1])
     word = _WORDS[w]
     block_words = block_bytes // w
-    block = min(MAX_BLOCK_WORDS, triton.next_power_of_2(block_words))
+    block = min(max(1, TRITON_CONFIG["block_bytes"] // w), triton.next_power_of_2(block_words))
     grid = (src_rows.shape[0], 2, triton.cdiv(block_words, block))
     _gather_pages_kernel[grid](src.view(-1).view(word), src_rows, k_pool.view(-1).view(torch.uint8).view(word),
                                v_pool.view(-1).view(torch.uint8).view(word), dst_slots, page_bytes // w,
-                               block_words, BLOCK=block, num_warps=4)
+                               block_words, BLOCK=block, num_warps=TRITON_CONFIG["num_warps"])
 
 
 def _gather_torch(src: torch.Tensor, src_rows: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,

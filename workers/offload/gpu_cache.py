@@ -25,17 +25,21 @@ class FetchResult:
     v: torch.Tensor
     """``[Hkv, rows, D]`` V pool."""
     slot_map: torch.Tensor
-    """``[Hkv, n_pages]`` int32 slot of each resident page, -1 elsewhere."""
+    """``[Hkv, n_pages]`` int64 slot of each resident page, -1 elsewhere."""
     page_size: int
     n_tokens: int
     extra_base: int
     """First extra row (after the page slots)."""
     n_extra: int
     """Extra rows per head."""
+    rows: torch.Tensor | None = None
+    """From ``PageFetcher.fetch``: ``[Hkv, n]`` int64 first pool row of each requested page, aligned with
+    its ``pages`` argument (-1 for padding); a token ``t`` of page ``pages[h, j]`` is row
+    ``rows[h, j] + t % page_size``."""
 
     def _slots(self, pages: torch.Tensor) -> torch.Tensor:
         sm = self.slot_map.expand(*pages.shape[:-2], -1, -1)
-        return sm.gather(-1, pages.clamp(0, self.slot_map.shape[1] - 1).long()).long()
+        return sm.gather(-1, pages.clamp(0, self.slot_map.shape[1] - 1).long())
 
     def page_rows(self, pages: torch.Tensor) -> torch.Tensor:
         """Page ids ``[..., Hkv, n]`` -> first pool row of each (int64); -1 for padding (< 0) or a page
@@ -72,21 +76,21 @@ class LayerCache:
         self.v = torch.zeros_like(self.k)
         self.lru = SlotLRU(n_slots)
         self.lru.add_namespace(0, n_heads * n_pages)
-        self.slot_map = torch.full((n_heads * n_pages,), -1, dtype=torch.int32, device=device)
+        self.slot_map = torch.full((n_heads * n_pages,), -1, dtype=torch.int64, device=device)
 
     @property
     def gpu_bytes(self) -> int:
         """Bytes of the pools (page slots and extra rows)."""
         return 2 * self.k.numel() * self.k.element_size()
 
-    def result(self) -> FetchResult:
-        """The view attention reads."""
-        rows = self.k.shape[0]
-        return FetchResult(k=self.k.unsqueeze(0).expand(self.n_heads, rows, self.head_dim),
-                           v=self.v.unsqueeze(0).expand(self.n_heads, rows, self.head_dim),
+    def result(self, rows: torch.Tensor | None = None) -> FetchResult:
+        """The view attention reads (``rows``: see ``FetchResult.rows``)."""
+        n = self.k.shape[0]
+        return FetchResult(k=self.k.unsqueeze(0).expand(self.n_heads, n, self.head_dim),
+                           v=self.v.unsqueeze(0).expand(self.n_heads, n, self.head_dim),
                            slot_map=self.slot_map.view(self.n_heads, self.n_pages), page_size=self.page_size,
                            n_tokens=self.n_tokens, extra_base=self.n_slots * self.page_size,
-                           n_extra=self.n_extra)
+                           n_extra=self.n_extra, rows=rows)
 
     def set_extra(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store per-head extra entries ``[Hkv, M, D]`` after the page slots (resizing the pools)."""

@@ -89,9 +89,12 @@ class SlotLRU:
         if n > fresh:
             victims = self._victims(n - fresh)  # among slots used before: never the fresh ones
             occupied = victims[self.owner_ns[victims] >= 0]
-            ev_ns, ev_keys = self.owner_ns[occupied].copy(), self.owner_key[occupied].copy()
-            for o in np.unique(ev_ns).tolist():
-                self.tables[o][ev_keys[ev_ns == o]] = -1
+            ev_ns, ev_keys = self.owner_ns[occupied], self.owner_key[occupied]
+            if ev_ns.size and (ev_ns == ev_ns[0]).all():  # one namespace (the GPU cache): no grouping
+                self.tables[int(ev_ns[0])][ev_keys] = -1
+            else:
+                for o in np.unique(ev_ns).tolist():
+                    self.tables[o][ev_keys[ev_ns == o]] = -1
             self.evictions += int(occupied.size)
             self.used -= int(occupied.size)
             slots = np.concatenate([slots, victims])
