@@ -1,15 +1,18 @@
 """Attention-level error of every sparse method at matched token-equivalent reads.
 
 Relative L1 error of the attention output against full attention (``topk-phi-completion.txt``
-eq. 53), per (query head, query) row, averaged within quartiles of the mid-region normalized
-entropy H_mid (eq. 52), at per-step budgets f = 1..5 % of the prefix (appendix D: Top-K reads
-``k_topk(f)`` mid tokens, φ-completed methods ``k_hyb(f, L_gen=1)``). Data is synthetic (planted):
-keys follow topic segments (locality, cluster structure) and queries aim at a needle token or a
-topic with a per-head sharpness that spreads H_mid over [0, 1]. Until captured q/K/V from the
-project's model exist, this is the attention-level evidence.
+eq. 53), per (layer, query head, decode step) row, averaged within quartiles of the
+mid-region normalized entropy H_mid (eq. 52), at per-step budgets f = 1..5 % of the prefix
+(appendix D: Top-K reads ``k_topk(f)`` mid tokens, φ-completed methods ``k_hyb(f, L_gen=1)``).
 
-    .venv/bin/python bench/bench_attention_error.py            # the table in docs/benchmarks.md
-    .venv/bin/python bench/bench_attention_error.py --n 4096   # quicker
+Two data sources:
+- ``--model PATH``: q/K/V captured from a model (post-RoPE, what attention saw) over documents of
+  the synthetic task suite; the queries are the question tokens that follow the document.
+- otherwise planted synthetic heads: keys follow topic segments (locality, cluster structure),
+  queries aim at a needle token or a topic with a per-head sharpness that spreads H_mid over [0, 1].
+
+    .venv/bin/python bench/bench_attention_error.py                                  # planted
+    .venv/bin/python bench/bench_attention_error.py --model models/kvstash-tiny --n 16384
 """
 
 from __future__ import annotations
@@ -17,10 +20,11 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 
-from workers.attention import dense_attention
+from workers.attention import PREFIX_KWARG, dense_attention
 from workers.budget import plan_budget
 from workers.methods.base import DecodeConfig, mid_range
 from workers.methods.memory import MemorySource
@@ -85,48 +89,111 @@ def variants(f: float) -> list[tuple[str, str, DecodeConfig]]:
     return rows
 
 
-def measure(src: MemorySource, name: str, cfg: DecodeConfig, q: torch.Tensor, scale: float
-            ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Attend each query token as its own decode step; (out, per-step read counters per KV head)."""
+@dataclass
+class Case:
+    """One prefix: K/V per layer ``[Hkv, N, D]`` and its decode queries per layer ``[1, Hq, L, D]``."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    q: list[torch.Tensor]
+    scale: float
+
+
+def synthetic_cases(args: argparse.Namespace) -> list[Case]:
+    k, v, q = synth(args.n, args.head_dim, args.kv_heads, args.group, args.queries, args.seed)
+    return [Case([(k, v)], [q], args.head_dim ** -0.5)]
+
+
+class _Recorder:
+    """A PrefixAttention that keeps each layer's queries and attends exactly."""
+
+    def __init__(self, kv: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.kv, self.q, self.scale = kv, {}, 1.0
+
+    def attend(self, layer: int, q: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        self.q[layer], self.scale = q.float().clone(), scale
+        k, v = self.kv[layer]
+        return dense_attention(q, k[None], v[None], scale)
+
+
+@torch.inference_mode()
+def model_cases(args: argparse.Namespace) -> list[Case]:
+    """Capture q/K/V from ``args.model`` over synthetic-suite documents of ~``args.n`` tokens."""
+    from transformers import DynamicCache
+
+    from workers.model import load_model
+    from workers.prefill import prefill_kv
+    from workers.synth import SynthContext, generate
+
+    lm = load_model(args.model, dtype="float32", progress=False)
+    ctx = SynthContext(tokenizer=lm.tokenizer, split="eval")
+    cases = []
+    for i in range(args.samples):
+        sample = generate(args.tasks[i % len(args.tasks)], args.n, args.seed + i, ctx)
+        ids = list(lm.tokenizer(sample.document).input_ids)
+        q_ids = list(lm.tokenizer(lm.prompt.format_query(sample.query), add_special_tokens=False).input_ids)
+        kv = [(k.float(), v.float()) for _, k, v in prefill_kv(lm, ids, progress=False)]
+        rec = _Recorder(kv)
+        pos = torch.arange(len(ids), len(ids) + len(q_ids))[None]
+        cache = DynamicCache(config=lm.model.config)
+        lm.model(input_ids=torch.tensor([q_ids]), position_ids=pos, past_key_values=cache, use_cache=True,
+                 logits_to_keep=1, **{PREFIX_KWARG: rec})
+        last = slice(-args.queries, None)
+        cases.append(Case(kv, [rec.q[layer][:, :, last] for layer in range(len(kv))], rec.scale))
+    return cases
+
+
+def measure(src: MemorySource, name: str, cfg: DecodeConfig, case: Case) -> tuple[list[torch.Tensor], dict]:
+    """Each query token is one decode step over every layer; (out per layer, per-step reads per KV head)."""
     attn = get_method(name).open(src, cfg)
-    outs = [attn.attend(0, q[:, :, j:j + 1], scale)[0] for j in range(q.shape[2])]
+    steps = [[attn.attend(layer, q[:, :, j:j + 1], case.scale)[0] for layer, q in enumerate(case.q)]
+             for j in range(case.q[0].shape[2])]
     rep = attn.read_report()
-    hkv, tok = src.layout.n_kv_heads, src.layout.token_kv_bytes()
-    return torch.cat(outs, dim=2), {
+    units = src.layout.n_kv_heads * src.layout.n_layers
+    return [torch.cat([s[layer] for s in steps], dim=2) for layer in range(len(case.q))], {
         "k": rep.extra.get("budget_k", float("nan")),
-        "exact": rep.extra["exact_tokens_per_step"] / hkv,
-        "pseudo": rep.extra["pseudo_entries_per_step"] / q.shape[1],
-        "once": rep.once_bytes / tok / hkv,
+        "exact": rep.extra["exact_tokens_per_step"] / units,
+        "pseudo": rep.extra["pseudo_entries_per_step"] / (case.q[0].shape[1] * src.layout.n_layers),
+        "once": rep.once_bytes / src.layout.token_kv_bytes() / units,
     }
 
 
 def run(args: argparse.Namespace) -> tuple[list[str], dict]:
-    k, v, q = synth(args.n, args.head_dim, args.kv_heads, args.group, args.queries, args.seed)
-    scale = args.head_dim ** -0.5
-    ref, _ = dense_attention(q, k[None], v[None], scale)
-    lo, hi = mid_range(args.n, 4, 16)
-    ent = mid_entropy(q, k, scale, lo, hi).flatten()
+    cases = model_cases(args) if args.model else synthetic_cases(args)
+    n, d = cases[0].kv[0][0].shape[1], cases[0].kv[0][0].shape[2]
+    lo, hi = mid_range(n, 4, 16)
+    refs = [[dense_attention(q, k[None], v[None], c.scale)[0] for q, (k, v) in zip(c.q, c.kv)] for c in cases]
+    ent = torch.cat([mid_entropy(q, k, c.scale, lo, hi).flatten() for c in cases for q, (k, _) in zip(c.q, c.kv)])
     edges = torch.quantile(ent, torch.tensor([0.25, 0.5, 0.75], dtype=ent.dtype))
     quart = torch.bucketize(ent, edges)
     t0 = time.perf_counter()
-    src = MemorySource.build([(k, v)], {s for m in METHODS_SHOWN for s in METHODS[m].summarizers})
+    summarizers = {s for m in METHODS_SHOWN for s in METHODS[m].summarizers}
+    sources = [MemorySource.build(c.kv, summarizers) for c in cases]
     prefill_s = time.perf_counter() - t0
     rows, results = [], {}
-    cases = [(f, *c) for f in args.budgets for c in variants(f)]
-    cases.append((None, "doublep, top-p (0.95, 0.7), no budget", "doublep", DecodeConfig()))
-    for f, label, name, cfg in cases:
-        out, c = measure(src, name, cfg, q, scale)
-        err = rel_l1(out, ref).flatten()
+    jobs = [(f, *c) for f in args.budgets for c in variants(f)]
+    jobs.append((None, "doublep, top-p (0.95, 0.7), no budget", "doublep", DecodeConfig()))
+    for f, label, name, cfg in jobs:
+        errs, counts = [], []
+        for case, src, ref in zip(cases, sources, refs):
+            outs, c = measure(src, name, cfg, case)
+            errs += [rel_l1(o, r).flatten() for o, r in zip(outs, ref)]
+            counts.append(c)
+        err = torch.cat(errs)
+        c = {key: sum(x[key] for x in counts) / len(counts) for key in counts[0]}
         per_q = [float(err[quart == i].mean()) for i in range(4)]
         results[(f, label)] = (float(err.mean()), per_q)
         feasible = f is None or not name.endswith("+phi") or cfg.gen_len > 1 or plan_budget(
-            prefill_len=args.n, fraction=f, head_dim=args.head_dim, phi_dim=args.head_dim).hybrid_feasible
+            prefill_len=n, fraction=f, head_dim=d, phi_dim=d).hybrid_feasible
         rows.append(f"| {'-' if f is None else f'{f:.0%}'} | {label}{'' if feasible else ' (infeasible)'} | "
                     f"{c['k']:.0f} | {float(err.mean()):.3f} | " + " | ".join(f"{e:.3f}" for e in per_q)
                     + f" | {c['exact']:.0f} | {c['pseudo']:.0f} | {c['once']:.0f} |")
-    header = [f"N={args.n}, d_h=d_phi={args.head_dim}, {args.kv_heads} KV heads x G={args.group}, "
-              f"{args.queries} decode steps per head ({args.kv_heads * args.group * args.queries} rows), "
-              f"seed {args.seed}; H_mid quartile edges {', '.join(f'{x:.2f}' for x in edges.tolist())}; "
+    kv0 = cases[0].kv[0][0]
+    used = [args.tasks[i % len(args.tasks)] for i in range(len(cases))]
+    source = (f"model {args.model}, {len(cases)} documents ({', '.join(used)}, seeds from {args.seed})" if args.model
+              else f"planted data, seed {args.seed}")
+    header = [f"{source}; N={n}, d_h=d_phi={d}, {len(cases[0].kv)} layers x {kv0.shape[0]} KV heads x "
+              f"G={cases[0].q[0].shape[1] // kv0.shape[0]}, {cases[0].q[0].shape[2]} decode steps "
+              f"({len(ent)} rows); H_mid quartile edges {', '.join(f'{x:.2f}' for x in edges.tolist())}; "
               f"summaries built in {prefill_s:.1f} s",
               "",
               "| f | method | k | rel. L1 all | Q1 (low H_mid) | Q2 | Q3 | Q4 (high H_mid) | exact reads/step "
@@ -155,6 +222,10 @@ def main() -> None:
     p.add_argument("--group", type=int, default=4)
     p.add_argument("--queries", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", help="capture q/K/V from this model (hub id or path) instead of planted data")
+    p.add_argument("--samples", type=int, default=2, help="documents to capture (with --model)")
+    p.add_argument("--tasks", type=lambda s: s.split(","), default=["niah_multikey", "fwe"],
+                   help="synthetic tasks the documents come from (with --model)")
     p.add_argument("--budgets", type=lambda s: [float(x) for x in s.split(",")], default=[0.01, 0.02, 0.03, 0.04, 0.05])
     args = p.parse_args()
     torch.manual_seed(args.seed)
