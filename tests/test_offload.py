@@ -244,6 +244,9 @@ def test_host_tier_is_shared_across_generations_under_its_budget(store: KVStore)
         f.fetch(0, pages)
         assert (f.stats.total.host_pages, f.stats.total.ssd_pages) == (4, 2)
     assert tier.drop_prefix(m2.prefix_id) > 0
+    assert HostTier.from_config(m.layout, OffloadConfig(host_cache_bytes=0)) is None
+    built = HostTier.from_config(m.layout, OffloadConfig(host_cache_bytes=3 * m.layout.page_bytes, pin_memory=False))
+    assert built is not None and built.n_slots == 3
 
 
 def test_warm_host_then_no_ssd_reads(store: KVStore) -> None:

@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from store.layout import KVLayout
+from workers.offload.config import OffloadConfig
 from workers.offload.lru import CapacityError, SlotLRU
 from workers.offload.memory import HostBuffer, pin_default
 
@@ -36,6 +38,13 @@ class HostTier:
         self._next_ns = 0
         self.lock = threading.RLock()
         self._readers: dict[int, Any] = {}
+
+    @classmethod
+    def from_config(cls, layout: KVLayout, config: OffloadConfig) -> HostTier | None:
+        """A worker's tier for prefixes of ``layout`` (None when ``host_cache_bytes`` holds no page)."""
+        if config.host_cache_bytes < layout.page_bytes:
+            return None
+        return cls(page_bytes=layout.page_bytes, budget_bytes=config.host_cache_bytes, pin=config.pin_memory)
 
     @property
     def pinned(self) -> bool:
