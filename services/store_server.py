@@ -81,6 +81,18 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             return pb.ReleaseLeaseResponse(released=self.store.meta.release_lease(request.lease_id))
         raise AssertionError("unreachable")
 
+    def Pin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinResponse:
+        """Pin (or unpin) a prefix against eviction."""
+        with mapped_errors(context):
+            self._visible(context, request.prefix_id)
+            if request.pinned:
+                self.store.meta.pin(request.prefix_id)
+            else:
+                self.store.meta.unpin(request.prefix_id)
+            usage = self.store.meta.prefix_usage(request.prefix_id)
+            return pb.PinResponse(prefix_id=request.prefix_id, pinned=bool(usage and usage.pinned))
+        raise AssertionError("unreachable")
+
     def ReadPages(self, request: pb.ReadPagesRequest, context: grpc.ServicerContext) -> Iterator[pb.PageChunk]:
         """Stream the requested pages of one (layer, kv head) in bounded chunks."""
         with mapped_errors(context):

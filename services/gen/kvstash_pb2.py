@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvstash/v1/kvstash.proto\x12\nkvstash.v1\"d\n\x08KVLayout\x12\x10\n\x08n_layers\x18\x01 \x01(\x05\x12\x12\n\nn_kv_heads\x18\x02 \x01(\x05\x12\x10\n\x08head_dim\x18\x03 \x01(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x11\n\tpage_size\x18\x05 \x01(\x05\"7\n\x08\x46ileInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x0f\n\x07\x62lake2b\x18\x03 \x01(\t\";\n\x0c\x41rtifactInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x0f\n\x07\x62lake2b\x18\x03 \x01(\t\"\xa2\x02\n\x08Manifest\x12\x11\n\tprefix_id\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x10\n\x08n_tokens\x18\x04 \x01(\x03\x12$\n\x06layout\x18\x05 \x01(\x0b\x32\x14.kvstash.v1.KVLayout\x12#\n\x05\x66iles\x18\x06 \x03(\x0b\x32\x14.kvstash.v1.FileInfo\x12+\n\tartifacts\x18\x07 \x03(\x0b\x32\x18.kvstash.v1.ArtifactInfo\x12\r\n\x05state\x18\x08 \x01(\t\x12\x12\n\ncreated_at\x18\t \x01(\x01\x12\x10\n\x08kv_bytes\x18\n \x01(\x03\x12\x15\n\rmanifest_json\x18\x0b \x01(\t\"\x1e\n\tPrefixRef\x12\x11\n\tprefix_id\x18\x01 \x01(\t\"\x15\n\x13ListPrefixesRequest\">\n\x14ListPrefixesResponse\x12&\n\x08prefixes\x18\x01 \x03(\x0b\x32\x14.kvstash.v1.Manifest\")\n\x14\x44\x65letePrefixResponse\x12\x11\n\tprefix_id\x18\x01 \x01(\t\"G\n\x13\x41\x63quireLeaseRequest\x12\x11\n\tprefix_id\x18\x01 \x01(\t\x12\x0e\n\x06holder\x18\x02 \x01(\t\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\";\n\x05Lease\x12\x11\n\tprefix_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\"(\n\x14ReleaseLeaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"d\n\x10ReadPagesRequest\x12\x11\n\tprefix_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\x05\x12\x0f\n\x07kv_head\x18\x03 \x01(\x05\x12\r\n\x05pages\x18\x04 \x03(\x05\x12\x0e\n\x06verify\x18\x05 \x01(\x08\"?\n\tPageChunk\x12\x13\n\x0b\x66irst_index\x18\x01 \x01(\x05\x12\x0f\n\x07n_pages\x18\x02 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x0e\n\x0cStatsRequest\"J\n\nStoreStats\x12\x12\n\nn_prefixes\x18\x01 \x01(\x03\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x03\x12\x16\n\x0e\x61rtifact_bytes\x18\x03 \x01(\x03\"/\n\x0cPrefillChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\tfile_path\x18\x02 \x01(\t\"F\n\x0fPrefillResponse\x12\x11\n\tprefix_id\x18\x01 \x01(\t\x12\x10\n\x08n_tokens\x18\x02 \x01(\x03\x12\x0e\n\x06\x63\x61\x63hed\x18\x03 \x01(\x08\"\xe5\x01\n\x0fGenerateRequest\x12\x11\n\tprefix_id\x18\x01 \x01(\t\x12\r\n\x05query\x18\x02 \x01(\t\x12\x0e\n\x06method\x18\x03 \x01(\t\x12\x13\n\x06\x62udget\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\x05\x12\x13\n\x0btemperature\x18\x06 \x01(\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x0b\n\x03raw\x18\n \x01(\x08\x42\t\n\x07_budgetB\x08\n\x06_top_pB\x07\n\x05_seed\"B\n\nTokenStats\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x15\n\rbytes_fetched\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"\x83\x02\n\x0fGenerationStats\x12\r\n\x05steps\x18\x01 \x01(\x03\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x03\x12\x12\n\nnew_tokens\x18\x03 \x01(\x03\x12\x15\n\rbytes_fetched\x18\x04 \x01(\x03\x12\x12\n\nbytes_full\x18\x05 \x01(\x03\x12\x0f\n\x07seconds\x18\x06 \x01(\x01\x12\x15\n\rfinish_reason\x18\x07 \x01(\t\x12\x35\n\x05\x65xtra\x18\x08 \x03(\x0b\x32&.kvstash.v1.GenerationStats.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"|\n\rGenerateEvent\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\x04\x64one\x18\x02 \x01(\x0b\x32\x1b.kvstash.v1.GenerationStatsH\x00\x12%\n\x05token\x18\x03 \x01(\x0b\x32\x16.kvstash.v1.TokenStatsB\x07\n\x05\x65vent\"\r\n\x0bInfoRequest\"q\n\nWorkerInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x13\n\x0bmax_context\x18\x03 \x01(\x03\x12\x0f\n\x07methods\x18\x04 \x03(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t2\xe9\x03\n\x07KVStore\x12:\n\x0bGetManifest\x12\x15.kvstash.v1.PrefixRef\x1a\x14.kvstash.v1.Manifest\x12Q\n\x0cListPrefixes\x12\x1f.kvstash.v1.ListPrefixesRequest\x1a .kvstash.v1.ListPrefixesResponse\x12G\n\x0c\x44\x65letePrefix\x12\x15.kvstash.v1.PrefixRef\x1a .kvstash.v1.DeletePrefixResponse\x12\x42\n\x0c\x41\x63quireLease\x12\x1f.kvstash.v1.AcquireLeaseRequest\x1a\x11.kvstash.v1.Lease\x12\x43\n\x0cReleaseLease\x12\x11.kvstash.v1.Lease\x1a .kvstash.v1.ReleaseLeaseResponse\x12\x42\n\tReadPages\x12\x1c.kvstash.v1.ReadPagesRequest\x1a\x15.kvstash.v1.PageChunk0\x01\x12\x39\n\x05Stats\x12\x18.kvstash.v1.StatsRequest\x1a\x16.kvstash.v1.StoreStats2\xcb\x01\n\x06Worker\x12\x42\n\x07Prefill\x12\x18.kvstash.v1.PrefillChunk\x1a\x1b.kvstash.v1.PrefillResponse(\x01\x12\x44\n\x08Generate\x12\x1b.kvstash.v1.GenerateRequest\x1a\x19.kvstash.v1.GenerateEvent0\x01\x12\x37\n\x04Info\x12\x17.kvstash.v1.InfoRequest\x1a\x16.kvstash.v1.WorkerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvstash/v1/kvstash.proto\x12\nkvstash.v1\"d\n\x08KVLayout\x12\x10\n\x08n_layers\x18\x01 \x01(\x05\x12\x12\n\nn_kv_heads\x18\x02 \x01(\x05\x12\x10\n\x08head_dim\x18\x03 \x01(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x11\n\tpage_size\x18\x05 \x01(\x05\"7\n\x08\x46ileInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x0f\n\x07\x62lake2b\x18\x03 \x01(\t\";\n\x0c\x41rtifactInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x0f\n\x07\x62lake2b\x18\x03 \x01(\t\"\xa2\x02\n\x08Manifest\x12\x11\n\tprefix_id\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x10\n\x08n_tokens\x18\x04 \x01(\x03\x12$\n\x06layout\x18\x05 \x01(\x0b\x32\x14.kvstash.v1.KVLayout\x12#\n\x05\x66iles\x18\x06 \x03(\x0b\x32\x14.kvstash.v1.FileInfo\x12+\n\tartifacts\x18\x07 \x03(\x0b\x32\x18.kvstash.v1.ArtifactInfo\x12\r\n\x05state\x18\x08 \x01(\t\x12\x12\n\ncreated_at\x18\t \x01(\x01\x12\x10\n\x08kv_bytes\x18\n \x01(\x03\x12\x15\n\rmanifest_json\x18\x0b \x01(\t\"\x1e\n\tPrefixRef\x12\x11\n\tprefix_id\x18\x01 \x01(\t\"\x15\n\x13ListPrefixesRequest\">\n\x14ListPrefixesResponse\x12&\n\x08prefixes\x18\x01 \x03(\x0b\x32\x14.kvstash.v1.Manifest\")\n\x14\x44\x65letePrefixResponse\x12\x11\n\tprefix_id\x18\x01 \x01(\t\"G\n\x13\x41\x63quireLeaseRequest\x12\x11\n\tprefix_id\x18\x01 \x01(\t\x12\x0e\n\x06holder\x18\x02 \x01(\t\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\";\n\x05Lease\x12\x11\n\tprefix_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\"(\n\x14ReleaseLeaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"/\n\nPinRequest\x12\x11\n\tprefix_id\x18\x01 \x01(\t\x12\x0e\n\x06pinned\x18\x02 \x01(\x08\"0\n\x0bPinResponse\x12\x11\n\tprefix_id\x18\x01 \x01(\t\x12\x0e\n\x06pinned\x18\x02 \x01(\x08\"d\n\x10ReadPagesRequest\x12\x11\n\tprefix_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\x05\x12\x0f\n\x07kv_head\x18\x03 \x01(\x05\x12\r\n\x05pages\x18\x04 \x03(\x05\x12\x0e\n\x06verify\x18\x05 \x01(\x08\"?\n\tPageChunk\x12\x13\n\x0b\x66irst_index\x18\x01 \x01(\x05\x12\x0f\n\x07n_pages\x18\x02 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x0e\n\x0cStatsRequest\"J\n\nStoreStats\x12\x12\n\nn_prefixes\x18\x01 \x01(\x03\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x03\x12\x16\n\x0e\x61rtifact_bytes\x18\x03 \x01(\x03\"/\n\x0cPrefillChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\tfile_path\x18\x02 \x01(\t\"F\n\x0fPrefillResponse\x12\x11\n\tprefix_id\x18\x01 \x01(\t\x12\x10\n\x08n_tokens\x18\x02 \x01(\x03\x12\x0e\n\x06\x63\x61\x63hed\x18\x03 \x01(\x08\"\xe5\x01\n\x0fGenerateRequest\x12\x11\n\tprefix_id\x18\x01 \x01(\t\x12\r\n\x05query\x18\x02 \x01(\t\x12\x0e\n\x06method\x18\x03 \x01(\t\x12\x13\n\x06\x62udget\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\x05\x12\x13\n\x0btemperature\x18\x06 \x01(\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x0b\n\x03raw\x18\n \x01(\x08\x42\t\n\x07_budgetB\x08\n\x06_top_pB\x07\n\x05_seed\"B\n\nTokenStats\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x15\n\rbytes_fetched\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"\x83\x02\n\x0fGenerationStats\x12\r\n\x05steps\x18\x01 \x01(\x03\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x03\x12\x12\n\nnew_tokens\x18\x03 \x01(\x03\x12\x15\n\rbytes_fetched\x18\x04 \x01(\x03\x12\x12\n\nbytes_full\x18\x05 \x01(\x03\x12\x0f\n\x07seconds\x18\x06 \x01(\x01\x12\x15\n\rfinish_reason\x18\x07 \x01(\t\x12\x35\n\x05\x65xtra\x18\x08 \x03(\x0b\x32&.kvstash.v1.GenerationStats.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"|\n\rGenerateEvent\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\x04\x64one\x18\x02 \x01(\x0b\x32\x1b.kvstash.v1.GenerationStatsH\x00\x12%\n\x05token\x18\x03 \x01(\x0b\x32\x16.kvstash.v1.TokenStatsB\x07\n\x05\x65vent\"\r\n\x0bInfoRequest\"q\n\nWorkerInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x13\n\x0bmax_context\x18\x03 \x01(\x03\x12\x0f\n\x07methods\x18\x04 \x03(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t2\xa1\x04\n\x07KVStore\x12:\n\x0bGetManifest\x12\x15.kvstash.v1.PrefixRef\x1a\x14.kvstash.v1.Manifest\x12Q\n\x0cListPrefixes\x12\x1f.kvstash.v1.ListPrefixesRequest\x1a .kvstash.v1.ListPrefixesResponse\x12G\n\x0c\x44\x65letePrefix\x12\x15.kvstash.v1.PrefixRef\x1a .kvstash.v1.DeletePrefixResponse\x12\x42\n\x0c\x41\x63quireLease\x12\x1f.kvstash.v1.AcquireLeaseRequest\x1a\x11.kvstash.v1.Lease\x12\x43\n\x0cReleaseLease\x12\x11.kvstash.v1.Lease\x1a .kvstash.v1.ReleaseLeaseResponse\x12\x36\n\x03Pin\x12\x16.kvstash.v1.PinRequest\x1a\x17.kvstash.v1.PinResponse\x12\x42\n\tReadPages\x12\x1c.kvstash.v1.ReadPagesRequest\x1a\x15.kvstash.v1.PageChunk0\x01\x12\x39\n\x05Stats\x12\x18.kvstash.v1.StatsRequest\x1a\x16.kvstash.v1.StoreStats2\xcb\x01\n\x06Worker\x12\x42\n\x07Prefill\x12\x18.kvstash.v1.PrefillChunk\x1a\x1b.kvstash.v1.PrefillResponse(\x01\x12\x44\n\x08Generate\x12\x1b.kvstash.v1.GenerateRequest\x1a\x19.kvstash.v1.GenerateEvent0\x01\x12\x37\n\x04Info\x12\x17.kvstash.v1.InfoRequest\x1a\x16.kvstash.v1.WorkerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -55,34 +55,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LEASE']._serialized_end=847
   _globals['_RELEASELEASERESPONSE']._serialized_start=849
   _globals['_RELEASELEASERESPONSE']._serialized_end=889
-  _globals['_READPAGESREQUEST']._serialized_start=891
-  _globals['_READPAGESREQUEST']._serialized_end=991
-  _globals['_PAGECHUNK']._serialized_start=993
-  _globals['_PAGECHUNK']._serialized_end=1056
-  _globals['_STATSREQUEST']._serialized_start=1058
-  _globals['_STATSREQUEST']._serialized_end=1072
-  _globals['_STORESTATS']._serialized_start=1074
-  _globals['_STORESTATS']._serialized_end=1148
-  _globals['_PREFILLCHUNK']._serialized_start=1150
-  _globals['_PREFILLCHUNK']._serialized_end=1197
-  _globals['_PREFILLRESPONSE']._serialized_start=1199
-  _globals['_PREFILLRESPONSE']._serialized_end=1269
-  _globals['_GENERATEREQUEST']._serialized_start=1272
-  _globals['_GENERATEREQUEST']._serialized_end=1501
-  _globals['_TOKENSTATS']._serialized_start=1503
-  _globals['_TOKENSTATS']._serialized_end=1569
-  _globals['_GENERATIONSTATS']._serialized_start=1572
-  _globals['_GENERATIONSTATS']._serialized_end=1831
-  _globals['_GENERATIONSTATS_EXTRAENTRY']._serialized_start=1787
-  _globals['_GENERATIONSTATS_EXTRAENTRY']._serialized_end=1831
-  _globals['_GENERATEEVENT']._serialized_start=1833
-  _globals['_GENERATEEVENT']._serialized_end=1957
-  _globals['_INFOREQUEST']._serialized_start=1959
-  _globals['_INFOREQUEST']._serialized_end=1972
-  _globals['_WORKERINFO']._serialized_start=1974
-  _globals['_WORKERINFO']._serialized_end=2087
-  _globals['_KVSTORE']._serialized_start=2090
-  _globals['_KVSTORE']._serialized_end=2579
-  _globals['_WORKER']._serialized_start=2582
-  _globals['_WORKER']._serialized_end=2785
+  _globals['_PINREQUEST']._serialized_start=891
+  _globals['_PINREQUEST']._serialized_end=938
+  _globals['_PINRESPONSE']._serialized_start=940
+  _globals['_PINRESPONSE']._serialized_end=988
+  _globals['_READPAGESREQUEST']._serialized_start=990
+  _globals['_READPAGESREQUEST']._serialized_end=1090
+  _globals['_PAGECHUNK']._serialized_start=1092
+  _globals['_PAGECHUNK']._serialized_end=1155
+  _globals['_STATSREQUEST']._serialized_start=1157
+  _globals['_STATSREQUEST']._serialized_end=1171
+  _globals['_STORESTATS']._serialized_start=1173
+  _globals['_STORESTATS']._serialized_end=1247
+  _globals['_PREFILLCHUNK']._serialized_start=1249
+  _globals['_PREFILLCHUNK']._serialized_end=1296
+  _globals['_PREFILLRESPONSE']._serialized_start=1298
+  _globals['_PREFILLRESPONSE']._serialized_end=1368
+  _globals['_GENERATEREQUEST']._serialized_start=1371
+  _globals['_GENERATEREQUEST']._serialized_end=1600
+  _globals['_TOKENSTATS']._serialized_start=1602
+  _globals['_TOKENSTATS']._serialized_end=1668
+  _globals['_GENERATIONSTATS']._serialized_start=1671
+  _globals['_GENERATIONSTATS']._serialized_end=1930
+  _globals['_GENERATIONSTATS_EXTRAENTRY']._serialized_start=1886
+  _globals['_GENERATIONSTATS_EXTRAENTRY']._serialized_end=1930
+  _globals['_GENERATEEVENT']._serialized_start=1932
+  _globals['_GENERATEEVENT']._serialized_end=2056
+  _globals['_INFOREQUEST']._serialized_start=2058
+  _globals['_INFOREQUEST']._serialized_end=2071
+  _globals['_WORKERINFO']._serialized_start=2073
+  _globals['_WORKERINFO']._serialized_end=2186
+  _globals['_KVSTORE']._serialized_start=2189
+  _globals['_KVSTORE']._serialized_end=2734
+  _globals['_WORKER']._serialized_start=2737
+  _globals['_WORKER']._serialized_end=2940
 # @@protoc_insertion_point(module_scope)

@@ -114,6 +114,22 @@ class ReleaseLeaseResponse(_message.Message):
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
+class PinRequest(_message.Message):
+    __slots__ = ("prefix_id", "pinned")
+    PREFIX_ID_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    prefix_id: str
+    pinned: bool
+    def __init__(self, prefix_id: _Optional[str] = ..., pinned: _Optional[bool] = ...) -> None: ...
+
+class PinResponse(_message.Message):
+    __slots__ = ("prefix_id", "pinned")
+    PREFIX_ID_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    prefix_id: str
+    pinned: bool
+    def __init__(self, prefix_id: _Optional[str] = ..., pinned: _Optional[bool] = ...) -> None: ...
+
 class ReadPagesRequest(_message.Message):
     __slots__ = ("prefix_id", "layer", "kv_head", "pages", "verify")
     PREFIX_ID_FIELD_NUMBER: _ClassVar[int]

@@ -64,6 +64,11 @@ class KVStoreStub:
                 request_serializer=kvstash_dot_v1_dot_kvstash__pb2.Lease.SerializeToString,
                 response_deserializer=kvstash_dot_v1_dot_kvstash__pb2.ReleaseLeaseResponse.FromString,
                 _registered_method=True)
+        self.Pin = channel.unary_unary(
+                '/kvstash.v1.KVStore/Pin',
+                request_serializer=kvstash_dot_v1_dot_kvstash__pb2.PinRequest.SerializeToString,
+                response_deserializer=kvstash_dot_v1_dot_kvstash__pb2.PinResponse.FromString,
+                _registered_method=True)
         self.ReadPages = channel.unary_stream(
                 '/kvstash.v1.KVStore/ReadPages',
                 request_serializer=kvstash_dot_v1_dot_kvstash__pb2.ReadPagesRequest.SerializeToString,
@@ -114,6 +119,13 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pin(self, request, context):
+        """A pinned prefix is never evicted (explicit deletion still removes it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReadPages(self, request, context):
         """Pages of one (layer, kv head), streamed in chunks (for workers that do not share the disk).
         """
@@ -154,6 +166,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.ReleaseLease,
                     request_deserializer=kvstash_dot_v1_dot_kvstash__pb2.Lease.FromString,
                     response_serializer=kvstash_dot_v1_dot_kvstash__pb2.ReleaseLeaseResponse.SerializeToString,
+            ),
+            'Pin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pin,
+                    request_deserializer=kvstash_dot_v1_dot_kvstash__pb2.PinRequest.FromString,
+                    response_serializer=kvstash_dot_v1_dot_kvstash__pb2.PinResponse.SerializeToString,
             ),
             'ReadPages': grpc.unary_stream_rpc_method_handler(
                     servicer.ReadPages,
@@ -306,6 +323,33 @@ class KVStore:
             '/kvstash.v1.KVStore/ReleaseLease',
             kvstash_dot_v1_dot_kvstash__pb2.Lease.SerializeToString,
             kvstash_dot_v1_dot_kvstash__pb2.ReleaseLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstash.v1.KVStore/Pin',
+            kvstash_dot_v1_dot_kvstash__pb2.PinRequest.SerializeToString,
+            kvstash_dot_v1_dot_kvstash__pb2.PinResponse.FromString,
             options,
             channel_credentials,
             insecure,
