@@ -8,18 +8,21 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import numpy as np
 import torch
 
-from services.auth import ApiKeys
+from services.auth import ApiKeys, tenant_secret
 from services.convert import manifest_to_pb
 from services.gen import kvstash_pb2 as pb
 from services.gen import kvstash_pb2_grpc as pb_grpc
 from services.grpc_common import ServerConfig, build_server, mapped_errors, serve_forever, tenant_of
 from store.config import StoreConfig, default_home
 from store.errors import InvalidInput, PrefixNotFound
-from store.kvstore import KVStore
+from store.kvstore import KVStore, PrefixWriter
+from store.layout import KVLayout
 from store.manifest import Manifest
 from store.metadata import lease_prefix
+from store.prefix_key import PrefixKey, tenant_salt
 
 MAX_LEASE_TTL_S = 3600.0
 READ_CHUNK_BYTES = 4 << 20
@@ -29,8 +32,8 @@ READ_CHUNK_BYTES = 4 << 20
 class KVStoreService(pb_grpc.KVStoreServicer):
     """gRPC face of a ``KVStore``; every call is scoped to the caller's tenant."""
 
-    def __init__(self, store: KVStore, keys: ApiKeys):
-        self.store, self.keys = store, keys
+    def __init__(self, store: KVStore, keys: ApiKeys, secret: str = ""):
+        self.store, self.keys, self.secret = store, keys, secret
 
     def _visible(self, context: grpc.ServicerContext, prefix_id: str) -> Manifest:
         tenant = tenant_of(context, self.keys)
@@ -38,6 +41,37 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if m is None or m.tenant != tenant:  # another tenant's prefix looks exactly like a missing one
             raise PrefixNotFound(f"no prefix {prefix_id!r}")
         return m
+
+    def WritePrefix(self, request_iterator: Iterator[pb.WriteChunk], context: grpc.ServicerContext) -> pb.Manifest:
+        """Create, fill and commit a prefix from a client stream; anything short of ``commit`` aborts."""
+        with mapped_errors(context):
+            tenant = tenant_of(context, self.keys)
+            chunks = iter(request_iterator)
+            first = next(chunks, None)
+            if first is None or first.WhichOneof("part") != "header":
+                raise InvalidInput("the first message of WritePrefix must be a header")
+            key, n_tokens = self._key(first.header, tenant)
+            with self.store.prefill_lock(key.prefix_id):
+                if (existing := self.store.meta.manifest(key.prefix_id)) is not None:
+                    return manifest_to_pb(existing)  # same bytes already stored: idempotent
+                with self.store.write_prefix(key, model_name=first.header.model_name, n_tokens=n_tokens,
+                                             tenant=tenant) as writer:
+                    return manifest_to_pb(_fill(writer, chunks))
+        raise AssertionError("unreachable")
+
+    def _key(self, h: pb.WriteHeader, tenant: str) -> tuple[PrefixKey, int]:
+        lay = h.layout
+        layout = KVLayout(n_layers=lay.n_layers, n_kv_heads=lay.n_kv_heads, head_dim=lay.head_dim, dtype=lay.dtype,
+                          page_size=lay.page_size)
+        if not h.model_fingerprint or not h.token_hash or h.n_tokens <= 0:
+            raise InvalidInput("header needs model_fingerprint, token_hash and n_tokens > 0")
+        try:
+            summarizers = tuple((n, int(v)) for n, v in (x.rsplit(":", 1) for x in h.summarizers))
+        except ValueError:
+            raise InvalidInput("summarizers must be 'name:version'") from None
+        key = PrefixKey(model_fingerprint=h.model_fingerprint, tenant_salt=tenant_salt(tenant, self.secret),
+                        token_hash=h.token_hash, layout=layout, summarizers=summarizers)
+        return key, int(h.n_tokens)
 
     def GetManifest(self, request: pb.PrefixRef, context: grpc.ServicerContext) -> pb.Manifest:
         """The manifest of a prefix."""
@@ -121,9 +155,40 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         raise AssertionError("unreachable")
 
 
-def build_store_server(store: KVStore, cfg: ServerConfig, keys: ApiKeys) -> tuple[grpc.Server, object]:
+def _fill(writer: PrefixWriter, chunks: Iterator[pb.WriteChunk]) -> Manifest:
+    """Feed a write stream into ``writer``: layers' bytes arrive in order, each layer completes before commit."""
+    lay = writer.layout
+    size = lay.layer_file_bytes(writer.n_tokens)
+    shape = (lay.n_kv_heads, lay.n_pages(writer.n_tokens), lay.page_bytes)
+    pending: dict[int, bytearray] = {}
+    done: set[int] = set()
+    for chunk in chunks:
+        part = chunk.WhichOneof("part")
+        if part == "layer":
+            c = chunk.layer
+            if c.layer in done or not 0 <= c.layer < lay.n_layers:
+                raise InvalidInput(f"layer {c.layer} is out of range or already complete")
+            buf = pending.setdefault(c.layer, bytearray())
+            if c.offset != len(buf) or len(buf) + len(c.data) > size:
+                raise InvalidInput(f"layer {c.layer}: chunk at offset {c.offset} does not continue the "
+                                   f"{len(buf)} bytes received (layer file is {size} bytes)")
+            buf += c.data
+            if len(buf) == size:
+                writer.write_layer_pages(c.layer, np.frombuffer(pending.pop(c.layer), dtype=np.uint8).reshape(shape))
+                done.add(c.layer)
+        elif part == "artifact":
+            writer.put_artifact(chunk.artifact.name, chunk.artifact.data)
+        elif part == "commit" and chunk.commit:
+            return writer.commit()
+        else:
+            raise InvalidInput(f"unexpected message {part!r} in the write stream")
+    raise InvalidInput("the write stream ended without commit: nothing was stored")
+
+
+def build_store_server(store: KVStore, cfg: ServerConfig, keys: ApiKeys,
+                       secret: str = "") -> tuple[grpc.Server, object]:
     """A gRPC server exposing ``store`` (not yet started)."""
-    service = KVStoreService(store, keys)
+    service = KVStoreService(store, keys, secret)
     name = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
     return build_server(cfg, [name], lambda s: pb_grpc.add_KVStoreServicer_to_server(service, s))
 
@@ -141,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO)
     store = KVStore(StoreConfig(home=args.home or default_home(), metadata_url=args.metadata_url))
     cfg = ServerConfig(host=args.host, port=args.port, tls_cert=args.tls_cert, tls_key=args.tls_key)
-    server, health = build_store_server(store, cfg, ApiKeys.from_env())
+    server, health = build_store_server(store, cfg, ApiKeys.from_env(), tenant_secret())
     serve_forever(server, health, "kvstash-store", cfg.address)
 
 

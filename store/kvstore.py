@@ -64,10 +64,16 @@ class PrefixWriter:
         expect = (lay.n_kv_heads, self.n_tokens, lay.head_dim)
         if tuple(k.shape) != expect or tuple(v.shape) != expect:
             raise InvalidInput(f"layer {layer}: K/V must be {expect}, got {tuple(k.shape)}, {tuple(v.shape)}")
+        self.write_layer_pages(layer, pack_layer(lay, k.detach().cpu(), v.detach().cpu()).numpy())
+
+    def write_layer_pages(self, layer: int, arr: np.ndarray) -> None:
+        """Store one layer already laid out as page-file bytes ``uint8 [kv_heads, n_pages, page_bytes]``."""
+        lay = self.layout
+        expect = (lay.n_kv_heads, lay.n_pages(self.n_tokens), lay.page_bytes)
+        if arr.dtype != np.uint8 or tuple(arr.shape) != expect:
+            raise InvalidInput(f"layer {layer}: pages must be uint8 {expect}, got {arr.dtype} {tuple(arr.shape)}")
         if not 0 <= layer < lay.n_layers:
             raise InvalidInput(f"layer {layer} out of range [0, {lay.n_layers})")
-        pages = pack_layer(lay, k.detach().cpu(), v.detach().cpu())
-        arr = pages.numpy()
         for h in range(lay.n_kv_heads):
             for p in range(arr.shape[1]):
                 self._crc[layer, h, p] = page_crc(self.prefix_id, layer, h, p, memoryview(arr[h, p]))

@@ -89,3 +89,60 @@ def test_tls_store_service(tls_server, store: KVStore) -> None:
     with pytest.raises(grpc.RpcError) as e:
         stub.AcquireLease(pb.AcquireLeaseRequest(prefix_id=pid, ttl_s=0), metadata=ALICE)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _write_stream(store_src: KVStore, pid: str, *, commit: bool = True, chunk: int = 5000) -> list[pb.WriteChunk]:
+    """The write stream that recreates ``pid`` (read back from ``store_src``) on another store."""
+    m = store_src.manifest(pid)
+    lay = m.layout
+    msgs = [pb.WriteChunk(header=pb.WriteHeader(
+        model_fingerprint=m.key.model_fingerprint, model_name=m.model_name, token_hash=m.key.token_hash,
+        n_tokens=m.n_tokens, summarizers=[f"{n}:{v}" for n, v in m.key.summarizers],
+        layout=pb.KVLayout(n_layers=lay.n_layers, n_kv_heads=lay.n_kv_heads, head_dim=lay.head_dim, dtype=lay.dtype,
+                           page_size=lay.page_size)))]
+    for layer, f in enumerate(m.files):
+        data = (store_src.prefix_dir(pid) / f.name).read_bytes()
+        msgs += [pb.WriteChunk(layer=pb.LayerChunk(layer=layer, offset=o, data=data[o:o + chunk]))
+                 for o in range(0, len(data), chunk)]
+    msgs.append(pb.WriteChunk(artifact=pb.NamedBytes(name="extra", data=b"hello")))
+    if commit:
+        msgs.append(pb.WriteChunk(commit=True))
+    return msgs
+
+
+def test_write_prefix_stream(store: KVStore, tmp_path: Path) -> None:
+    from store.config import StoreConfig
+
+    src = KVStore(StoreConfig(home=tmp_path / "src"))
+    pid_src, kv = _write(src, 70)
+    cfg = ServerConfig(port=free_port())
+    server, _ = build_store_server(store, cfg, KEYS, secret="s")
+    server.start()
+    try:
+        stub = pb_grpc.KVStoreStub(grpc.insecure_channel(cfg.address))
+        # Without commit, the write aborts and leaves nothing behind.
+        with pytest.raises(grpc.RpcError) as e:
+            stub.WritePrefix(iter(_write_stream(src, pid_src, commit=False)), metadata=ALICE)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "without commit" in e.value.details()
+        assert store.list_prefixes() == [] and list(store.prefixes_dir.iterdir()) == []
+        # Out-of-order bytes are refused.
+        bad = _write_stream(src, pid_src)
+        bad[1], bad[2] = bad[2], bad[1]
+        with pytest.raises(grpc.RpcError) as e:
+            stub.WritePrefix(iter(bad), metadata=ALICE)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        m = stub.WritePrefix(iter(_write_stream(src, pid_src)), metadata=ALICE)
+        # The server salts the id with the caller's tenant: alice's prefix is not the source's.
+        assert m.prefix_id != pid_src and m.n_tokens == 70
+        for layer, (k, v) in enumerate(kv):
+            k2, v2 = store.read_layer(m.prefix_id, layer, verify=True)
+            assert torch.equal(k2, k) and torch.equal(v2, v)
+        assert store.artifact(m.prefix_id, "extra") == b"hello" and store.manifest(m.prefix_id).tenant == "alice"
+        again = stub.WritePrefix(iter(_write_stream(src, pid_src)), metadata=ALICE)
+        assert again.prefix_id == m.prefix_id and len(store.list_prefixes()) == 1
+        with pytest.raises(grpc.RpcError) as e:
+            stub.WritePrefix(iter([pb.WriteChunk(commit=True)]), metadata=ALICE)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        server.stop(0)
+        src.close()

@@ -72,6 +72,52 @@ class PrefixRef(_message.Message):
     prefix_id: str
     def __init__(self, prefix_id: _Optional[str] = ...) -> None: ...
 
+class WriteHeader(_message.Message):
+    __slots__ = ("model_fingerprint", "model_name", "token_hash", "n_tokens", "layout", "summarizers")
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_HASH_FIELD_NUMBER: _ClassVar[int]
+    N_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    SUMMARIZERS_FIELD_NUMBER: _ClassVar[int]
+    model_fingerprint: str
+    model_name: str
+    token_hash: str
+    n_tokens: int
+    layout: KVLayout
+    summarizers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_fingerprint: _Optional[str] = ..., model_name: _Optional[str] = ..., token_hash: _Optional[str] = ..., n_tokens: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., summarizers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LayerChunk(_message.Message):
+    __slots__ = ("layer", "offset", "data")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    offset: int
+    data: bytes
+    def __init__(self, layer: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class NamedBytes(_message.Message):
+    __slots__ = ("name", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class WriteChunk(_message.Message):
+    __slots__ = ("header", "layer", "artifact", "commit")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACT_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    header: WriteHeader
+    layer: LayerChunk
+    artifact: NamedBytes
+    commit: bool
+    def __init__(self, header: _Optional[_Union[WriteHeader, _Mapping]] = ..., layer: _Optional[_Union[LayerChunk, _Mapping]] = ..., artifact: _Optional[_Union[NamedBytes, _Mapping]] = ..., commit: _Optional[bool] = ...) -> None: ...
+
 class ListPrefixesRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -39,6 +39,11 @@ class KVStoreStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.WritePrefix = channel.stream_unary(
+                '/kvstash.v1.KVStore/WritePrefix',
+                request_serializer=kvstash_dot_v1_dot_kvstash__pb2.WriteChunk.SerializeToString,
+                response_deserializer=kvstash_dot_v1_dot_kvstash__pb2.Manifest.FromString,
+                _registered_method=True)
         self.GetManifest = channel.unary_unary(
                 '/kvstash.v1.KVStore/GetManifest',
                 request_serializer=kvstash_dot_v1_dot_kvstash__pb2.PrefixRef.SerializeToString,
@@ -88,6 +93,15 @@ class KVStoreServicer:
     ---------------------------------------------------------------------------------------
 
     """
+
+    def WritePrefix(self, request_iterator, context):
+        """Create, fill and commit a prefix in one client stream: a header, then every layer's page
+        bytes (in chunks, layers in any order) and artifacts, then `commit`. A stream that ends or
+        is cancelled before `commit` aborts the write: nothing becomes visible.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def GetManifest(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -142,6 +156,11 @@ class KVStoreServicer:
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'WritePrefix': grpc.stream_unary_rpc_method_handler(
+                    servicer.WritePrefix,
+                    request_deserializer=kvstash_dot_v1_dot_kvstash__pb2.WriteChunk.FromString,
+                    response_serializer=kvstash_dot_v1_dot_kvstash__pb2.Manifest.SerializeToString,
+            ),
             'GetManifest': grpc.unary_unary_rpc_method_handler(
                     servicer.GetManifest,
                     request_deserializer=kvstash_dot_v1_dot_kvstash__pb2.PrefixRef.FromString,
@@ -197,6 +216,33 @@ class KVStore:
     ---------------------------------------------------------------------------------------
 
     """
+
+    @staticmethod
+    def WritePrefix(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/kvstash.v1.KVStore/WritePrefix',
+            kvstash_dot_v1_dot_kvstash__pb2.WriteChunk.SerializeToString,
+            kvstash_dot_v1_dot_kvstash__pb2.Manifest.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def GetManifest(request,
