@@ -96,6 +96,11 @@ def test_three_frontends_match_embedded(topo, tmp_path: Path, tiny_model_dir: Pa
                       json={"query": QUERIES[0], "max_new_tokens": 3, "stream": True}, timeout=60) as s:
         lines = [ln for ln in s.iter_lines() if ln]
     assert lines[0].startswith("data: ") and "event: done" in lines
+    schema = httpx.get(f"{topo.gateway_url}/openapi.json").json()
+    assert {"/v1/prefixes", "/v1/completions", "/v1/chat/completions"} <= set(schema["paths"])
+    metrics = httpx.get(f"{topo.gateway_url}/metrics").text
+    tokens = [ln for ln in metrics.splitlines() if ln.startswith("kvstash_generated_tokens_total")]
+    assert tokens and float(tokens[0].split()[-1]) > 0
 
 
 def test_bad_input_is_a_clear_error(topo) -> None:
