@@ -51,36 +51,35 @@ class PrefillBody(BaseModel):
     file_path: str | None = None
 
 
-class GenerateBody(BaseModel):
+class DecodeFields(BaseModel):
+    """Method and sampling fields every generation endpoint takes."""
+
+    method: str = "full"
+    budget: float | None = Field(None, gt=0, le=1)
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int | None = None
+    stream: bool = False
+
+
+class GenerateBody(DecodeFields):
     """POST /v1/prefixes/{id}/generate."""
 
     model_config = ConfigDict(extra="forbid")
     query: str
-    method: str = "full"
-    budget: float | None = None
     max_new_tokens: int = Field(64, ge=1)
-    temperature: float = Field(0.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = None
     stop: list[str] = []
     raw: bool = False
-    stream: bool = False
 
 
-class OpenAIBody(BaseModel):
+class OpenAIBody(DecodeFields):
     """Fields shared by the OpenAI-compatible endpoints (plus kvstash's prefix_id, method, budget)."""
 
     model_config = ConfigDict(extra="allow")
     model: str | None = None
     prefix_id: str | None = None
-    method: str = "full"
-    budget: float | None = None
     max_tokens: int = Field(64, ge=1)
-    temperature: float = Field(0.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
 
 
 class CompletionBody(OpenAIBody):
