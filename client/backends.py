@@ -10,6 +10,7 @@ from urllib.parse import parse_qs, urlparse
 from store.errors import InvalidInput, KVStashError
 from store.manifest import Manifest
 from workers.engine import GenerationStats
+from workers.methods.base import DecodeConfig
 from workers.sampling import SamplingParams
 
 DEFAULT_STORE_PORT = 50051
@@ -22,7 +23,7 @@ class Backend(Protocol):
         """(prefix_id, n_tokens, cached)."""
         ...
 
-    def generate(self, prefix_id: str, query: str, params: SamplingParams, method: str, budget: float | None,
+    def generate(self, prefix_id: str, query: str, params: SamplingParams, method: str, decode: DecodeConfig,
                  raw: bool, stats: GenerationStats) -> Iterator[str]:
         """Text pieces of the answer; fills ``stats`` when done."""
         ...
@@ -93,7 +94,7 @@ class GrpcBackend:
         r = self._call(self.worker.Prefill, chunks)
         return r.prefix_id, r.n_tokens, r.cached
 
-    def generate(self, prefix_id: str, query: str, params: SamplingParams, method: str, budget: float | None,
+    def generate(self, prefix_id: str, query: str, params: SamplingParams, method: str, decode: DecodeConfig,
                  raw: bool, stats: GenerationStats) -> Iterator[str]:
         """Server-streamed pieces."""
         import grpc
@@ -101,8 +102,8 @@ class GrpcBackend:
         from services.convert import stats_to_dict
         from services.gateway import _request
 
-        req = _request(prefix_id, query, method, budget, params.max_new_tokens, params.temperature, params.top_p,
-                       params.seed, list(params.stop), raw)
+        req = _request(prefix_id, query, method, decode.budget, params.max_new_tokens, params.temperature,
+                       params.top_p, params.seed, list(params.stop), raw, decode.gen_len)
         try:
             for ev in self.worker.Generate(req, metadata=self._md):
                 if ev.HasField("done"):
@@ -156,10 +157,11 @@ class HttpBackend:
         d = self._check(self.http.post("/v1/prefixes", json={"document": document}))
         return d["prefix_id"], d["n_tokens"], d["cached"]
 
-    def generate(self, prefix_id: str, query: str, params: SamplingParams, method: str, budget: float | None,
+    def generate(self, prefix_id: str, query: str, params: SamplingParams, method: str, decode: DecodeConfig,
                  raw: bool, stats: GenerationStats) -> Iterator[str]:
         """POST /v1/prefixes/{id}/generate with SSE streaming."""
-        body = {"query": query, "method": method, "budget": budget, "max_new_tokens": params.max_new_tokens,
+        body = {"query": query, "method": method, "budget": decode.budget, "gen_len": decode.gen_len,
+                "max_new_tokens": params.max_new_tokens,
                 "temperature": params.temperature, "top_p": params.top_p, "seed": params.seed,
                 "stop": list(params.stop), "raw": raw, "stream": True}
         with self.http.stream("POST", f"/v1/prefixes/{prefix_id}/generate", json=body) as r:

@@ -50,7 +50,7 @@ def cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
     """Answer a query over a stored prefix, streaming text unless --json."""
     gen = _client(args).generate(args.query, prefix=args.prefix, method=args.method, budget=args.budget,
                                  max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                                 seed=args.seed, stop=tuple(args.stop or ()))
+                                 seed=args.seed, stop=tuple(args.stop or ()), gen_len=args.gen_len)
     if args.json:
         text = gen.text
     else:
@@ -104,7 +104,7 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
 
     spec = EvalSpec(tasks=tuple(args.task), lengths=tuple(args.length), methods=tuple(args.method),
                     budgets=tuple(args.budget) if args.budget else (None,), samples=args.samples,
-                    max_new_tokens=args.max_new_tokens)
+                    max_new_tokens=args.max_new_tokens, gen_len=args.gen_len)
     with tempfile.TemporaryDirectory(prefix="kvstash-eval-") as tmp:
         if not args.home:  # evaluation prefixes are throwaway unless a data dir is named
             args.home = tmp
@@ -141,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--seed", type=int, default=None)
     s.add_argument("--stop", action="append", help="stop string (repeatable)")
+    s.add_argument("--gen-len", type=int, default=1, help="steps to amortize one-time summary reads over")
     s.add_argument("--stats", action="store_true", help="print per-generation statistics to stderr")
     s.set_defaults(func=cmd_generate)
     add_budget_command(sub, common)
@@ -150,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--method", action="append", default=None, help="decode method (repeatable; default full)")
     s.add_argument("--budget", action="append", type=float, default=None, help="read budget (repeatable)")
     s.add_argument("--samples", type=int, default=20)
+    s.add_argument("--gen-len", type=int, default=1, help="steps to amortize one-time summary reads over")
     s.add_argument("--max-new-tokens", type=int, default=48)
     s.add_argument("--output", help="also write the JSON result to this file")
     s.set_defaults(func=cmd_eval)

@@ -86,13 +86,9 @@ class EmbeddedBackend:
         r = self.worker.prefill(document, tenant=self.config.tenant)
         return r.prefix_id, r.n_tokens, r.cached
 
-    def generate(self, prefix_id: str, query: str, params: SamplingParams, method: str, budget: float | None,
+    def generate(self, prefix_id: str, query: str, params: SamplingParams, method: str, decode: DecodeConfig,
                  raw: bool, stats: GenerationStats) -> Iterator[str]:
         """Generate in process."""
-        try:
-            decode = DecodeConfig(budget=budget)
-        except ValueError as e:
-            raise InvalidInput(str(e)) from e
         return self.worker.generate(prefix_id, query, params, method=method, decode=decode,
                                     tenant=self.config.tenant, stats=stats, raw=raw)
 
@@ -149,18 +145,23 @@ class KVClient:
 
     def generate(self, query: str, prefix: PrefixHandle | str | None = None, *, max_new_tokens: int = 64,
                  method: str = "full", budget: float | None = None, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int | None = None, stop: tuple[str, ...] | list[str] = (), raw: bool = False) -> Generation:
+                 seed: int | None = None, stop: tuple[str, ...] | list[str] = (), raw: bool = False,
+                 gen_len: int = 1) -> Generation:
         """Answer ``query`` over a stored prefix (default: the one this client prefilled last).
 
-        ``raw`` sends the query text as-is instead of through the model's query template.
+        ``raw`` sends the query text as-is instead of through the model's query template;
+        ``gen_len`` is the number of steps a method's one-time summary fetch is amortized over
+        when its budget is matched (1: the conservative worst case).
         """
         pid = self._prefix_id(prefix)
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                                 stop=tuple(stop))
-        if budget is not None and not 0 < budget <= 1:
-            raise InvalidInput(f"budget must be in (0, 1], got {budget}")
+        try:
+            decode = DecodeConfig(budget=budget, gen_len=gen_len)
+        except ValueError as e:
+            raise InvalidInput(str(e)) from e
         stats = GenerationStats()
-        return Generation(self.backend.generate(pid, query, params, method, budget, raw, stats), stats)
+        return Generation(self.backend.generate(pid, query, params, method, decode, raw, stats), stats)
 
     def _prefix_id(self, prefix: PrefixHandle | str | None) -> str:
         if isinstance(prefix, PrefixHandle):

@@ -60,6 +60,8 @@ class DecodeFields(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int | None = None
     stream: bool = False
+    gen_len: int = Field(1, ge=1)
+    """Steps the one-time φ fetch is amortized over when matching the budget (appendix D)."""
 
 
 class GenerateBody(DecodeFields):
@@ -214,7 +216,7 @@ def create_app(cfg: GatewayConfig, keys: ApiKeys) -> FastAPI:
     def generate(prefix_id: str, body: GenerateBody, authorization: str | None = Header(None),
                  x_api_key: str | None = Header(None)) -> Response | dict[str, Any]:
         req = _request(prefix_id, body.query, body.method, body.budget, body.max_new_tokens, body.temperature,
-                       body.top_p, body.seed, body.stop, body.raw)
+                       body.top_p, body.seed, body.stop, body.raw, body.gen_len)
         events = first_then_rest(run(req, md(authorization, x_api_key)))
         if body.stream:
             return StreamingResponse(_sse(events), media_type="text/event-stream")
@@ -224,7 +226,7 @@ def create_app(cfg: GatewayConfig, keys: ApiKeys) -> FastAPI:
     def openai(body: OpenAIBody, prompt: str, chat: bool, meta: list[tuple[str, str]]) -> Response | dict[str, Any]:
         prefix_id, query = _prefix_and_query(body.prefix_id, prompt)
         req = _request(prefix_id, query, body.method, body.budget, body.max_tokens, body.temperature, body.top_p,
-                       body.seed, _stops(body.stop), False)
+                       body.seed, _stops(body.stop), False, body.gen_len)
         events = first_then_rest(run(req, meta))
         cid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
         model = body.model or "kvstash"
@@ -267,9 +269,9 @@ def _summary(m: pb.Manifest) -> dict[str, Any]:
 
 
 def _request(prefix_id: str, query: str, method: str, budget: float | None, max_new: int, temperature: float,
-             top_p: float, seed: int | None, stop: list[str], raw: bool) -> pb.GenerateRequest:
+             top_p: float, seed: int | None, stop: list[str], raw: bool, gen_len: int = 1) -> pb.GenerateRequest:
     req = pb.GenerateRequest(prefix_id=prefix_id, query=query, method=method, max_new_tokens=max_new,
-                             temperature=temperature, top_p=top_p, stop=stop, raw=raw)
+                             temperature=temperature, top_p=top_p, stop=stop, raw=raw, gen_len=gen_len)
     if budget is not None:
         req.budget = budget
     if seed is not None:

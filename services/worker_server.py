@@ -81,7 +81,8 @@ class WorkerService(pb_grpc.WorkerServicer):
                 max_new_tokens=request.max_new_tokens or DEFAULT_MAX_NEW_TOKENS, temperature=request.temperature,
                 top_p=request.top_p if request.HasField("top_p") else 1.0,
                 seed=request.seed if request.HasField("seed") else None, stop=tuple(request.stop))
-            decode = DecodeConfig(budget=request.budget if request.HasField("budget") else None)
+            decode = DecodeConfig(budget=request.budget if request.HasField("budget") else None,
+                                  gen_len=request.gen_len or 1)
             stats = GenerationStats()
             t0 = time.perf_counter()
             with self._model_lock:

@@ -107,3 +107,16 @@ def test_cli_budget_json(capsys) -> None:
     assert d["k_hyb"] == d["k_topk"] - d["n_off"] and d["n_off"] >= 1
     assert main(["budget", "--prefill-len", "10", "--fraction", "5", "--head-dim", "64", "--json"]) == 2
     assert json.loads(capsys.readouterr().out)["code"] == "INVALID_ARGUMENT"
+
+
+def test_gen_len_amortizes_the_phi_fetch(kv: KVClient) -> None:
+    doc = kv.prefill(DOC * 4)
+    ks = {}
+    for gen_len in (1, 64):
+        g = kv.generate("Who signed it?", prefix=doc, method="topk+phi", budget=0.1, gen_len=gen_len,
+                        max_new_tokens=2)
+        _ = g.text
+        ks[gen_len] = g.stats.extra["budget_k"]
+    assert ks[64] > ks[1]  # the one-time φ fetch charged over 64 steps leaves more exact tokens per step
+    with pytest.raises(InvalidInput, match="gen_len"):
+        kv.generate("Who?", prefix=doc, gen_len=0)

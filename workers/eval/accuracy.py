@@ -26,6 +26,8 @@ class EvalSpec:
     budgets: tuple[float | None, ...] = (None,)
     samples: int = 20
     max_new_tokens: int = 48
+    gen_len: int = 1
+    """L_gen for budget matching (appendix D): 1 charges a one-time φ fetch to a single step."""
 
     def __post_init__(self) -> None:
         if self.samples < 1 or not self.tasks or not self.lengths or not self.methods or not self.budgets:
@@ -70,7 +72,7 @@ def run_eval(client: KVClient, spec: EvalSpec, progress: bool = True) -> list[Ev
             handle = client.prefill(sample.document)
             for method, budget in combos:
                 gen = client.generate(sample.query, prefix=handle, method=method, budget=budget, raw=True,
-                                      max_new_tokens=spec.max_new_tokens)
+                                      max_new_tokens=spec.max_new_tokens, gen_len=spec.gen_len)
                 key = (task, length, method, budget)
                 scores.setdefault(key, []).append(sample.score(gen.text))
                 st = gen.stats
