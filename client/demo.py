@@ -10,17 +10,21 @@ from client.kvclient import KVClient
 
 DEMO_TOKENS = 4096
 DEMO_TASKS = ("niah_single", "niah_multikey", "vt")
+SPARSE_BUDGET = 0.05
 FALLBACK_DOC = ("The quarterly report was signed by Ada Lovelace in Vienna on a rainy Tuesday. "
                 "It covers revenue, hiring and the new datacenter. ") * 20
 
 
-def _print_answer(kv: KVClient, question: str, prefix, raw: bool = False) -> str:
+def _print_answer(kv: KVClient, question: str, prefix, raw: bool = False, kv_method: str = "full",
+                  budget: float | None = None) -> str:
     print(f"  Q: {question.strip()}\n  A:", end="", flush=True)
-    gen = kv.generate(question, prefix=prefix, max_new_tokens=32, raw=raw)
+    gen = kv.generate(question, prefix=prefix, max_new_tokens=32, raw=raw, method=kv_method, budget=budget)
     for piece in gen:
         print(piece, end="", flush=True)
     st = gen.stats
-    print(f"\n     [{st.new_tokens} tokens in {st.seconds:.2f}s, read {st.bytes_fetched / 2**20:.1f} MiB of stored KV]")
+    frac = st.bytes_fetched / st.bytes_full if st.bytes_full else 0.0
+    print(f"\n     [{st.new_tokens} tokens in {st.seconds:.2f}s; {kv_method} read {frac:.2f} of what full attention "
+          "reads per step]")
     return gen.text
 
 
@@ -41,8 +45,11 @@ def demo_trained(kv: KVClient) -> int:
         ok = sample.score(answer) == 1.0
         correct += ok
         print(f"     gold: {', '.join(sample.answers)}  ->  {'correct' if ok else 'WRONG'}")
-    again = kv.prefill(generate(DEMO_TASKS[0], DEMO_TOKENS, seed=1000, ctx=ctx).document)
+    first = generate(DEMO_TASKS[0], DEMO_TOKENS, seed=1000, ctx=ctx)
+    again = kv.prefill(first.document)
     print(f"\nprefill of the first document again: cached={again.cached} (no forward pass)")
+    print(f"the same question with Top-K at a {SPARSE_BUDGET:.0%} read budget:")
+    _print_answer(kv, first.query, again, raw=True, kv_method="topk", budget=SPARSE_BUDGET)
     print(f"{correct}/{len(DEMO_TASKS)} answers correct")
     return 0 if correct == len(DEMO_TASKS) else 1
 
