@@ -58,6 +58,12 @@ def _fill_stats(stats: GenerationStats, d: dict[str, Any]) -> None:
     stats.extra.update({k: float(v) for k, v in d.items() if k not in known})
 
 
+def _remote_error(e: Any) -> RemoteError:
+    from services.convert import HTTP_OF_GRPC
+
+    return RemoteError(e.details() or str(e), e.code().name, HTTP_OF_GRPC.get(e.code(), 500))
+
+
 class GrpcBackend:
     """``grpc://worker-host:port?store=store-host:port&api_key=...``."""
 
@@ -82,16 +88,13 @@ class GrpcBackend:
         try:
             return fn(*args, metadata=self._md, **kw)
         except grpc.RpcError as e:
-            raise RemoteError(e.details() or str(e), e.code().name, 0) from None
+            raise _remote_error(e) from None
 
     def prefill(self, document: str) -> tuple[str, int, bool]:
         """Stream the document to the worker in chunks."""
-        from services.gateway import DOCUMENT_CHUNK_CHARS
-        from services.gen import kvstash_pb2 as pb
+        from services.convert import document_chunks
 
-        chunks = (pb.PrefillChunk(text=document[i:i + DOCUMENT_CHUNK_CHARS])
-                  for i in range(0, max(1, len(document)), DOCUMENT_CHUNK_CHARS))
-        r = self._call(self.worker.Prefill, chunks)
+        r = self._call(self.worker.Prefill, document_chunks(document))
         return r.prefix_id, r.n_tokens, r.cached
 
     def generate(self, prefix_id: str, query: str, params: SamplingParams, method: str, decode: DecodeConfig,
@@ -99,11 +102,10 @@ class GrpcBackend:
         """Server-streamed pieces."""
         import grpc
 
-        from services.convert import stats_to_dict
-        from services.gateway import _request
+        from services.convert import generate_request, stats_to_dict
 
-        req = _request(prefix_id, query, method, decode.budget, params.max_new_tokens, params.temperature,
-                       params.top_p, params.seed, list(params.stop), raw, decode.gen_len)
+        req = generate_request(prefix_id, query, method, decode.budget, params.max_new_tokens, params.temperature,
+                               params.top_p, params.seed, list(params.stop), raw, decode.gen_len)
         try:
             for ev in self.worker.Generate(req, metadata=self._md):
                 if ev.HasField("done"):
@@ -111,7 +113,7 @@ class GrpcBackend:
                 else:
                     yield ev.text
         except grpc.RpcError as e:
-            raise RemoteError(e.details() or str(e), e.code().name, 0) from None
+            raise _remote_error(e) from None
 
     def list(self) -> list[Manifest]:
         """From the store service."""

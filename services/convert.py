@@ -2,9 +2,40 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import grpc
+
 from services.gen import kvstash_pb2 as pb
 from store.manifest import Manifest
 from workers.engine import GenerationStats
+
+HTTP_OF_GRPC = {grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.UNAUTHENTICATED: 401,
+                grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 413,
+                grpc.StatusCode.FAILED_PRECONDITION: 409, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+                grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DATA_LOSS: 500, grpc.StatusCode.CANCELLED: 499}
+"""The HTTP status a gateway or remote client reports for a gRPC status (500 when absent)."""
+DOCUMENT_CHUNK_CHARS = 1 << 20
+"""Characters per streamed Prefill message (far under the gRPC message limit)."""
+
+
+def document_chunks(document: str) -> Iterator[pb.PrefillChunk]:
+    """A document as the Prefill client stream."""
+    for i in range(0, max(1, len(document)), DOCUMENT_CHUNK_CHARS):
+        yield pb.PrefillChunk(text=document[i:i + DOCUMENT_CHUNK_CHARS])
+
+
+def generate_request(prefix_id: str, query: str, method: str, budget: float | None, max_new: int,
+                     temperature: float, top_p: float, seed: int | None, stop: list[str], raw: bool,
+                     gen_len: int = 1) -> pb.GenerateRequest:
+    """A GenerateRequest with only the optional fields that were given set."""
+    req = pb.GenerateRequest(prefix_id=prefix_id, query=query, method=method, max_new_tokens=max_new,
+                             temperature=temperature, top_p=top_p, stop=stop, raw=raw, gen_len=gen_len)
+    if budget is not None:
+        req.budget = budget
+    if seed is not None:
+        req.seed = seed
+    return req
 
 
 def manifest_to_pb(m: Manifest) -> pb.Manifest:

@@ -18,19 +18,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.auth import API_KEY_HEADER, ApiKeys, bearer_key
-from services.convert import manifest_from_pb, stats_to_dict
+from services.convert import HTTP_OF_GRPC, document_chunks, generate_request, manifest_from_pb, stats_to_dict
 from services.gen import kvstash_pb2 as pb
 from services.gen import kvstash_pb2_grpc as pb_grpc
 from services.grpc_common import channel
 from store.errors import InvalidInput, KVStashError, TooLarge
 
-HTTP_OF_GRPC = {grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.UNAUTHENTICATED: 401,
-                grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 413,
-                grpc.StatusCode.FAILED_PRECONDITION: 409, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-                grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DATA_LOSS: 500, grpc.StatusCode.CANCELLED: 499}
 DEFAULT_MAX_BODY_BYTES = 64 << 20
-DOCUMENT_CHUNK_CHARS = 1 << 20
-"""Characters per streamed Prefill message (far under the gRPC message limit)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,10 +162,9 @@ def create_app(cfg: GatewayConfig, keys: ApiKeys) -> FastAPI:
             raise InvalidInput("give exactly one of document or file_path")
         if body.document is not None and len(body.document.encode()) > cfg.max_body_bytes:
             raise TooLarge(f"document over {cfg.max_body_bytes} bytes")
-        chunks = ([pb.PrefillChunk(file_path=body.file_path)] if body.file_path is not None else
-                  [pb.PrefillChunk(text=body.document[i:i + DOCUMENT_CHUNK_CHARS])  # type: ignore[index]
-                   for i in range(0, max(1, len(body.document or "")), DOCUMENT_CHUNK_CHARS)])
-        r = worker.Prefill(iter(chunks), metadata=meta, timeout=cfg.request_timeout_s)
+        chunks = (iter([pb.PrefillChunk(file_path=body.file_path)]) if body.file_path is not None else
+                  document_chunks(body.document or ""))
+        r = worker.Prefill(chunks, metadata=meta, timeout=cfg.request_timeout_s)
         metrics.prefills.labels(str(r.cached).lower()).inc()
         return {"prefix_id": r.prefix_id, "n_tokens": r.n_tokens, "cached": r.cached}
 
@@ -215,8 +208,8 @@ def create_app(cfg: GatewayConfig, keys: ApiKeys) -> FastAPI:
     @app.post("/v1/prefixes/{prefix_id}/generate", response_model=None)
     def generate(prefix_id: str, body: GenerateBody, authorization: str | None = Header(None),
                  x_api_key: str | None = Header(None)) -> Response | dict[str, Any]:
-        req = _request(prefix_id, body.query, body.method, body.budget, body.max_new_tokens, body.temperature,
-                       body.top_p, body.seed, body.stop, body.raw, body.gen_len)
+        req = generate_request(prefix_id, body.query, body.method, body.budget, body.max_new_tokens,
+                               body.temperature, body.top_p, body.seed, body.stop, body.raw, body.gen_len)
         events = first_then_rest(run(req, md(authorization, x_api_key)))
         if body.stream:
             return StreamingResponse(_sse(events), media_type="text/event-stream")
@@ -225,8 +218,8 @@ def create_app(cfg: GatewayConfig, keys: ApiKeys) -> FastAPI:
 
     def openai(body: OpenAIBody, prompt: str, chat: bool, meta: list[tuple[str, str]]) -> Response | dict[str, Any]:
         prefix_id, query = _prefix_and_query(body.prefix_id, prompt)
-        req = _request(prefix_id, query, body.method, body.budget, body.max_tokens, body.temperature, body.top_p,
-                       body.seed, _stops(body.stop), False, body.gen_len)
+        req = generate_request(prefix_id, query, body.method, body.budget, body.max_tokens, body.temperature,
+                               body.top_p, body.seed, _stops(body.stop), False, body.gen_len)
         events = first_then_rest(run(req, meta))
         cid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
         model = body.model or "kvstash"
@@ -266,17 +259,6 @@ def create_app(cfg: GatewayConfig, keys: ApiKeys) -> FastAPI:
 def _summary(m: pb.Manifest) -> dict[str, Any]:
     return {"prefix_id": m.prefix_id, "n_tokens": m.n_tokens, "model": m.model_name, "kv_bytes": m.kv_bytes,
             "created_at": m.created_at}
-
-
-def _request(prefix_id: str, query: str, method: str, budget: float | None, max_new: int, temperature: float,
-             top_p: float, seed: int | None, stop: list[str], raw: bool, gen_len: int = 1) -> pb.GenerateRequest:
-    req = pb.GenerateRequest(prefix_id=prefix_id, query=query, method=method, max_new_tokens=max_new,
-                             temperature=temperature, top_p=top_p, stop=stop, raw=raw, gen_len=gen_len)
-    if budget is not None:
-        req.budget = budget
-    if seed is not None:
-        req.seed = seed
-    return req
 
 
 def _prefix_and_query(prefix_id: str | None, prompt: str) -> tuple[str, str]:

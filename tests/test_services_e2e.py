@@ -152,7 +152,7 @@ def test_bad_input_is_a_clear_error(topo) -> None:
     assert client.generate("x", prefix=pid, max_new_tokens=2).stats.new_tokens >= 0
     with pytest.raises(RemoteError) as re:
         _ = client.generate("x", prefix="e" * 32).text
-    assert re.value.grpc_code == "NOT_FOUND"
+    assert re.value.grpc_code == "NOT_FOUND" and re.value.http_status == 404
 
 
 def test_concurrent_prefill_is_single_flight_and_generations_complete(topo) -> None:
