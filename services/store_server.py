@@ -138,11 +138,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             if not (0 <= request.layer < lay.n_layers and 0 <= request.kv_head < lay.n_kv_heads):
                 raise InvalidInput("layer or kv_head out of range")
             per_chunk = max(1, READ_CHUNK_BYTES // lay.page_bytes)
+            crcs = self.store.page_crcs(m.prefix_id, m) if request.verify else None
             for i in range(0, len(pages), per_chunk):
                 part = pages[i:i + per_chunk]
                 buf = torch.empty(len(part), lay.page_bytes, dtype=torch.uint8)
                 self.store.read_pages(m.prefix_id, request.layer, request.kv_head, part, buf, verify=request.verify,
-                                      manifest=m)
+                                      manifest=m, crcs=crcs)
                 yield pb.PageChunk(first_index=i, n_pages=len(part), data=buf.numpy().tobytes())
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StoreStats:

@@ -265,15 +265,18 @@ class KVStore:
             raise CorruptData(f"artifact {name!r} of prefix {prefix_id} failed its checksum")
         return data
 
-    def page_crcs(self, prefix_id: str) -> np.ndarray:
+    def page_crcs(self, prefix_id: str, manifest: Manifest | None = None) -> np.ndarray:
         """Per-page keyed CRCs ``[layers, kv_heads, pages]``."""
-        m = self.manifest(prefix_id)
+        m = manifest or self.manifest(prefix_id)
         shape = (m.layout.n_layers, m.layout.n_kv_heads, m.layout.n_pages(m.n_tokens))
         return np.frombuffer(self.artifact(prefix_id, PAGE_CRC_ARTIFACT), dtype=np.uint32).reshape(shape)
 
     def read_pages(self, prefix_id: str, layer: int, head: int, pages: list[int], out: torch.Tensor, *,
-                   verify: bool = False, manifest: Manifest | None = None) -> None:
-        """Read pages (sorted, unique ids) of one (layer, head) into ``out`` uint8 ``[n, page_bytes]``."""
+                   verify: bool = False, manifest: Manifest | None = None, crcs: np.ndarray | None = None) -> None:
+        """Read pages (sorted, unique ids) of one (layer, head) into ``out`` uint8 ``[n, page_bytes]``.
+
+        ``crcs`` (from ``page_crcs``) saves re-reading the checksum artifact when one caller verifies many reads.
+        """
         m = manifest or self.manifest(prefix_id)
         n_pages = m.layout.n_pages(m.n_tokens)
         if pages and (pages[0] < 0 or pages[-1] >= n_pages):
@@ -284,10 +287,10 @@ class KVStore:
         except FileNotFoundError as e:
             raise CorruptData(f"page file {path.name} of prefix {prefix_id} is missing") from e
         if verify:
-            crcs = self.page_crcs(prefix_id)[layer, head]
+            expected = (crcs if crcs is not None else self.page_crcs(prefix_id, m))[layer, head]
             arr = out.numpy()
             for i, p in enumerate(pages):
-                if page_crc(prefix_id, layer, head, p, memoryview(arr[i])) != crcs[p]:
+                if page_crc(prefix_id, layer, head, p, memoryview(arr[i])) != expected[p]:
                     raise CorruptData(f"prefix {prefix_id}: layer {layer} head {head} page {p} failed its "
                                       "checksum")
 
@@ -298,8 +301,9 @@ class KVStore:
         lay = m.layout
         n_pages = lay.n_pages(m.n_tokens)
         raw = torch.empty(lay.n_kv_heads, n_pages, lay.page_bytes, dtype=torch.uint8)
+        crcs = self.page_crcs(prefix_id, m) if verify else None
         for h in range(lay.n_kv_heads):
-            self.read_pages(prefix_id, layer, h, list(range(n_pages)), raw[h], verify=verify, manifest=m)
+            self.read_pages(prefix_id, layer, h, list(range(n_pages)), raw[h], verify=verify, manifest=m, crcs=crcs)
         k, v = unpack_pages(lay, raw)  # [h, pages, P, d]
         n = m.n_tokens
         return k.reshape(lay.n_kv_heads, -1, lay.head_dim)[:, :n], v.reshape(lay.n_kv_heads, -1, lay.head_dim)[:, :n]
