@@ -4,6 +4,8 @@
 slot ``dst_slots[i]`` of the K and V pools (slot ``s`` is rows ``[s * P, (s + 1) * P)``). On CUDA one
 Triton launch does every page: each program copies one 4 KiB-class block, reading ``src`` straight
 from pinned, GPU-mapped host memory (or from GPU memory). Elsewhere plain torch indexing.
+With ``skip_negative`` an entry whose source row is negative copies nothing (a fixed-shape launch over
+a whole request in which cache hits are marked -1: no device -> host sync, CUDA-graph capturable).
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ if triton is not None:
 
     @triton.jit
     def _gather_pages_kernel(src, src_rows, dst_k, dst_v, dst_slots, page_words, block_words,
-                             BLOCK: tl.constexpr):
-        """Program (i, part, c): words [c*BLOCK, (c+1)*BLOCK) of block ``part`` (0 K, 1 V) of page i."""
+                             BLOCK: tl.constexpr, SKIP_NEG: tl.constexpr):
+        """Program (i, part, c): words [c*BLOCK, (c+1)*BLOCK) of block ``part`` (0 K, 1 V) of page i
+        (nothing when ``SKIP_NEG`` and its source row is negative)."""
         i = tl.program_id(0)
         part = tl.program_id(1)
         c = tl.program_id(2)
@@ -35,6 +38,10 @@ if triton is not None:
         d = tl.load(dst_slots + i).to(tl.int64)
         offs = c * BLOCK + tl.arange(0, BLOCK)
         mask = offs < block_words
+        if SKIP_NEG:
+            mask = mask & (s >= 0)
+            s = tl.maximum(s, 0)
+            d = tl.maximum(d, 0)
         x = tl.load(src + s * page_words + part * block_words + offs, mask=mask)
         if part == 0:
             tl.store(dst_k + d * block_words + offs, x, mask=mask)
@@ -62,7 +69,8 @@ def _check(src: torch.Tensor, src_rows: torch.Tensor, k_pool: torch.Tensor, v_po
 
 
 def gather_pages(src: torch.Tensor, src_rows: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                 dst_slots: torch.Tensor, *, block_bytes: int, use_triton: bool | None = None) -> None:
+                 dst_slots: torch.Tensor, *, block_bytes: int, use_triton: bool | None = None,
+                 skip_negative: bool = False) -> None:
     """Copy K and V of pages ``src[src_rows]`` into slots ``dst_slots`` of ``k_pool``/``v_pool``.
 
     Parameters
@@ -77,6 +85,9 @@ def gather_pages(src: torch.Tensor, src_rows: torch.Tensor, k_pool: torch.Tensor
         Bytes of one page's K (or V) block.
     use_triton : bool, optional
         Force the Triton kernel (e.g. under the interpreter) or the torch path; default: CUDA pools.
+    skip_negative : bool
+        Entries with ``src_rows[i] < 0`` copy nothing (their ``dst_slots`` are not read). The Triton
+        path stays fixed-shape (no sync); the torch path filters the entries (a sync on CUDA).
     """
     _check(src, src_rows, k_pool, v_pool, dst_slots, block_bytes)
     m = src_rows.shape[0]
@@ -85,13 +96,16 @@ def gather_pages(src: torch.Tensor, src_rows: torch.Tensor, k_pool: torch.Tensor
     if use_triton is None:
         use_triton = k_pool.is_cuda and triton is not None
     if use_triton:
-        _gather_triton(src, src_rows, k_pool, v_pool, dst_slots, block_bytes)
-    else:
-        _gather_torch(src, src_rows, k_pool, v_pool, dst_slots, block_bytes)
+        _gather_triton(src, src_rows, k_pool, v_pool, dst_slots, block_bytes, skip_negative)
+        return
+    if skip_negative:
+        keep = src_rows >= 0
+        src_rows, dst_slots = src_rows[keep], dst_slots[keep]
+    _gather_torch(src, src_rows, k_pool, v_pool, dst_slots, block_bytes)
 
 
 def _gather_triton(src: torch.Tensor, src_rows: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                   dst_slots: torch.Tensor, block_bytes: int) -> None:
+                   dst_slots: torch.Tensor, block_bytes: int, skip_negative: bool = False) -> None:
     page_bytes = src.shape[1]
     w = _word_bytes(page_bytes, block_bytes, k_pool.element_size() * k_pool.shape[-1])
     word = _WORDS[w]
@@ -100,7 +114,8 @@ def _gather_triton(src: torch.Tensor, src_rows: torch.Tensor, k_pool: torch.Tens
     grid = (src_rows.shape[0], 2, triton.cdiv(block_words, block))
     _gather_pages_kernel[grid](src.view(-1).view(word), src_rows, k_pool.view(-1).view(torch.uint8).view(word),
                                v_pool.view(-1).view(torch.uint8).view(word), dst_slots, page_bytes // w,
-                               block_words, BLOCK=block, num_warps=TRITON_CONFIG["num_warps"])
+                               block_words, BLOCK=block, SKIP_NEG=skip_negative,
+                               num_warps=TRITON_CONFIG["num_warps"])
 
 
 def _gather_torch(src: torch.Tensor, src_rows: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,

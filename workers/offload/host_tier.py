@@ -3,7 +3,9 @@
 One per worker, shared by its generations (thread-safe), keyed by (prefix id, layer, head, page).
 Pages enter only after the SSD read that brought them passed its checks, so a hit is served as is.
 GPU kernels read the tier's pages directly (mapped pinned memory); before the CPU overwrites a slot
-it waits for the last such read of every fetcher (``note_reader``).
+it waits for the last such read of every fetcher (``note_reader``). ``hold`` pins a prefix's slots
+against eviction (e.g. for ``DevicePageCache``, whose GPU-side tables point at them for a whole
+generation); a held prefix cannot be dropped.
 """
 
 from __future__ import annotations
@@ -16,8 +18,12 @@ import torch
 
 from store.layout import KVLayout
 from workers.offload.config import OffloadConfig
-from workers.offload.lru import CapacityError, SlotLRU
+from workers.offload.lru import CapacityError, SlotLRU, SlotsHeld
 from workers.offload.memory import HostBuffer, pin_default
+
+
+class PrefixHeld(RuntimeError):
+    """``drop_prefix`` of a prefix whose pages an open generation holds."""
 
 
 class HostTier:
@@ -70,10 +76,38 @@ class HostTier:
             self.lru.add_namespace(self._ns[prefix_id], n_keys)
 
     def drop_prefix(self, prefix_id: str) -> int:
-        """Forget a prefix's pages (e.g. the prefix was removed); returns how many slots it freed."""
+        """Forget a prefix's pages (e.g. the prefix was removed); returns how many slots it freed.
+
+        Raises ``PrefixHeld`` (nothing dropped) while a ``hold`` on its pages is active.
+        """
         with self.lock:
-            ns = self._ns.pop(prefix_id, None)
-            return 0 if ns is None else self.lru.drop_namespace(ns)
+            ns = self._ns.get(prefix_id)
+            if ns is None:
+                return 0
+            try:
+                freed = self.lru.drop_namespace(ns)
+            except SlotsHeld as e:
+                raise PrefixHeld(f"prefix {prefix_id} has pages held by an open generation") from e
+            del self._ns[prefix_id]
+            return freed
+
+    def hold(self, prefix_id: str, keys: np.ndarray) -> np.ndarray | None:
+        """Slots of ``keys``, protected from eviction until ``release``; None (nothing held) when the
+        prefix is not open or any key is absent."""
+        with self.lock:
+            ns = self._ns.get(prefix_id)
+            if ns is None:
+                return None
+            slots = self.lru.lookup(ns, keys)
+            if slots.size and slots.min() < 0:
+                return None
+            self.lru.hold(slots)
+            return slots
+
+    def release(self, slots: np.ndarray) -> None:
+        """Undo one ``hold`` (the caller's GPU reads of these slots must have finished)."""
+        with self.lock:
+            self.lru.release(slots)
 
     def begin_batch(self) -> None:
         """Start one fetch: slots it looks up or inserts are not evicted until the next."""

@@ -6,7 +6,8 @@ in *batches* (one fetch call): ``begin_batch`` advances the clock, ``touch`` sta
 batch uses, and ``allocate`` never evicts a slot stamped in the current batch.
 
 Allocation order (exact, tests rely on it): never-used slots in ascending order; then empty slots
-(released by ``drop``) and least recently stamped slots, by (stamp, slot) ascending.
+(released by ``drop``) and least recently stamped slots, by (stamp, slot) ascending. Slots ``hold``
+pinned (a reference count) are never evicted or dropped until released.
 """
 
 from __future__ import annotations
@@ -17,7 +18,11 @@ import numpy as np
 
 
 class CapacityError(Exception):
-    """More slots were needed in one batch than exist outside the batch's own."""
+    """More slots were needed in one batch than exist outside the batch's own (and the held ones)."""
+
+
+class SlotsHeld(Exception):
+    """A namespace whose slots are held was asked to be dropped."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,7 @@ class SlotLRU:
         self.stamp = np.zeros(n_slots, dtype=np.int64)  # 0: empty
         self.owner_ns = np.full(n_slots, -1, dtype=np.int64)
         self.owner_key = np.full(n_slots, -1, dtype=np.int64)
+        self.holds = np.zeros(n_slots, dtype=np.int64)  # > 0: never evicted (see ``hold``)
         self.tables: dict[int, np.ndarray] = {}
         self.tick = 0
         self.high = 0  # slots >= high were never used
@@ -58,11 +64,17 @@ class SlotLRU:
             self.tables[ns] = np.full(n_keys, -1, dtype=np.int64)
 
     def drop_namespace(self, ns: int) -> int:
-        """Forget a namespace and empty its slots; returns how many slots it held."""
-        table = self.tables.pop(ns, None)
+        """Forget a namespace and empty its slots; returns how many slots it held.
+
+        Raises SlotsHeld (and drops nothing) while any of its slots is held.
+        """
+        table = self.tables.get(ns)
         if table is None:
             return 0
         slots = table[table >= 0]
+        if (self.holds[slots] > 0).any():
+            raise SlotsHeld(f"namespace {ns} has held slots; release them first")
+        del self.tables[ns]
         self.stamp[slots] = 0
         self.owner_ns[slots] = -1
         self.owner_key[slots] = -1
@@ -76,6 +88,16 @@ class SlotLRU:
     def touch(self, slots: np.ndarray) -> None:
         """Mark slots as used by the current batch."""
         self.stamp[slots] = self.tick
+
+    def hold(self, slots: np.ndarray) -> None:
+        """Protect occupied ``slots`` from eviction until ``release`` (reference counted)."""
+        np.add.at(self.holds, slots, 1)
+
+    def release(self, slots: np.ndarray) -> None:
+        """Undo one ``hold`` of ``slots``."""
+        if (self.holds[slots] <= 0).any():
+            raise ValueError("release of a slot that is not held")
+        np.add.at(self.holds, slots, -1)
 
     def allocate(self, ns: int, keys: np.ndarray) -> Allocation:
         """Slots for ``keys`` (absent from ``ns``), touched; evicts least recently used slots.
@@ -107,12 +129,15 @@ class SlotLRU:
         return Allocation(slots, ev_ns, ev_keys)
 
     def _victims(self, n: int) -> np.ndarray:
-        """The ``n`` used-before slots with the smallest (stamp, slot) outside the current batch."""
+        """The ``n`` used-before slots with the smallest (stamp, slot) outside the current batch and
+        not held."""
         seen = self.stamp[: self.high]
-        free = int((seen < self.tick).sum())
+        busy = (seen >= self.tick) | (self.holds[: self.high] > 0)
+        free = self.high - int(busy.sum())
         if free < n:
-            raise CapacityError(f"need {n} slots outside the current batch, {free} exist of {self.n_slots}")
+            raise CapacityError(f"need {n} slots outside the current batch and the held ones, {free} exist "
+                                f"of {self.n_slots}")
         order = seen * self.high + np.arange(self.high, dtype=np.int64)
-        order[seen >= self.tick] = np.iinfo(np.int64).max
+        order[busy] = np.iinfo(np.int64).max
         pick = np.argpartition(order, n - 1)[:n] if n < self.high else np.arange(self.high)
         return pick[np.argsort(order[pick], kind="stable")].astype(np.int64)
