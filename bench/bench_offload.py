@@ -9,7 +9,12 @@ decode token (attention part over all layers: select + fetch + attend), B=1:
   per layer; SSD: whole layer files, measured on a few layers and scaled to all);
 - (i) sparse, KV in the pinned host tier; (ii) sparse, KV on SSD page files (O_DIRECT, no host
   tier); both through ``workers.offload.PageFetcher`` with a GPU page cache;
-- (r) the same sparse selection + kernel over KV resident in HBM (no fetch: the floor).
+- (r) the same sparse selection + kernel over KV resident in HBM (no fetch: the floor), eager and
+  captured in one CUDA graph per token (r-graph);
+- (g) sparse, KV in the pinned host tier, through ``workers.offload.DevicePageCache`` (lookup, LRU and
+  gather planned on the GPU, no sync): select + fetch + attend of all layers captured in one CUDA
+  graph, replayed per token (layers strictly sequential in the graph); also eager, and with the
+  torch-ops plan instead of the one-launch Triton plan.
 
 Selection: Quest-style page upper bounds (resident), top pages per KV head at the budget plus the
 first and last page; queries follow a random walk per layer (``--alpha``) so consecutive steps
@@ -19,6 +24,7 @@ write. Ratios are the result; absolute times are for reference.
 
     python3 bench/bench_offload.py --ctx 32768 131072 --json out.json
     python3 bench/bench_offload.py --quick          # CPU smoke run (tiny shape)
+    python3 bench/bench_offload.py --no-ssd         # host-tier rows only (skips the SSD section)
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ from store.manifest import Manifest  # noqa: E402
 from store.page_io import PosixPageReader, kvikio_available, plan_runs  # noqa: E402
 from store.pages import unpack_pages  # noqa: E402
 from store.prefix_key import PrefixKey, tenant_salt, token_hash  # noqa: E402
-from workers.offload import HostTier, OffloadConfig, PageFetcher  # noqa: E402
+from workers.offload import DevicePageCache, HostTier, OffloadConfig, PageFetcher  # noqa: E402
 from workers.offload.gather import TRITON_CONFIG, gather_pages  # noqa: E402
 from workers.offload.memory import HostBuffer  # noqa: E402
 
@@ -201,8 +207,12 @@ class Workload:
 
     def select(self, step: int, layer: int) -> torch.Tensor:
         """Page ids ``[Hkv, k_sel + 2]``: first and last page, then the top pages by upper bound."""
+        return self.select_q(self.q[step, layer], layer)
+
+    def select_q(self, q: torch.Tensor, layer: int) -> torch.Tensor:
+        """``select`` for a query ``[Hq, D]`` (a static buffer under CUDA-graph capture)."""
         kmax, kmin = self.bnd[layer]
-        qg = self.q[step, layer].view(self.shape.hkv, -1, self.shape.d)
+        qg = q.view(self.shape.hkv, -1, self.shape.d)
         ub = torch.baddbmm(torch.bmm(qg.clamp_min(0), kmax), qg.clamp_max(0), kmin).amax(1)
         ub[:, 0] = ub[:, -1] = float("-inf")
         top = ub.topk(self.k_sel, dim=-1, sorted=False).indices
@@ -210,8 +220,12 @@ class Workload:
 
     def attend(self, step: int, layer: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Sparse kernel over page rows ``[Hkv, n]`` (first row of each page) of buffers ``[Hkv, S, D]``."""
-        idx = (rows.unsqueeze(-1) + self.tok).view(1, self.shape.hkv, -1)
-        q = self.q[step, layer].unsqueeze(0)
+        return self.attend_q(self.q[step, layer], k, v, rows)
+
+    def attend_q(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``attend`` for a query ``[Hq, D]``."""
+        idx = (rows.unsqueeze(-1) + self.tok).reshape(1, self.shape.hkv, -1)
+        q = q.unsqueeze(0)
         from workers.kernels.sparse_attention import sparse_decode_attention, sparse_decode_attention_ref
 
         op = sparse_decode_attention if DEV.type == "cuda" else sparse_decode_attention_ref
@@ -387,6 +401,148 @@ def check_equal(w: Workload, fetcher: PageFetcher, k0: torch.Tensor, v0: torch.T
     return (a - b).abs().max().item()
 
 
+# -- (g): the device-planned cache, one CUDA graph per token ----------------------------------------
+class GraphStep:
+    """select + fetch + attend of every layer (strictly in order) for a static query buffer; eager, or
+    captured once in a CUDA graph and replayed per token."""
+
+    def __init__(self, w: Workload, fetch):
+        self.w, self.fetch = w, fetch  # fetch(layer, pages) -> (k [Hkv, S, D], v, rows [Hkv, n])
+        self.q = w.q[0].clone()  # [layers, Hq, D]
+        self.outs: list[torch.Tensor] = []
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def run(self) -> list[torch.Tensor]:
+        outs = []
+        for layer in range(self.w.shape.layers):
+            k, v, rows = self.fetch(layer, self.w.select_q(self.q[layer], layer))
+            outs.append(self.w.attend_q(self.q[layer], k, v, rows))
+        return outs
+
+    def capture(self, warm_steps: range) -> None:
+        """Run ``warm_steps`` eagerly on a side stream (kernel compilation, cold cache), then capture."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for t in warm_steps:
+                self.token(t)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.outs = self.run()
+
+    def token(self, t: int) -> None:
+        self.q.copy_(self.w.q[t])
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.outs = self.run()
+
+
+def cache_fetch(cache: DevicePageCache):
+    def fetch(layer: int, pages: torch.Tensor):
+        r = cache.fetch(layer, pages)
+        return r.k, r.v, r.rows
+    return fetch
+
+
+def graph_gather_gbps(cache: DevicePageCache, reps: int = 20) -> tuple[float, float, int]:
+    """The last step's gathers of every layer (its src rows / slots, hits skipped) replayed alone in a CUDA
+    graph: (K+V GB/s, ms per token, pages). Rewrites the same pages into the same slots."""
+    st, lay = cache.state, cache.layout
+    src, dst = st.src_rows.clone(), st.dst_slots.clone()
+    pages = int((src >= 0).sum().item())
+
+    def gathers() -> None:
+        for layer in range(lay.n_layers):
+            gather_pages(cache.host.pages, src[layer], cache.k[layer], cache.v[layer], dst[layer],
+                         block_bytes=lay.block_bytes, use_triton=True, skip_negative=True)
+
+    gathers()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        gathers()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        g.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    t = statistics.median(times)
+    return pages * lay.page_payload_bytes / t / 1e9, t * 1e3, pages
+
+
+def kernel_profile(gs: GraphStep, steps: range) -> dict:
+    """GPU kernel time per token by kernel name (torch profiler over graph replays), and its total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for t in steps:
+            gs.token(t)
+        sync()
+    per: dict[str, float] = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+        if us and ev.key and not ev.key.startswith("ProfilerStep"):
+            per[ev.key[:60]] = us / 1e3 / len(steps)
+    top = dict(sorted(per.items(), key=lambda kv: -kv[1])[:10])
+    return {"kernel_ms_per_token": sum(per.values()), "top_kernels_ms": top}
+
+
+def graph_section(args, res, w: Workload, fetcher: PageFetcher, k0, v0) -> None:
+    """(r-graph) and the (g) variants over the warmed host tier; hit rate, gather bandwidth, exactness."""
+    cuda = DEV.type == "cuda"
+    p = w.k_sel + 2
+    steps = range(2, args.steps)
+    if cuda:
+        rg = GraphStep(w, lambda layer, pages: (k0, v0, pages * w.shape.page))
+        rg.capture(range(0, 2))
+        res["resident_graph_ms"] = med_ms(per_token(rg.token, steps))
+        del rg
+    variants = [("triton", True), ("triton", False), ("torch", True)] if cuda else [("torch", False)]
+    for plan, graphed in variants:
+        name = f"g_{plan}_{'graph' if graphed else 'eager'}"
+        cache = DevicePageCache.from_fetcher(fetcher, pages_per_call=p, slots_per_head=args.cache_factor * p,
+                                             plan=plan, allow_cpu=not cuda)
+        if cache is None:
+            res["graph_error"] = "DevicePageCache precondition not met (host tier not warm / not mapped)"
+            return
+        gs = GraphStep(w, cache_fetch(cache))
+        if graphed:
+            gs.capture(range(0, 2))
+        else:
+            for t in range(0, 2):
+                gs.token(t)
+        s0 = cache.stats()
+        times = per_token(gs.token, steps)
+        s1 = cache.stats()
+        hits, misses = s1.hits - s0.hits, s1.misses - s0.misses
+        res[f"{name}_ms"] = med_ms(times)
+        res[f"{name}_hit_rate"] = hits / max(1, hits + misses)
+        res[f"{name}_host_pages_per_token"] = misses / len(times)
+        if (plan, graphed) == variants[0]:
+            t = steps[-1]
+            ref = w.attend(t, 0, k0, v0, w.select(t, 0) * w.shape.page)
+            res["g_max_abs_diff"] = (gs.outs[0].float() - ref.float()).abs().max().item()
+            res["g_gpu_cache_gb"] = cache.gpu_bytes / 1e9
+            if cuda:
+                with guard(res, "g_profile"):
+                    res["g_profile"] = kernel_profile(gs, range(args.steps, args.steps + 5))
+                gbps, ms, pages = graph_gather_gbps(cache)
+                res["g_gather_gbps"], res["g_gather_ms_per_token"], res["g_gather_pages"] = gbps, ms, pages
+                res["g_gather_frac"] = gbps / RESULTS["ceilings"]["h2d_gbps"]
+        log(f"  ({name}) {res[f'{name}_ms']:.2f} ms/token, hit {res[f'{name}_hit_rate']:.3f}, "
+            f"{res[f'{name}_host_pages_per_token']:.0f} host pages/token")
+        del gs
+        cache.close()
+    if cuda:
+        log(f"  (r-graph) {res['resident_graph_ms']:.2f} ms/token; graph gather {res.get('g_gather_gbps', 0):.1f} "
+            f"GB/s ({100 * res.get('g_gather_frac', 0):.0f}% of pinned copy); profile {res.get('g_profile')}")
+
+
 # -- one context ---------------------------------------------------------------------------------
 def med_ms(xs: list[float]) -> float:
     return statistics.median(xs) * 1e3 if xs else float("nan")
@@ -413,8 +569,9 @@ def run_ctx(args, shape: Shape, ctx: int, home: Path, ceil: dict) -> dict:
     gpu_bytes = args.cache_factor * step_pages * lay.page_payload_bytes * shape.layers
     res["gpu_cache_gb"] = gpu_bytes / 1e9
     host_section(args, res, w, store, manifest, lay, gpu_bytes, k0, v0, ceil)
-    with guard(res, "ssd"):
-        ssd_section(args, res, w, store, manifest, gpu_bytes, k0, v0, ceil)
+    if not args.no_ssd:
+        with guard(res, "ssd"):
+            ssd_section(args, res, w, store, manifest, gpu_bytes, k0, v0, ceil)
     store.close()
     shutil.rmtree(home / f"store-{ctx}", ignore_errors=True)
     return res
@@ -459,6 +616,8 @@ def host_section(args, res, w, store, manifest, lay, gpu_bytes, k0, v0, ceil) ->
     fetched = fetcher.stats.total.host_pages
     res["host_pages_per_token"] = fetched / fetcher.stats.steps
     res["gather_mode"] = fetcher.gather_mode
+    with guard(res, "graph"):
+        graph_section(args, res, w, fetcher, k0, v0)
     log(f"  (b) host full {res['full_host_ms']:.1f} ms/token; (i) sparse host {res['sparse_host_ms']:.2f} "
         f"(first {res['sparse_host_first_ms']:.2f}); hit {res['hit_rate_host']:.3f}; "
         f"breakdown {res['breakdown_host_ms']}")
@@ -515,6 +674,21 @@ def report(results: list[dict], ceil: dict) -> None:
               f"{f(r['dense_ms'])} | {f(r['resident_sparse_ms'])} | {f(sp)} | {f(r.get('full_host_ms'), 1)} | "
               f"{f(sp / r['dense_ms'] if sp else None)} | {f(r['full_host_ms'] / sp if sp else None, 1)} | "
               f"{f(r.get('hit_rate_host'), 3)} | {f(r['overlap'], 3)} |")
+    print("\n| ctx | (a) dense HBM ms | (b) full host ms | (i) fetcher ms | (r) resident ms | (r-graph) ms "
+          "| (g) device-planned + CUDA graph ms | (g)/(a) | (b)/(g) | (g) hit rate | host pages/token "
+          "| (g) gather GB/s (% pinned copy) | (g) eager ms | (g) torch plan, graph ms | max abs diff |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        g = r.get("g_triton_graph_ms", r.get("g_torch_eager_ms"))
+        gb = r.get("g_gather_gbps")
+        key = "g_triton_graph" if "g_triton_graph_ms" in r else "g_torch_eager"
+        print(f"| {r['ctx'] // 1024}k | {f(r['dense_ms'])} | {f(r.get('full_host_ms'), 1)} "
+              f"| {f(r.get('sparse_host_ms'))} | {f(r['resident_sparse_ms'])} | {f(r.get('resident_graph_ms'))} "
+              f"| {f(g)} "
+              f"| {f(g / r['dense_ms'] if g else None)} | {f(r['full_host_ms'] / g if g else None, 1)} "
+              f"| {f(r.get(key + '_hit_rate'), 3)} | {f(r.get(key + '_host_pages_per_token'), 0)} "
+              f"| {f(gb, 1)} ({f(100 * gb / ceil['h2d_gbps'] if gb else None, 0)}%) "
+              f"| {f(r.get('g_triton_eager_ms'))} | {f(r.get('g_torch_graph_ms'))} | {f(r.get('g_max_abs_diff'), 4)} |")
     print("\n| ctx | (ii) sparse SSD ms (posix) | first token ms | (b) full SSD ms (scaled) | (b)/(ii) | (ii)/(a) "
           "| SSD read GB/s (% raw read) | reads/token | kvikio sparse ms | kvikio read GB/s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -557,6 +731,7 @@ def main() -> None:
     p.add_argument("--dir", type=Path, default=REPO / "runs" / "bench_offload")
     p.add_argument("--ceiling-bytes", type=int, default=2 << 30)
     p.add_argument("--quick", action="store_true", help="tiny shape (CPU smoke run)")
+    p.add_argument("--no-ssd", action="store_true", help="skip the SSD section (host-tier rows only)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     if args.quick:
