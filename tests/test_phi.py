@@ -13,6 +13,7 @@ import torch
 
 from workers.attention import dense_attention
 from workers.methods.base import DecodeConfig
+from workers.methods.layer_kv import ResidentKV
 from workers.methods.memory import MemorySource
 from workers.methods.phi import (
     PhiCompletion,
@@ -187,12 +188,12 @@ def test_wider_anchors_are_subtracted_from_the_stored_cache() -> None:
     k, v = torch.randn(hkv, n, d, generator=_gen(20)), torch.randn(hkv, n, d, generator=_gen(21))
     src = MemorySource.build([(k, v)], [PhiSummarizer])
     comp = PhiCompletion(src)
-    ctx = LayerContext(k, v, 10, n - 30)
+    ctx = LayerContext(ResidentKV(k, v), 10, n - 30)
     comp.prepare(0, ctx)
     direct = build_cache(comp.fmap, 0, k[:, 10:n - 30], v[:, 10:n - 30])
     q = torch.randn(1, hkv, 2, d, generator=_gen(22))
-    empty = torch.zeros(1, hkv, 0, dtype=torch.long)
-    log_z, mean = comp.term(0, ctx, q, d ** -0.5, empty, torch.zeros(1, hkv, dtype=torch.long))
+    empty = torch.zeros(1, hkv, 0, d)
+    log_z, mean = comp.term(0, ctx, q, d ** -0.5, empty, empty, torch.zeros(1, hkv, dtype=torch.long))
     ref_log_z, ref_mean = evaluate(comp.fmap.log_phi_q(0, q, d ** -0.5), direct.m, direct.u, direct.t)
     torch.testing.assert_close(log_z, ref_log_z, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(mean, ref_mean, rtol=1e-4, atol=1e-4)

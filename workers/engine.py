@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -18,11 +19,13 @@ from workers.attention import PREFIX_KWARG, PrefixAttention
 from workers.methods.base import DecodeConfig, PrefixSource, ReportsReads
 from workers.methods.registry import get_method, prefill_summarizers
 from workers.model import LoadedModel
+from workers.offload import HostTier, OffloadConfig, PageFetcher
 from workers.prefill import DEFAULT_CHUNK, prefill_kv
 from workers.sampling import Sampler, SamplingParams
 from workers.textstream import TextStream
 
 DEFAULT_TENANT = "default"
+DEFAULT_OFFLOAD = OffloadConfig()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,7 +46,9 @@ class GenerationStats:
     prompt_tokens: int = 0
     new_tokens: int = 0
     bytes_fetched: int = 0
-    """Prefix KV (and summary) bytes read from the store (a sparse method: what its steps attended)."""
+    """Prefix K/V bytes the steps read, all tiers together (GPU page cache, pinned host, SSD): whole
+    pages when offloaded, plus K/V a selector holds for the generation (Top-K's keys). Summaries
+    are not prefix K/V: ``extra["bytes_summaries"]``."""
     bytes_full: int = 0
     """What exact attention over the prefix would read over the same steps."""
     seconds: float = 0.0
@@ -58,11 +63,22 @@ class Worker:
     """Prefills documents into a store and decodes queries over stored prefixes."""
 
     def __init__(self, store: KVStore, lm: LoadedModel, *, secret: str = "", chunk_size: int = DEFAULT_CHUNK,
-                 progress: bool = True):
+                 progress: bool = True, offload: OffloadConfig | None = DEFAULT_OFFLOAD):
         self.store, self.lm, self.secret = store, lm, secret
         self.chunk_size, self.progress = chunk_size, progress
+        self.offload = offload
+        """Tiered per-step page fetch for sparse methods (None: each layer read once and held)."""
+        self._host: HostTier | None = None
+        self._host_lock = threading.Lock()
         if lm.layout.page_size != store.config.page_size:
             raise ValueError("model layout and store disagree on page_size")
+
+    def host_tier(self) -> HostTier | None:
+        """The worker's pinned host tier, shared by its generations (allocated on first use)."""
+        with self._host_lock:
+            if self._host is None and self.offload is not None:
+                self._host = HostTier.from_config(self.lm.layout, self.offload)
+            return self._host
 
     # -- prefill ---------------------------------------------------------------------------
     def prefix_key(self, token_ids: list[int], tenant: str = DEFAULT_TENANT) -> PrefixKey:
@@ -139,8 +155,17 @@ class Worker:
         if room < 1:
             raise ContextTooLong(f"prefix ({m.n_tokens}) + query ({len(q_ids)}) tokens exceed the model's context "
                                  f"of {self.lm.max_context}")
-        source = PrefixSource(self.store, m, self.lm.device)
-        attn = get_method(method).open(source, decode or DecodeConfig())
+        impl = get_method(method)
+        fetcher = None
+        if impl.fetches_pages and self.offload is not None:
+            fetcher = PageFetcher(self.store, m, self.lm.device, self.offload, self.host_tier())
+        source = PrefixSource(self.store, m, self.lm.device, fetcher=fetcher)
+        try:
+            attn = impl.open(source, decode or DecodeConfig())
+        except BaseException:
+            if fetcher is not None:
+                fetcher.close()
+            raise
         stop = params.stop or self.lm.prompt.stop
         return self._leased(attn, source, q_ids, params, stop, min(room, params.max_new_tokens),
                             stats if stats is not None else GenerationStats())
@@ -148,10 +173,14 @@ class Worker:
     def _leased(self, attn: PrefixAttention, source: PrefixSource, q_ids: list[int], params: SamplingParams,
                 stop: tuple[str, ...], max_new: int, stats: GenerationStats) -> Iterator[str]:
         # A live lease keeps eviction away from the prefix while it is decoded; released however the stream ends.
-        with self.store.lease(source.manifest.prefix_id) as lease:
-            for piece in self._stream(attn, source, source.n_tokens, q_ids, params, stop, max_new, stats):
-                lease.keepalive()
-                yield piece
+        try:
+            with self.store.lease(source.manifest.prefix_id) as lease:
+                for piece in self._stream(attn, source, source.n_tokens, q_ids, params, stop, max_new, stats):
+                    lease.keepalive()
+                    yield piece
+        finally:
+            if source.fetcher is not None:
+                source.fetcher.close()
 
     @torch.inference_mode()
     def _stream(self, attn: PrefixAttention, source: PrefixSource, n_prefix: int, q_ids: list[int],
@@ -188,8 +217,10 @@ class Worker:
             yield tail
         if isinstance(attn, ReportsReads):
             report = attn.read_report()
-            stats.bytes_fetched, stats.prefix_tokens_per_step = report.bytes_total, report.tokens_per_step
+            stats.bytes_fetched = report.step_bytes + report.once_kv_bytes
+            stats.prefix_tokens_per_step = report.tokens_per_step
             stats.extra.update(report.extra)
+            stats.extra["bytes_summaries"] = float(report.once_bytes - report.once_kv_bytes)
         else:
             stats.bytes_fetched = source.bytes_read
             stats.prefix_tokens_per_step = [n_prefix * lm.layout.n_layers * lm.layout.n_kv_heads] * stats.steps

@@ -18,6 +18,8 @@ from store.kvstore import KVStore
 from store.layout import KVLayout
 from store.manifest import Manifest
 from workers.attention import PrefixAttention
+from workers.methods.layer_kv import FetchedKV, LayerKV, ResidentKV
+from workers.offload.fetcher import PageFetcher
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +61,8 @@ class ReadReport:
     """Bytes of those tokens' K and V over all steps (as if each step fetched them)."""
     once_bytes: int = 0
     """Bytes read once per generation: summaries (bounds, clusters, φ cache) and selector-resident keys."""
+    once_kv_bytes: int = 0
+    """The part of ``once_bytes`` that is prefix K/V (keys a selector holds resident, e.g. Top-K's)."""
     extra: dict[str, float] = field(default_factory=dict)
     """Named counters for ``GenerationStats.extra`` (token equivalents, pseudo-entries, budgets)."""
 
@@ -78,12 +82,18 @@ class ReportsReads(Protocol):
 
 
 class PrefixSource:
-    """Read access to one stored prefix on one device, counting the bytes it reads."""
+    """Read access to one stored prefix on one device, counting the bytes it reads.
 
-    def __init__(self, store: KVStore, manifest: Manifest, device: torch.device, *, verify: bool = True):
+    With a ``fetcher`` (offloaded decode), sparse methods fetch per step only the pages they attend;
+    without one, they read each layer once and hold it.
+    """
+
+    def __init__(self, store: KVStore, manifest: Manifest, device: torch.device, *, verify: bool = True,
+                 fetcher: PageFetcher | None = None):
         self.store, self.manifest, self.device = store, manifest, device
         self.verify = verify
         """Check each page's keyed CRC on read: corrupt or misplaced bytes fail the request, never decode."""
+        self.fetcher = fetcher
         self.bytes_read = 0
 
     @property
@@ -101,6 +111,12 @@ class PrefixSource:
         k, v = self.store.read_layer(self.manifest.prefix_id, layer, manifest=self.manifest, verify=self.verify)
         self.bytes_read += 2 * k.numel() * k.element_size()
         return k.to(self.device), v.to(self.device)
+
+    def layer(self, layer: int) -> LayerKV:
+        """Decode-time access to one layer: fetched per step through the fetcher, else read and held."""
+        if self.fetcher is not None:
+            return FetchedKV(self, self.fetcher, layer)
+        return ResidentKV(*self.layer_kv(layer))
 
     def artifact(self, name: str) -> dict[str, torch.Tensor]:
         """An artifact's tensors (checksum-verified) on the device."""
@@ -125,6 +141,8 @@ class Method(abc.ABC):
 
     name: ClassVar[str]
     summarizers: ClassVar[tuple[type[Summarizer], ...]] = ()
+    fetches_pages: ClassVar[bool] = False
+    """Whether it reads the prefix through ``PrefixSource.layer`` (so a page fetcher serves it per step)."""
 
     @abc.abstractmethod
     def open(self, source: PrefixSource, config: DecodeConfig) -> PrefixAttention:

@@ -90,14 +90,14 @@ class DoublePSelector(Selector):
         a = {key: self.art[f"{layer}.{key}"] for key in ("centroids", "sizes", "vsum", "perm", "offsets")}
         lo0, hi0 = self.summary_range(layer)
         h, c = a["sizes"].shape
-        pos = torch.arange(hi0 - lo0, device=ctx.k.device).expand(h, -1).contiguous()
+        pos = torch.arange(hi0 - lo0, device=ctx.device).expand(h, -1).contiguous()
         pos_label = torch.searchsorted(a["offsets"][:, 1:].long().contiguous(), pos, right=True)
-        labels = torch.full((h, ctx.k.shape[1]), -1, dtype=torch.long, device=ctx.k.device)
+        labels = torch.full((h, ctx.n_tokens), -1, dtype=torch.long, device=ctx.device)
         labels.scatter_(1, a["perm"].long(), pos_label)
         sizes, vsum = a["sizes"].long(), a["vsum"].float()
-        extra = torch.cat([torch.arange(lo0, ctx.lo), torch.arange(ctx.hi, hi0)]).to(ctx.k.device)
+        extra = torch.cat([torch.arange(lo0, ctx.lo), torch.arange(ctx.hi, hi0)]).to(ctx.device)
         if extra.numel() and c:
-            ds, dv = cluster_sums(ctx.v[:, extra].float(), labels[:, extra], c)
+            ds, dv = cluster_sums(ctx.kv.tokens(extra)[1].float(), labels[:, extra], c)
             sizes, vsum = sizes - ds, vsum - dv
         vbar = vsum / sizes.clamp_min(1).unsqueeze(-1)
         self._layers[layer] = _Clusters(a["centroids"].float(), sizes, vbar, labels[:, ctx.lo:ctx.hi])

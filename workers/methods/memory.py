@@ -37,6 +37,7 @@ class MemorySource(PrefixSource):
         self._kv, self._artifacts = list(kv), artifacts
         self.device = k0.device
         self.verify = False
+        self.fetcher = None
         self.bytes_read = 0
 
     @classmethod

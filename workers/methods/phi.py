@@ -148,25 +148,23 @@ class PhiCompletion:
         t = self.tensors
         cache = StableCache(t[f"{layer}.m"].float(), t[f"{layer}.u"].float(), t[f"{layer}.t"].float())
         lo0, hi0 = self.summary_range(layer)
-        extra = torch.cat([torch.arange(lo0, ctx.lo), torch.arange(ctx.hi, hi0)]).to(ctx.k.device)
+        extra = torch.cat([torch.arange(lo0, ctx.lo), torch.arange(ctx.hi, hi0)]).to(ctx.device)
         if extra.numel():
-            u_k, t_k = shifted_sums(cache.m, self.fmap.log_phi_k(layer, ctx.k[:, extra]), ctx.v[:, extra].float())
+            k_x, v_x = ctx.kv.tokens(extra)
+            u_k, t_k = shifted_sums(cache.m, self.fmap.log_phi_k(layer, k_x), v_x.float())
             cache = StableCache(cache.m, *subtract(cache, u_k, t_k))
         self._caches[layer] = cache
 
-    def term(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, tokens: torch.Tensor,
-             counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def term(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, k_sel: torch.Tensor,
+             v_sel: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The remainder pseudo-entry per query head: (logit ``[T, Hkv, G]``, value ``[T, Hkv, G, D]``).
 
-        ``tokens [T, Hkv, n]`` (first ``counts`` valid) are the mid tokens attended exactly; their
-        contributions are subtracted. The logit is ``-inf`` where nothing remains.
+        ``k_sel``, ``v_sel [T, Hkv, n, D]`` (first ``counts [T, Hkv]`` valid) are the mid tokens attended
+        exactly; their contributions are subtracted. The logit is ``-inf`` where nothing remains.
         """
         cache = self._caches[layer]
-        t_rows, hkv, n = tokens.shape
-        valid = torch.arange(n, device=tokens.device) < counts.unsqueeze(-1)
-        gather = torch.where(valid, tokens, ctx.lo).unsqueeze(-1).expand(-1, -1, -1, ctx.k.shape[-1])
-        k_sel = ctx.k.unsqueeze(0).expand(t_rows, -1, -1, -1).gather(2, gather)
-        v_sel = ctx.v.unsqueeze(0).expand(t_rows, -1, -1, -1).gather(2, gather)
+        n = k_sel.shape[2]
+        valid = torch.arange(n, device=k_sel.device) < counts.unsqueeze(-1)
         lpk = self.fmap.log_phi_k(layer, k_sel).masked_fill(~valid.unsqueeze(-1), float("-inf"))
         u_r, t_r = subtract(cache, *shifted_sums(cache.m, lpk, v_sel.float()))
         log_z, mean = evaluate(self.fmap.log_phi_q(layer, q, scale), cache.m, u_r, t_r)

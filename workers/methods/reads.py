@@ -12,6 +12,9 @@ import torch
 
 from workers.methods.base import ReadReport
 
+KV_ONCE = "selector"
+"""``add_once`` name of prefix K/V held resident by a selector (the rest of the one-time reads are summaries)."""
+
 
 class ReadCounter:
     """Accumulates exact-token reads per step, pseudo-entries per step, and one-time bytes."""
@@ -58,7 +61,8 @@ class ReadCounter:
             **self.info,
         }
         return ReadReport(tokens_per_step=per_step, step_bytes=sum(per_step) * self.token_bytes,
-                          once_bytes=sum(self.once_bytes.values()), extra=extra)
+                          once_bytes=sum(self.once_bytes.values()), once_kv_bytes=self.once_bytes.get(KV_ONCE, 0),
+                          extra=extra)
 
 
 def mark_tokens(hits: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor) -> None:

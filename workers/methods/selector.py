@@ -16,17 +16,27 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.methods.layer_kv import LayerKV
+
 
 @dataclass(frozen=True, eq=False)
 class LayerContext:
-    """One layer's resident prefix K/V and the mid region ``[lo, hi)`` selection works on."""
+    """One layer's prefix K/V access and the mid region ``[lo, hi)`` selection works on."""
 
-    k: torch.Tensor
-    """``[Hkv, N, D]`` keys (model dtype)."""
-    v: torch.Tensor
-    """``[Hkv, N, D]`` values."""
+    kv: LayerKV
+    """Resident or fetched-per-step K/V ``[Hkv, N, D]``."""
     lo: int
     hi: int
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens in the prefix."""
+        return self.kv.n_tokens
+
+    @property
+    def device(self) -> torch.device:
+        """Where selection and attention run."""
+        return self.kv.device
 
     @property
     def n_mid(self) -> int:
@@ -36,8 +46,7 @@ class LayerContext:
     @functools.cached_property
     def anchors(self) -> torch.Tensor:
         """Token ids outside the mid region (sink + tail), always attended exactly."""
-        n = self.k.shape[1]
-        return torch.cat([torch.arange(0, self.lo), torch.arange(self.hi, n)]).to(self.k.device)
+        return torch.cat([torch.arange(0, self.lo), torch.arange(self.hi, self.n_tokens)]).to(self.device)
 
 
 @dataclass(frozen=True)

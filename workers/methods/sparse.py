@@ -6,8 +6,10 @@ plus pseudo-entries: Double-P centroids (extra buffer rows, bias ``log s``, valu
 φ completion term (logit ``log Ẑ_R``, value ``N̂_R / Ẑ_R``). All go through one call of the
 sparse attention op (the Triton kernel on CUDA, its float64 torch reference elsewhere).
 
-For now each layer's K/V is read once and held resident; reads are *counted* per step as if
-fetched (only what the step attends), which is what issue 5's tiered fetch will do for real.
+Where the K/V comes from is the source's ``LayerKV``: with a ``PageFetcher`` (the worker's default)
+each step fetches only the pages of the tokens it attends, through the GPU page cache, the pinned
+host tier and the SSD page files; without one, each layer is read once and held resident (the
+reference path), and reads are counted per step as if fetched.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from workers.kernels.sparse_attention import sparse_decode_attention, sparse_dec
 from workers.methods.base import DecodeConfig, Method, PrefixSource, ReadReport, mid_range
 from workers.methods.phi import PhiCompletion, PhiSummarizer
 from workers.methods.phi_maps import FeatureMap
-from workers.methods.reads import ReadCounter, mark_tokens
+from workers.methods.reads import KV_ONCE, ReadCounter, mark_tokens
 from workers.methods.selector import LayerContext, Selection, Selector
+from workers.offload.fetcher import CacheTooSmall
 
 DEFAULT_FRACTION = 0.05
 """Budget of fixed-budget selectors when the request gives none."""
@@ -69,74 +72,94 @@ class SparsePrefixAttention:
                  completion: PhiCompletion | None, k: int | None, counter: ReadCounter):
         self.source, self.config, self.selector, self.completion = source, config, selector, completion
         self.k, self.counter = k, counter
-        self._ctx: dict[int, tuple[LayerContext, torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+        self._ctx: dict[int, tuple[LayerContext, torch.Tensor | None]] = {}
+        self._step = -1
 
     def read_report(self) -> ReadReport:
         """Reads made so far (per step and one-time)."""
-        return self.counter.report()
+        report = self.counter.report()
+        if (fetcher := self.source.fetcher) is not None:
+            # What the tiers really moved: whole pages, GPU-cache hits included.
+            report.step_bytes = fetcher.stats.total.pages * self.source.layout.page_payload_bytes
+            report.extra.update(fetcher.stats.as_dict())
+        return report
 
-    def _layer(self, layer: int) -> tuple[LayerContext, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _layer(self, layer: int) -> tuple[LayerContext, torch.Tensor | None]:
         if layer not in self._ctx:
-            k, v = self.source.layer_kv(layer)
-            lo, hi = mid_range(k.shape[1], self.config.sink, self.config.tail)
+            kv = self.source.layer(layer)
+            lo, hi = mid_range(kv.n_tokens, self.config.sink, self.config.tail)
             for r in (self.selector.summary_range(layer), self.completion and self.completion.summary_range(layer)):
                 if r:
                     lo, hi = max(lo, r[0]), min(hi, r[1])
-            ctx = LayerContext(k, v, lo, max(lo, hi))
+            ctx = LayerContext(kv, lo, max(lo, hi))
             self.selector.prepare(layer, ctx)
             if self.completion is not None:
                 self.completion.prepare(layer, ctx)
-            self.counter.add_once("selector", self.selector.resident_bytes(ctx))
+            self.counter.add_once(KV_ONCE, self.selector.resident_bytes(ctx))
             extra = self.selector.extra_entries(layer)
-            kb, vb = (k, v) if extra is None else (torch.cat([k, extra.k.to(k.dtype)], 1),
-                                                   torch.cat([v, extra.v.to(v.dtype)], 1))
-            self._ctx[layer] = (ctx, kb, vb, None if extra is None else extra.bias.float())
+            if extra is not None:
+                kv.set_extra(extra.k, extra.v)
+            self._ctx[layer] = (ctx, None if extra is None else extra.bias.float())
         return self._ctx[layer]
 
     def attend(self, layer: int, q: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """q ``[B, Hq, L, D]`` -> (out ``[B, Hq, L, D]``, lse ``[B, Hq, L]``) over the prefix, per query token."""
         if layer == 0:
             self.counter.start_step()
-        ctx, kb, vb, ebias = self._layer(layer)
+            self._step += 1
+        ctx, ebias = self._layer(layer)
         b, hq, l, d = q.shape
+        hkv, n = ctx.kv.n_heads, ctx.n_tokens
         rows = q.permute(0, 2, 1, 3).reshape(b * l, hq, d)
-        chunk = max(1, ROW_ELEMS // max(1, hq * ctx.k.shape[1]))
-        hits = torch.zeros(ctx.k.shape[0], ctx.k.shape[1], dtype=torch.int32, device=q.device)
+        chunk = max(1, ROW_ELEMS // max(1, hq * n))
+        hits = torch.zeros(hkv, n, dtype=torch.int32, device=q.device)
         outs, lses, pseudo = [], [], []
         for part in rows.split(chunk):
-            sel, o, s = self._attend_rows(layer, ctx, kb, vb, ebias, part, scale)
-            outs.append(o)
-            lses.append(s)
-            mark_tokens(hits, sel.tokens, sel.counts)
-            pseudo.append(sel.n_centroids.sum() if sel.n_centroids is not None else 0)
-        n_read = (hits > 0).sum() + ctx.anchors.numel() * ctx.k.shape[0]
+            for sel, o, s in self._attend_rows(layer, ctx, ebias, part, scale):
+                outs.append(o)
+                lses.append(s)
+                mark_tokens(hits, sel.tokens, sel.counts)
+                pseudo.append(sel.n_centroids.sum() if sel.n_centroids is not None else 0)
+        n_read = (hits > 0).sum() + ctx.anchors.numel() * hkv
         phi_rows = rows.shape[0] * hq if self.completion is not None else 0
         self.counter.add_layer(n_read, sum(pseudo) + phi_rows)
         out = torch.cat(outs).reshape(b, l, hq, d).permute(0, 2, 1, 3)
         return out, torch.cat(lses).reshape(b, l, hq).permute(0, 2, 1)
 
-    def _attend_rows(self, layer: int, ctx: LayerContext, kb: torch.Tensor, vb: torch.Tensor,
-                     ebias: torch.Tensor | None, q: torch.Tensor, scale: float
-                     ) -> tuple[Selection, torch.Tensor, torch.Tensor]:
+    def _attend_rows(self, layer: int, ctx: LayerContext, ebias: torch.Tensor | None, q: torch.Tensor,
+                     scale: float) -> list[tuple[Selection, torch.Tensor, torch.Tensor]]:
+        """Select, make the step's tokens attendable, attend; rows whose pages do not fit the GPU page
+        cache together are split in halves (each half is one fetch; a single row may overflow it)."""
         t, hq, d = q.shape
-        hkv, n = ctx.k.shape[0], ctx.k.shape[1]
+        hkv = ctx.kv.n_heads
         qg = q.view(t, hkv, hq // hkv, d)
         sel = self.selector.select(layer, ctx, qg, scale, self.k)
         anchors = ctx.anchors.expand(t, hkv, -1)
         parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = [
             (anchors, torch.ones_like(anchors, dtype=torch.bool), None),
             (sel.tokens, _prefix(sel.tokens, sel.counts), None)]
+        tok, n_tok, _ = _compact(parts)
+        try:
+            # One query row always gets its pages, over the GPU budget if it must.
+            step = ctx.kv.step(tok, n_tok, self._step, overflow=t == 1)
+        except CacheTooSmall:
+            return [r for half in q.split(-(-t // 2)) for r in self._attend_rows(layer, ctx, ebias, half, scale)]
+        rows = step.rows
+        bias = None
         if sel.centroids is not None and sel.n_centroids is not None and ebias is not None:
             cb = ebias.unsqueeze(0).expand(t, -1, -1).gather(2, sel.centroids)
-            parts.append((sel.centroids + n, _prefix(sel.centroids, sel.n_centroids), cb))
-        idx, n_valid, bias = _compact(parts)
+            rows, n_tok, bias = _compact([(rows, _prefix(rows, n_tok), None),
+                                          (step.extra_rows(sel.centroids), _prefix(sel.centroids, sel.n_centroids),
+                                           cb)])
         pl = pv = None
         if self.completion is not None:
-            log_z, mean = self.completion.term(layer, ctx, qg, scale, sel.tokens, sel.counts)
+            n_anchor = anchors.shape[-1]
+            k_sel, v_sel = step.gather(step.rows[..., n_anchor:])
+            log_z, mean = self.completion.term(layer, ctx, qg, scale, k_sel, v_sel, sel.counts)
             pl, pv = log_z.reshape(t, hq, 1).contiguous(), mean.reshape(t, hq, 1, d).contiguous()
-        out, lse = gathered_attention(q, kb, vb, scale=scale, idx=idx, n_valid=n_valid,
-                                      bias=bias if ebias is not None else None, pseudo_logits=pl, pseudo_values=pv)
-        return sel, out, lse
+        out, lse = gathered_attention(q, step.k, step.v, scale=scale, idx=rows, n_valid=n_tok, bias=bias,
+                                      pseudo_logits=pl, pseudo_values=pv)
+        return [(sel, out, lse)]
 
 
 @dataclass(kw_only=True)
@@ -144,6 +167,7 @@ class SparseMethod(Method):
     """A selector over the mid region, optionally φ-completed; the budget is matched in reads."""
 
     completion: ClassVar[bool] = False
+    fetches_pages: ClassVar[bool] = True
     default_fraction: ClassVar[float | None] = DEFAULT_FRACTION
     """Budget when the request gives none (None: the selector's adaptive rule)."""
     feature_map: FeatureMap | None = None

@@ -55,10 +55,12 @@ class PageFetcher:
         lay = self.layout
         self.n_tokens, self.n_pages = manifest.n_tokens, lay.n_pages(manifest.n_tokens)
         self.n_keys = lay.n_kv_heads * self.n_pages
-        self.slots_per_layer = cfg.gpu_cache_bytes // lay.n_layers // lay.page_payload_bytes
-        if self.slots_per_layer < 1:
+        budget_slots = cfg.gpu_cache_bytes // lay.n_layers // lay.page_payload_bytes
+        if budget_slots < 1:
             raise InvalidInput(f"gpu_cache_bytes {cfg.gpu_cache_bytes} holds no page per layer "
                                f"({lay.n_layers} layers x {lay.page_payload_bytes} B)")
+        self.slots_per_layer = min(budget_slots, self.n_keys)
+        """GPU page-cache slots per layer: the budget's share, never more than the layer has pages."""
         self._paths, self._sizes = self._files(store, manifest)
         self._crcs = store.page_crcs(self.prefix_id) if cfg.verify else None
         self.host = host
@@ -88,10 +90,11 @@ class PageFetcher:
         return [store.prefix_dir(m.prefix_id) / f.name for f in m.files], [f.size for f in m.files]
 
     # -- public API ------------------------------------------------------------------------------
-    def fetch(self, layer: int, pages: torch.Tensor) -> FetchResult:
+    def fetch(self, layer: int, pages: torch.Tensor, *, step: int | None = None) -> FetchResult:
         """Make pages ``[Hkv, n]`` (ids per KV head, any device; -1 = padding) of ``layer`` resident.
 
-        The result's ``rows [Hkv, n]`` gives each requested page's first row in the pools.
+        The result's ``rows [Hkv, n]`` gives each requested page's first row in the pools. ``step``
+        files the counts under that decode step (default: the layer's n-th fetch is step n).
         """
         with self.stats.timed("fetch", self.device):
             p = pages.detach().to("cpu", torch.int64).numpy()
@@ -103,11 +106,15 @@ class PageFetcher:
             lin = np.where(p >= 0, self._head_base + p, -1).reshape(-1)
             keys = np.sort(lin[lin >= 0])
             keys = keys[np.concatenate(([True], keys[1:] != keys[:-1]))] if keys.size else keys
-            return self._fetch_keys(layer, keys, lin)
+            return self._fetch_keys(layer, keys, lin, step=step)
 
-    def fetch_tokens(self, layer: int, tokens: torch.Tensor, counts: torch.Tensor) -> FetchResult:
+    def fetch_tokens(self, layer: int, tokens: torch.Tensor, counts: torch.Tensor, *,
+                     step: int | None = None, overflow: bool = False) -> FetchResult:
         """Fetch the pages of the first ``counts`` token ids of each row of ``tokens [..., Hkv, n]``
-        (counts ``[..., Hkv]``; rows of a step are merged); token ids outside the prefix raise."""
+        (counts ``[..., Hkv]``; rows of a step are merged); token ids outside the prefix raise.
+        ``step``: as for ``fetch``. More pages than the layer's GPU page cache holds raise
+        ``CacheTooSmall`` unless ``overflow``: then they go to a one-off pool (over the GPU budget for
+        this call only; counted in ``stats.overflow_fetches``)."""
         with self.stats.timed("fetch", self.device):
             h, n, np_ = self.layout.n_kv_heads, tokens.shape[-1], self.n_pages
             tok = tokens.reshape(-1, h, n)
@@ -119,7 +126,7 @@ class PageFetcher:
             m = mask.cpu().numpy()
             if m[:, np_ + 1].any():
                 raise InvalidInput(f"token ids must lie in [0, {self.n_tokens})")
-            return self._fetch_keys(layer, np.flatnonzero(m[:, :np_]))
+            return self._fetch_keys(layer, np.flatnonzero(m[:, :np_]), step=step, overflow=overflow)
 
     def set_extra_rows(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Per-head extra entries ``[Hkv, M, D]`` (e.g. Double-P centroids) in ``layer``'s pools."""
@@ -175,17 +182,21 @@ class PageFetcher:
                                              head_dim=lay.head_dim, dtype=lay.torch_dtype, device=self.device)
         return self._layers[layer]
 
-    def _fetch_keys(self, layer: int, keys: np.ndarray, lin: np.ndarray | None = None) -> FetchResult:
+    def _fetch_keys(self, layer: int, keys: np.ndarray, lin: np.ndarray | None = None, *,
+                    step: int | None = None, overflow: bool = False) -> FetchResult:
         """Make sorted unique linear keys resident; ``lin`` (request order, -1 padding) -> result rows.
 
         Any failure empties the layer's cache before it propagates: nothing half-written is served.
         """
         cache = self._layer(layer)
-        if keys.size > cache.n_slots:
+        if keys.size > cache.n_slots and overflow:
+            cache = self._overflow_cache(layer, int(keys.size))
+        elif keys.size > cache.n_slots:
             raise CacheTooSmall(f"a step asked for {keys.size} pages of layer {layer} but its GPU page cache holds "
                                 f"{cache.n_slots}; raise OffloadConfig.gpu_cache_bytes to at least "
                                 f"{keys.size * self.layout.page_payload_bytes * self.layout.n_layers} bytes")
-        step = self._fetches.get(layer, 0)
+        if step is None:
+            step = self._fetches.get(layer, 0)
         self._fetches[layer] = step + 1
         counts = StepCounts(pages=int(keys.size))
         st = self.stats
@@ -214,6 +225,18 @@ class PageFetcher:
                 raise
         st.record(step, counts)
         return cache.result(dev[-1].view(self.layout.n_kv_heads, -1) if lin is not None else None)
+
+    def _overflow_cache(self, layer: int, n_slots: int) -> LayerCache:
+        """A one-off cache of ``n_slots`` for one oversized fetch, with the layer's extra entries."""
+        main, lay = self._layer(layer), self.layout
+        tmp = LayerCache(n_slots=n_slots, n_heads=lay.n_kv_heads, n_pages=self.n_pages, n_tokens=self.n_tokens,
+                         page_size=lay.page_size, head_dim=lay.head_dim, dtype=lay.torch_dtype, device=self.device)
+        if main.n_extra:
+            base = main.n_slots * lay.page_size
+            shape = (lay.n_kv_heads, main.n_extra, lay.head_dim)
+            tmp.set_extra(main.k[base:].view(shape), main.v[base:].view(shape))
+        self.stats.overflow_fetches += 1
+        return tmp
 
     def _plan(self, cache: LayerCache, keys: np.ndarray, counts: StepCounts
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -52,6 +52,8 @@ class OffloadStats:
     """preadv calls or kvikio futures (one per coalesced run)."""
     gather_launches: int = 0
     gpu_evictions: int = 0
+    overflow_fetches: int = 0
+    """Fetches of more pages than a layer's GPU page cache holds (served from a one-off pool)."""
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     """Wall time per phase (``select``, ``fetch``, ``attend``, and any other name timed)."""
     sync_timing: bool = False
@@ -110,7 +112,7 @@ class OffloadStats:
             "host_pages": self.total.host_pages, "ssd_pages": self.total.ssd_pages, "hit_rate": self.hit_rate,
             "bytes_gpu_hit": self.bytes_gpu_hit, "bytes_host": self.bytes_host, "bytes_ssd": self.bytes_ssd,
             "read_calls": self.read_calls, "gather_launches": self.gather_launches,
-            "gpu_evictions": self.gpu_evictions,
+            "gpu_evictions": self.gpu_evictions, "overflow_fetches": self.overflow_fetches,
             **{f"{k}_s": v for k, v in self.seconds.items()},
         }
         return {prefix + k: float(v) for k, v in d.items()}

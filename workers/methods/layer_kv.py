@@ -1,0 +1,143 @@
+"""Where one layer's prefix K/V comes from at decode time: resident on the device, or fetched per step.
+
+Sparse methods see a layer through ``LayerKV``. Per step they ask for the tokens they attend
+(``step``) and get back pools plus the kernel's ``idx`` rows of those tokens (``StepKV``):
+
+- ``ResidentKV``: the layer's K/V read once and held (the reference path; rows = token ids);
+- ``FetchedKV``: only the pages holding the step's tokens are made resident, through the worker's
+  tiered ``PageFetcher`` (GPU page cache -> pinned host tier -> SSD page files); rows point into
+  the layer's GPU page cache.
+
+Both give the same attention inputs for the same tokens, so greedy output does not depend on
+the path; the fetched path only moves less.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from workers.methods.base import PrefixSource
+    from workers.offload.fetcher import PageFetcher
+
+
+@dataclass(frozen=True)
+class StepKV:
+    """One step's view of a layer: pools the kernel reads and the rows of the step's tokens in them."""
+
+    k: torch.Tensor
+    """``[Hkv, R, D]`` K pool (model dtype)."""
+    v: torch.Tensor
+    """``[Hkv, R, D]`` V pool."""
+    rows: torch.Tensor
+    """``[T, Hkv, n]`` int64 pool row of each requested token (entries past a row's count: unspecified)."""
+    extra_base: int
+    """Pool row of head ``h``'s extra entry ``m`` is ``extra_base + h * extra_stride + m``."""
+    extra_stride: int
+    """0 where each head has its own pool rows; the per-head entry count where heads share rows."""
+
+    def extra_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Per-head extra entry ids ``[T, Hkv, m]`` -> pool rows (int64)."""
+        heads = torch.arange(ids.shape[-2], device=ids.device).unsqueeze(-1)
+        return self.extra_base + heads * self.extra_stride + ids.long()
+
+    def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V ``[T, Hkv, n, D]`` at pool rows ``[T, Hkv, n]`` (rows must be valid)."""
+        t = rows.shape[0]
+        at = rows.clamp_min(0).unsqueeze(-1).expand(-1, -1, -1, self.k.shape[-1])
+        return (self.k.unsqueeze(0).expand(t, -1, -1, -1).gather(2, at),
+                self.v.unsqueeze(0).expand(t, -1, -1, -1).gather(2, at))
+
+
+class LayerKV(abc.ABC):
+    """Decode-time access to one layer's stored K/V ``[Hkv, N, D]``."""
+
+    def __init__(self, *, n_heads: int, n_tokens: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.n_heads, self.n_tokens, self.head_dim = n_heads, n_tokens, head_dim
+        self.dtype, self.device = dtype, device
+
+    @abc.abstractmethod
+    def tokens(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V ``[Hkv, n, D]`` of token ids ``[n]`` (the same ids for every head; a one-time read made
+        while preparing the first step)."""
+
+    @abc.abstractmethod
+    def mid_keys(self, lo: int, hi: int) -> torch.Tensor:
+        """Keys ``[Hkv, hi - lo, D]`` held resident for exhaustive scoring (read once)."""
+
+    @abc.abstractmethod
+    def set_extra(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Per-head extra entries ``[Hkv, M, D]`` (Double-P centroids) every later step can attend."""
+
+    @abc.abstractmethod
+    def step(self, tokens: torch.Tensor, counts: torch.Tensor, step: int, *, overflow: bool = False) -> StepKV:
+        """Make the first ``counts [T, Hkv]`` ids of ``tokens [T, Hkv, n]`` attendable for one step.
+
+        A fetched layer raises ``CacheTooSmall`` when the tokens' pages exceed its GPU page cache,
+        unless ``overflow`` (then they are served from a one-off pool)."""
+
+
+class ResidentKV(LayerKV):
+    """The whole layer on the device (read once)."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor):
+        super().__init__(n_heads=k.shape[0], n_tokens=k.shape[1], head_dim=k.shape[2], dtype=k.dtype,
+                         device=k.device)
+        self.k, self.v = k, v
+        self._pools = (k, v)
+        self._n_extra = 0
+
+    def tokens(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of ``ids`` (indexing the resident layer)."""
+        return self.k[:, ids], self.v[:, ids]
+
+    def mid_keys(self, lo: int, hi: int) -> torch.Tensor:
+        """A view of the resident keys."""
+        return self.k[:, lo:hi]
+
+    def set_extra(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append the extra entries after each head's tokens."""
+        self._pools = (torch.cat([self.k, k.to(self.dtype)], 1), torch.cat([self.v, v.to(self.dtype)], 1))
+        self._n_extra = k.shape[1]
+
+    def step(self, tokens: torch.Tensor, counts: torch.Tensor, step: int, *, overflow: bool = False) -> StepKV:
+        """Rows are the token ids themselves."""
+        k, v = self._pools
+        return StepKV(k=k, v=v, rows=tokens.long(), extra_base=self.n_tokens, extra_stride=0)
+
+
+class FetchedKV(LayerKV):
+    """Pages fetched on demand through the generation's ``PageFetcher``."""
+
+    def __init__(self, source: PrefixSource, fetcher: PageFetcher, layer: int):
+        lay = source.layout
+        super().__init__(n_heads=lay.n_kv_heads, n_tokens=source.n_tokens, head_dim=lay.head_dim,
+                         dtype=lay.torch_dtype, device=fetcher.device)
+        self.source, self.fetcher, self.layer = source, fetcher, layer
+
+    def tokens(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fetch the pages of ``ids`` (counted under step 0) and copy their K/V out of the page cache."""
+        h, n = self.n_heads, ids.numel()
+        tok = ids.to(self.device).long().view(1, 1, n).expand(1, h, n)
+        sk = self.step(tok, torch.full((1, h), n, device=self.device), 0, overflow=True)
+        k, v = sk.gather(sk.rows)
+        return k[0].clone(), v[0].clone()
+
+    def mid_keys(self, lo: int, hi: int) -> torch.Tensor:
+        """Read the layer once from the store and keep only its mid keys."""
+        k, _ = self.source.layer_kv(self.layer)
+        return k[:, lo:hi].contiguous()
+
+    def set_extra(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the entries in the layer's GPU page cache, after its page slots."""
+        self.fetcher.set_extra_rows(self.layer, k.to(self.dtype), v.to(self.dtype))
+
+    def step(self, tokens: torch.Tensor, counts: torch.Tensor, step: int, *, overflow: bool = False) -> StepKV:
+        """One tiered fetch of every page the rows touch; rows index the page cache."""
+        res = self.fetcher.fetch_tokens(self.layer, tokens, counts, step=step, overflow=overflow)
+        return StepKV(k=res.k, v=res.v, rows=res.token_rows(tokens), extra_base=res.extra_base,
+                      extra_stride=res.n_extra)
