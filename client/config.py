@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from store.config import default_home
+from workers.offload.config import OffloadConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_MODELS_DIR = REPO_ROOT / "models"
@@ -55,6 +56,8 @@ class ClientConfig:
     tenant: str = "default"
     page_size: int = 16
     progress: bool = True
+    offload: OffloadConfig | None = field(default_factory=OffloadConfig)
+    """Tiered per-step page fetch for sparse methods (None: read each layer once and hold it)."""
 
     def resolved_model(self) -> str:
         """The model to load."""

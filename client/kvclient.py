@@ -78,7 +78,7 @@ class EmbeddedBackend:
             lm = load_model(self.config.resolved_model(), device=self.config.device,
                             dtype=self.config.resolved_dtype(), page_size=self.config.page_size,
                             progress=self.config.progress)
-            self._worker = Worker(self.store, lm, progress=self.config.progress)
+            self._worker = Worker(self.store, lm, progress=self.config.progress, offload=self.config.offload)
         return self._worker
 
     def prefill(self, document: str) -> tuple[str, int, bool]:

@@ -90,6 +90,10 @@ class ChatBody(OpenAIBody):
     messages: list[dict[str, Any]]
 
 
+PAGE_TIERS = {"gpu": "offload_gpu_hits", "host": "offload_host_pages", "ssd": "offload_ssd_pages"}
+"""Metric label of each tier -> the ``GenerationStats.extra`` counter of pages it served."""
+
+
 class Metrics:
     """Prometheus metrics of one gateway."""
 
@@ -99,6 +103,18 @@ class Metrics:
         self.prefills = Counter("kvstash_prefills", "Prefills", ["cached"], registry=self.registry)
         self.tokens = Counter("kvstash_generated_tokens", "Generated tokens", registry=self.registry)
         self.latency = Histogram("kvstash_generation_seconds", "Generation wall time", registry=self.registry)
+        self.prefix_bytes = Counter("kvstash_prefix_kv_bytes", "Prefix K/V bytes decode steps read (fetched) and "
+                                    "would have read with full attention (full)", ["kind"], registry=self.registry)
+        self.pages = Counter("kvstash_offload_pages", "Pages the decode steps asked for, by the tier that served "
+                             "them", ["tier"], registry=self.registry)
+
+    def observe_generation(self, done: pb.GenerationStats) -> None:
+        """Count one finished generation's reads."""
+        self.tokens.inc(done.new_tokens)
+        self.prefix_bytes.labels("fetched").inc(done.bytes_fetched)
+        self.prefix_bytes.labels("full").inc(done.bytes_full)
+        for tier, key in PAGE_TIERS.items():
+            self.pages.labels(tier).inc(done.extra.get(key, 0.0))
 
 
 def _grpc_error_response(e: grpc.RpcError) -> JSONResponse:
@@ -192,7 +208,7 @@ def create_app(cfg: GatewayConfig, keys: ApiKeys) -> FastAPI:
         t0 = time.perf_counter()
         for ev in worker.Generate(req, metadata=meta, timeout=cfg.request_timeout_s):
             if ev.HasField("done"):
-                metrics.tokens.inc(ev.done.new_tokens)
+                metrics.observe_generation(ev.done)
                 metrics.latency.observe(time.perf_counter() - t0)
             yield ev
 

@@ -25,6 +25,7 @@ from workers.engine import GenerationStats, Worker
 from workers.methods.base import DecodeConfig
 from workers.methods.registry import METHODS
 from workers.model import load_model
+from workers.offload.config import add_offload_args, offload_from_args
 from workers.sampling import SamplingParams
 
 DEFAULT_MAX_DOCUMENT_BYTES = 64 << 20
@@ -127,13 +128,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-document-bytes", type=int, default=DEFAULT_MAX_DOCUMENT_BYTES)
     p.add_argument("--tls-cert", type=Path)
     p.add_argument("--tls-key", type=Path)
+    add_offload_args(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     ccfg = ClientConfig(**{k: v for k, v in {"home": args.home, "model": args.model, "device": args.device}.items()
                            if v is not None}, progress=False)
     store = KVStore(StoreConfig(home=ccfg.home, metadata_url=args.metadata_url))
     lm = load_model(ccfg.resolved_model(), device=ccfg.device, dtype=ccfg.resolved_dtype(), progress=False)
-    worker = Worker(store, lm, secret=tenant_secret(), progress=False)
+    worker = Worker(store, lm, secret=tenant_secret(), progress=False, offload=offload_from_args(args))
     cfg = ServerConfig(host=args.host, port=args.port, tls_cert=args.tls_cert, tls_key=args.tls_key)
     server, health = build_worker_server(worker, cfg, ApiKeys.from_env(),
                                          WorkerLimits(max_document_bytes=args.max_document_bytes))

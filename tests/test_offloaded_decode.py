@@ -153,3 +153,4 @@ def test_cli_generate_stats_json(tmp_path: Path, tiny_model_dir: Path) -> None:
     assert st["steps"] >= 1 and 0 < st["bytes_fetched"] < st["bytes_full"]
     assert st["offload_pages_requested"] > 0
     assert {"offload_bytes_gpu_hit", "offload_bytes_host", "offload_bytes_ssd", "offload_hit_rate"} <= set(st)
+    assert min(st["offload_select_s"], st["offload_fetch_s"], st["offload_attend_s"]) > 0

@@ -98,9 +98,19 @@ def test_three_frontends_match_embedded(topo, tmp_path: Path, tiny_model_dir: Pa
     assert lines[0].startswith("data: ") and "event: done" in lines
     schema = httpx.get(f"{topo.gateway_url}/openapi.json").json()
     assert {"/v1/prefixes", "/v1/completions", "/v1/chat/completions"} <= set(schema["paths"])
+    # A sparse method decodes over pages fetched per step; the gateway's metrics count them by tier.
+    sparse = httpx.post(f"{topo.gateway_url}/v1/prefixes/{pid}/generate", headers=_h(), timeout=60,
+                        json={"query": QUERIES[0], "max_new_tokens": 3, "method": "quest", "budget": 0.2}).json()
+    assert sparse["stats"]["offload_pages_requested"] > 0
     metrics = httpx.get(f"{topo.gateway_url}/metrics").text
-    tokens = [ln for ln in metrics.splitlines() if ln.startswith("kvstash_generated_tokens_total")]
-    assert tokens and float(tokens[0].split()[-1]) > 0
+
+    def metric(name: str) -> float:
+        return sum(float(ln.split()[-1]) for ln in metrics.splitlines() if ln.startswith(name))
+
+    assert metric("kvstash_generated_tokens_total") > 0
+    assert metric('kvstash_offload_pages_total{tier="ssd"}') + metric('kvstash_offload_pages_total{tier="host"}') > 0
+    fetched, full = (metric(f'kvstash_prefix_kv_bytes_total{{kind="{k}"}}') for k in ("fetched", "full"))
+    assert 0 < fetched < full
 
 
 def test_bad_input_is_a_clear_error(topo) -> None:

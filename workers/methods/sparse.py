@@ -15,6 +15,7 @@ reference path), and reads are counted per step as if fetched.
 from __future__ import annotations
 
 import abc
+import contextlib
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -133,7 +134,8 @@ class SparsePrefixAttention:
         t, hq, d = q.shape
         hkv = ctx.kv.n_heads
         qg = q.view(t, hkv, hq // hkv, d)
-        sel = self.selector.select(layer, ctx, qg, scale, self.k)
+        with self._timed("select"):
+            sel = self.selector.select(layer, ctx, qg, scale, self.k)
         anchors = ctx.anchors.expand(t, hkv, -1)
         parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = [
             (anchors, torch.ones_like(anchors, dtype=torch.bool), None),
@@ -157,9 +159,15 @@ class SparsePrefixAttention:
             k_sel, v_sel = step.gather(step.rows[..., n_anchor:])
             log_z, mean = self.completion.term(layer, ctx, qg, scale, k_sel, v_sel, sel.counts)
             pl, pv = log_z.reshape(t, hq, 1).contiguous(), mean.reshape(t, hq, 1, d).contiguous()
-        out, lse = gathered_attention(q, step.k, step.v, scale=scale, idx=rows, n_valid=n_tok, bias=bias,
-                                      pseudo_logits=pl, pseudo_values=pv)
+        with self._timed("attend"):
+            out, lse = gathered_attention(q, step.k, step.v, scale=scale, idx=rows, n_valid=n_tok, bias=bias,
+                                          pseudo_logits=pl, pseudo_values=pv)
         return [(sel, out, lse)]
+
+    def _timed(self, phase: str) -> contextlib.AbstractContextManager[None]:
+        """Time a phase into the fetcher's stats (``offload_<phase>_s``), when there is one."""
+        f = self.source.fetcher
+        return f.stats.timed(phase, f.device) if f is not None else contextlib.nullcontext()
 
 
 @dataclass(kw_only=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 READERS = ("auto", "posix", "kvikio")
@@ -38,3 +39,26 @@ class OffloadConfig:
             raise ValueError(f"reader must be one of {READERS}, got {self.reader!r}")
         if not 1 <= self.io_threads <= 64:
             raise ValueError(f"io_threads must be in [1, 64], got {self.io_threads}")
+
+
+def add_offload_args(parser: argparse.ArgumentParser) -> None:
+    """Command-line flags of ``OffloadConfig`` (defaults from the dataclass)."""
+    d = OffloadConfig()
+    g = parser.add_argument_group("offloaded decode")
+    g.add_argument("--no-offload", action="store_true",
+                   help="sparse methods read each layer once and hold it instead of fetching pages per step")
+    g.add_argument("--gpu-cache-mb", type=int, default=d.gpu_cache_bytes >> 20,
+                   help="GPU page cache of one generation, all layers (MiB)")
+    g.add_argument("--host-cache-mb", type=int, default=d.host_cache_bytes >> 20,
+                   help="pinned host tier shared by generations (MiB; 0: SSD -> GPU)")
+    g.add_argument("--page-reader", choices=READERS, default=d.reader, help="SSD page reader")
+    g.add_argument("--io-threads", type=int, default=d.io_threads)
+    g.add_argument("--no-verify-pages", action="store_true", help="skip the per-page CRC check of SSD reads")
+
+
+def offload_from_args(args: argparse.Namespace) -> OffloadConfig | None:
+    """The ``OffloadConfig`` the flags of ``add_offload_args`` describe (None with --no-offload)."""
+    if args.no_offload:
+        return None
+    return OffloadConfig(gpu_cache_bytes=args.gpu_cache_mb << 20, host_cache_bytes=args.host_cache_mb << 20,
+                         reader=args.page_reader, io_threads=args.io_threads, verify=not args.no_verify_pages)
