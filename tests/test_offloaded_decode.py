@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from store.errors import CorruptData
 from store.kvstore import KVStore
@@ -154,3 +155,20 @@ def test_cli_generate_stats_json(tmp_path: Path, tiny_model_dir: Path) -> None:
     assert st["offload_pages_requested"] > 0
     assert {"offload_bytes_gpu_hit", "offload_bytes_host", "offload_bytes_ssd", "offload_hit_rate"} <= set(st)
     assert min(st["offload_select_s"], st["offload_fetch_s"], st["offload_attend_s"]) > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("method", sorted(m for m in METHODS if m != "full"))
+def test_cuda_offloaded_greedy_equals_resident(tiny_model_dir: Path, tmp_path: Path, method: str, dtype: str) -> None:
+    """On the GPU: pinned host tier, Triton gather from mapped host memory, Triton sparse kernel."""
+    from store.config import StoreConfig
+    from workers.model import load_model
+
+    lm = load_model(str(tiny_model_dir), device="cuda", dtype=dtype, page_size=16, progress=False)
+    store = KVStore(StoreConfig(home=tmp_path / "home", page_size=16))
+    pid = Worker(store, lm, progress=False, offload=None).prefill(DOC).prefix_id
+    ref = _run(Worker(store, lm, progress=False, offload=None), pid, method, 0.2)
+    off = _run(Worker(store, lm, progress=False, offload=_tiers(lm, 100)), pid, method, 0.2)
+    assert off.token_ids == ref.token_ids and off.extra["offload_pages_requested"] > 0
+    store.close()
