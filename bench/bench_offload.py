@@ -61,6 +61,7 @@ from store.prefix_key import PrefixKey, tenant_salt, token_hash  # noqa: E402
 from workers.offload import DevicePageCache, HostTier, OffloadConfig, PageFetcher  # noqa: E402
 from workers.offload.gather import TRITON_CONFIG, gather_pages  # noqa: E402
 from workers.offload.memory import HostBuffer  # noqa: E402
+from workers.offload.plan_kernel import PLAN_CONFIG, plan_triton  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -204,6 +205,8 @@ class Workload:
         self.anchors = ends.expand(shape.hkv, 2)
         self.scale = shape.d**-0.5
         self.tok = torch.arange(shape.page, device=DEV)
+        self.topk_fp32 = False
+        """Rank the bounds in float32 (same values: only torch's top-k kernel differs)."""
 
     def select(self, step: int, layer: int) -> torch.Tensor:
         """Page ids ``[Hkv, k_sel + 2]``: first and last page, then the top pages by upper bound."""
@@ -215,7 +218,7 @@ class Workload:
         qg = q.view(self.shape.hkv, -1, self.shape.d)
         ub = torch.baddbmm(torch.bmm(qg.clamp_min(0), kmax), qg.clamp_max(0), kmin).amax(1)
         ub[:, 0] = ub[:, -1] = float("-inf")
-        top = ub.topk(self.k_sel, dim=-1, sorted=False).indices
+        top = (ub.float() if self.topk_fp32 else ub).topk(self.k_sel, dim=-1, sorted=False).indices
         return torch.cat([self.anchors, top], dim=1)
 
     def attend(self, step: int, layer: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -380,10 +383,10 @@ def gather_section(res: dict, tier: HostTier, lay: KVLayout, w: Workload, ceil: 
     for cfg in ({"block_bytes": 4096, "num_warps": 4}, {"block_bytes": 2048, "num_warps": 4},
                 {"block_bytes": 1024, "num_warps": 4}, {"block_bytes": 4096, "num_warps": 8},
                 {"block_bytes": 2048, "num_warps": 2}):
-        TRITON_CONFIG.update(cfg)
+        TRITON_CONFIG.update(cfg, whole_page=0)
         sweep[f"{cfg['block_bytes']}B/w{cfg['num_warps']}"] = gather_bandwidth(tier, lay, step)
     best = max(sweep, key=lambda k: sweep[k] if not math.isnan(sweep[k]) else -1)
-    TRITON_CONFIG.update(block_bytes=int(best.split("B")[0]), num_warps=int(best.split("/w")[1]))
+    TRITON_CONFIG.update(block_bytes=int(best.split("B")[0]), num_warps=int(best.split("/w")[1]), whole_page=0)
     res["gather_sweep_gbps"], res["gather_config"] = sweep, best
     res["gather_gbps_step"] = sweep[best]
     res["gather_gbps_big"] = gather_bandwidth(tier, lay, min(tier.n_slots, 65536))
@@ -410,12 +413,14 @@ class GraphStep:
         self.w, self.fetch = w, fetch  # fetch(layer, pages) -> (k [Hkv, S, D], v, rows [Hkv, n])
         self.q = w.q[0].clone()  # [layers, Hq, D]
         self.outs: list[torch.Tensor] = []
+        self.pages: list[torch.Tensor] = []  # the last step's selection per layer
         self.graph: torch.cuda.CUDAGraph | None = None
 
     def run(self) -> list[torch.Tensor]:
-        outs = []
+        outs, self.pages = [], []
         for layer in range(self.w.shape.layers):
-            k, v, rows = self.fetch(layer, self.w.select_q(self.q[layer], layer))
+            self.pages.append(self.w.select_q(self.q[layer], layer))
+            k, v, rows = self.fetch(layer, self.pages[-1])
             outs.append(self.w.attend_q(self.q[layer], k, v, rows))
         return outs
 
@@ -446,7 +451,24 @@ def cache_fetch(cache: DevicePageCache):
     return fetch
 
 
-def graph_gather_gbps(cache: DevicePageCache, reps: int = 20) -> tuple[float, float, int]:
+def graph_ms(fn, reps: int = 20) -> float:
+    """Median ms of ``fn``'s kernels captured in one CUDA graph (after one eager call)."""
+    fn()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        g.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def graph_gather_gbps(cache: DevicePageCache) -> tuple[float, float, int]:
     """The last step's gathers of every layer (its src rows / slots, hits skipped) replayed alone in a CUDA
     graph: (K+V GB/s, ms per token, pages). Rewrites the same pages into the same slots."""
     st, lay = cache.state, cache.layout
@@ -458,20 +480,49 @@ def graph_gather_gbps(cache: DevicePageCache, reps: int = 20) -> tuple[float, fl
             gather_pages(cache.host.pages, src[layer], cache.k[layer], cache.v[layer], dst[layer],
                          block_bytes=lay.block_bytes, use_triton=True, skip_negative=True)
 
-    gathers()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        gathers()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    t = statistics.median(times)
-    return pages * lay.page_payload_bytes / t / 1e9, t * 1e3, pages
+    ms = graph_ms(gathers)
+    return pages * lay.page_payload_bytes / ms / 1e6, ms, pages
+
+
+GATHER_CONFIGS = tuple({"block_bytes": b, "num_warps": nw, "whole_page": wp}
+                       for b, nw, wp in ((4096, 4, 0), (2048, 4, 0), (1024, 4, 0), (1024, 2, 0), (512, 1, 0),
+                                         (8192, 4, 1), (8192, 8, 1)))
+"""Gather kernel configs tried on the graph path: chunk bytes and warps, or one program per page."""
+
+
+def tune_graph_path(args, res, w: Workload, fetcher: PageFetcher) -> None:
+    """Before (g) is timed: on a scratch cache at steady state (eager steps 0..3), replay the last step's
+    gathers (per gather config) and plans (per warps) of every layer in a CUDA graph; keep the fastest."""
+    p = w.k_sel + 2
+    cache = DevicePageCache.from_fetcher(fetcher, pages_per_call=p, slots_per_head=args.cache_factor * p)
+    assert cache is not None
+    gs = GraphStep(w, cache_fetch(cache))
+    for t in range(4):
+        gs.token(t)
+    gathers = {}
+    for cfg in GATHER_CONFIGS:
+        TRITON_CONFIG.update(cfg)
+        name = f"{'page' if cfg['whole_page'] else cfg['block_bytes']}B/w{cfg['num_warps']}"
+        gathers[name] = (cfg, graph_gather_gbps(cache)[0])
+    best = max(gathers, key=lambda k: gathers[k][1])
+    TRITON_CONFIG.update(gathers[best][0])
+    plans = {}
+    for warps in (1, 2, 4, 8):
+        PLAN_CONFIG["num_warps"] = warps
+        plans[warps] = graph_ms(lambda: [plan_triton(cache.state, layer, gs.pages[layer])
+                                         for layer in range(w.shape.layers)])
+    PLAN_CONFIG["num_warps"] = min(plans, key=lambda k: plans[k])
+    select = {}
+    for fp32 in (False, True):
+        w.topk_fp32 = fp32
+        select["fp32" if fp32 else "bf16"] = graph_ms(lambda: [w.select_q(gs.q[layer], layer)
+                                                             for layer in range(w.shape.layers)])
+    w.topk_fp32 = False
+    res["g_tune"] = {"gather_gbps": {k: v[1] for k, v in gathers.items()}, "gather_best": best,
+                     "plan_ms_per_token": plans, "plan_warps": PLAN_CONFIG["num_warps"],
+                     "select_ms_per_token": select}
+    log(f"  graph-path tuning: {res['g_tune']}")
+    cache.close()
 
 
 def kernel_profile(gs: GraphStep, steps: range) -> dict:
@@ -502,6 +553,9 @@ def graph_section(args, res, w: Workload, fetcher: PageFetcher, k0, v0) -> None:
         rg.capture(range(0, 2))
         res["resident_graph_ms"] = med_ms(per_token(rg.token, steps))
         del rg
+    if cuda:
+        with guard(res, "g_tune"):
+            tune_graph_path(args, res, w, fetcher)
     variants = [("triton", True), ("triton", False), ("torch", True)] if cuda else [("torch", False)]
     for plan, graphed in variants:
         name = f"g_{plan}_{'graph' if graphed else 'eager'}"

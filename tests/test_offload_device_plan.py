@@ -19,7 +19,7 @@ from offload_helpers import HEADS, LAYERS, PAGE, open_store, write_prefix
 from store.errors import InvalidInput
 from store.kvstore import KVStore
 from workers.offload import DevicePageCache, HostTier, OffloadConfig, PageFetcher, PrefixHeld
-from workers.offload.gather import gather_pages
+from workers.offload.gather import TRITON_CONFIG, gather_pages
 
 N_TOKENS = 16 * 40 + 5  # 41 pages, the last one partial
 N_PAGES = -(-N_TOKENS // PAGE)
@@ -179,8 +179,10 @@ def test_triton_plan_equals_torch_plan(store: KVStore) -> None:
         b.close()
 
 
-@pytest.mark.parametrize("use_triton", [False, pytest.param(True, marks=needs_triton)])
-def test_gather_skips_negative_rows(use_triton: bool) -> None:
+@pytest.mark.parametrize("use_triton,whole_page", [(False, 0), pytest.param(True, 0, marks=needs_triton),
+                                                   pytest.param(True, 1, marks=needs_triton)])
+def test_gather_skips_negative_rows(use_triton: bool, whole_page: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(TRITON_CONFIG, "whole_page", whole_page)
     page_bytes, block = 4096, 2 * 16 * 4  # D=2 float32 pools, page 16 -> 128 B blocks
     src = torch.randint(0, 256, (10, page_bytes), dtype=torch.uint8)
     rows = torch.tensor([3, -1, 7, -1, 0])

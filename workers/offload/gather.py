@@ -18,9 +18,10 @@ try:
 except ImportError:  # CPU-only installs: the torch path serves
     triton = None
 
-TRITON_CONFIG = {"block_bytes": 4096, "num_warps": 4}
-"""Bytes each program copies (at most; a K or V block is split into such chunks) and its warps.
-``bench/bench_offload.py`` sweeps both and may set the best for the run."""
+TRITON_CONFIG = {"block_bytes": 4096, "num_warps": 4, "whole_page": 0}
+"""Bytes each program copies (at most; a K or V block is split into such chunks) and its warps; with
+``whole_page`` one program copies a page's K and V blocks (fewer programs: ``block_bytes`` unused).
+``bench/bench_offload.py`` sweeps them and may set the best for the run."""
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
@@ -47,6 +48,24 @@ if triton is not None:
             tl.store(dst_k + d * block_words + offs, x, mask=mask)
         else:
             tl.store(dst_v + d * block_words + offs, x, mask=mask)
+
+    @triton.jit
+    def _gather_whole_pages_kernel(src, src_rows, dst_k, dst_v, dst_slots, page_words, block_words,
+                                   BLOCK: tl.constexpr, SKIP_NEG: tl.constexpr):
+        """Program i: both blocks of page i (``BLOCK >= block_words``); fewer, larger programs."""
+        i = tl.program_id(0)
+        s = tl.load(src_rows + i).to(tl.int64)
+        d = tl.load(dst_slots + i).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < block_words
+        if SKIP_NEG:
+            mask = mask & (s >= 0)
+            s = tl.maximum(s, 0)
+            d = tl.maximum(d, 0)
+        k = tl.load(src + s * page_words + offs, mask=mask)
+        v = tl.load(src + s * page_words + block_words + offs, mask=mask)
+        tl.store(dst_k + d * block_words + offs, k, mask=mask)
+        tl.store(dst_v + d * block_words + offs, v, mask=mask)
 
 
 def _word_bytes(*sizes: int) -> int:
@@ -110,12 +129,16 @@ def _gather_triton(src: torch.Tensor, src_rows: torch.Tensor, k_pool: torch.Tens
     w = _word_bytes(page_bytes, block_bytes, k_pool.element_size() * k_pool.shape[-1])
     word = _WORDS[w]
     block_words = block_bytes // w
+    args = (src.view(-1).view(word), src_rows, k_pool.view(-1).view(torch.uint8).view(word),
+            v_pool.view(-1).view(torch.uint8).view(word), dst_slots, page_bytes // w, block_words)
+    if TRITON_CONFIG.get("whole_page", 0):
+        _gather_whole_pages_kernel[(src_rows.shape[0],)](*args, BLOCK=triton.next_power_of_2(block_words),
+                                                         SKIP_NEG=skip_negative,
+                                                         num_warps=TRITON_CONFIG["num_warps"])
+        return
     block = min(max(1, TRITON_CONFIG["block_bytes"] // w), triton.next_power_of_2(block_words))
     grid = (src_rows.shape[0], 2, triton.cdiv(block_words, block))
-    _gather_pages_kernel[grid](src.view(-1).view(word), src_rows, k_pool.view(-1).view(torch.uint8).view(word),
-                               v_pool.view(-1).view(torch.uint8).view(word), dst_slots, page_bytes // w,
-                               block_words, BLOCK=block, SKIP_NEG=skip_negative,
-                               num_warps=TRITON_CONFIG["num_warps"])
+    _gather_pages_kernel[grid](*args, BLOCK=block, SKIP_NEG=skip_negative, num_warps=TRITON_CONFIG["num_warps"])
 
 
 def _gather_torch(src: torch.Tensor, src_rows: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,

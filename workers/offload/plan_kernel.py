@@ -35,6 +35,8 @@ except ImportError:  # CPU-only installs: plan_torch serves
     triton = None
 
 _KEY_MAX = 2**62
+PLAN_CONFIG = {"num_warps": 4}
+"""Warps of the plan kernel's one program per head (``bench/bench_offload.py`` may sweep it)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,7 +147,7 @@ def plan_triton(st: PlanState, layer: int, pages: torch.Tensor) -> None:
                            st.clock[layer], st.counters[layer], st.host_rows[layer], st.src_rows[layer],
                            st.dst_slots[layer], st.rows[layer], st.scratch[layer], n_pages, st.slots_per_head,
                            p, st.page_size, BLOCK_P=_next_pow2(p), BLOCK_S=st.scratch.shape[2],
-                           KEY_MAX=_KEY_MAX, num_warps=4)
+                           KEY_MAX=_KEY_MAX, num_warps=PLAN_CONFIG["num_warps"])
 
 
 def plan_torch(st: PlanState, layer: int, pages: torch.Tensor) -> None:
