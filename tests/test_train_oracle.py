@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from workers.train.oracle_topk import STATE, topk_attention
+from workers.train.oracle_topk import STATE, mid_entropy, topk_attention
 
 
 def reference(q, k, v):
@@ -43,3 +43,12 @@ def test_topk_keeps_only_best_document_keys():
         p = torch.softmax(scores[kept], 0)
         torch.testing.assert_close(out[0, 0, h], p @ v2[0, h, kept], rtol=1e-4, atol=1e-5)
     assert not torch.allclose(out, reference(q, k, v), atol=1e-3)
+
+
+def test_mid_entropy_is_normalized_over_the_mid_region():
+    n = 4 + 100 + 16  # sink + mid + tail (the runtime's anchors)
+    flat = torch.zeros(2, n)
+    flat[1, 4 + 7] = 1e4  # head 1: one mid key takes everything
+    flat[:, :4] = 50.0  # sink scores do not count: the mid region is renormalized alone
+    h = mid_entropy(flat)
+    torch.testing.assert_close(h, torch.tensor([1.0, 0.0]), atol=1e-6, rtol=0)

@@ -1,7 +1,9 @@
-"""CPU smoke test: a tiny model trains a few steps from scratch and its loss falls."""
+"""CPU smoke test: a tiny model trains a few steps from scratch and its loss falls; fine-tune stages."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,9 +12,11 @@ from transformers import AutoTokenizer
 
 from workers.synth import SynthContext
 from workers.train import checkpoint as ckpt
-from workers.train.config import TINY_MODEL, Stage, TrainConfig
-from workers.train.data import make_batch
-from workers.train.loop import train
+from workers.train.config import PRESETS, TINY_MODEL, AggregationMix, MixConfig, Stage, TrainConfig
+from workers.train.data import batch_length, make_batch
+from workers.train.encode import AGGREGATE, ANSWER, collate, encode
+from workers.train.loop import lr_at, train
+from workers.train.mix import episode
 from workers.train.objective import build_model, compute_loss
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "kvstash-tiny"
@@ -66,3 +70,45 @@ def test_resume_and_export(tok, tmp_path):
     assert step == 4 and model.config.tie_word_embeddings
     shards = list(export.glob("*.safetensors"))
     assert shards and all(s.stat().st_size <= 15_000_000 for s in shards)
+
+
+def test_finetune_stage_starts_at_the_exported_step(tok, tmp_path):
+    base, export, ft = tiny_config(2), tmp_path / "base_export", tmp_path / "ft"
+    train(base, tmp_path / "base", tok, export_to=export, device="cpu")
+    stage = replace(tiny_config(3), start_step=ckpt.export_step(export), steps=5, agg_weight=1.0)
+    assert lr_at(stage, 2) < lr_at(stage, 3) and batch_length(stage, 2) == 192  # own warm-up
+    log = train(stage, ft, tok, init=export, export_to=tmp_path / "ft_export", device="cpu")
+    assert [r["step"] for r in log] == [3, 4, 5] and all("agg_loss" in r for r in log)
+    meta = json.loads((tmp_path / "ft_export" / ckpt.TRAINER_STATE).read_text())
+    assert meta["step"] == 5 and meta["train_config"]["start_step"] == 2
+    assert [h["step"] for h in meta["history"]] == [2]
+    assert TrainConfig.from_dict(meta["train_config"]) == stage
+    assert TrainConfig.from_dict(meta["history"][0]["train_config"]) == base
+
+
+def test_aggregation_answers_get_their_own_loss_term(tok):
+    cfg = tiny_config(1)
+    ctx = SynthContext(tok, "train")
+    only = dict.fromkeys(("dense_recall", "ruler", "repeat", "plain_text", "aggregation"), 0.0)
+    agg, dense = MixConfig(**{**only, "aggregation": 1.0}), MixConfig(**{**only, "dense_recall": 1.0})
+    episodes = [episode(ctx, agg, 192, s) for s in range(3)] + [episode(ctx, dense, 192, 0)]
+    assert [e.aggregation for e in episodes] == [True, True, True, False]
+    items = [encode(tok, e) for e in episodes]
+    batch = {k: torch.from_numpy(v) for k, v in collate(items, 192, tok.pad_token_id).items()}
+    assert (batch["kinds"] == AGGREGATE).any() and (batch["kinds"] == ANSWER).any()
+    model = build_model(cfg.model, tok, cfg.seed)
+    with torch.no_grad():
+        pooled, apart = compute_loss(model, batch, 0.3), compute_loss(model, batch, 0.3, agg_weight=2.0)
+    assert float(apart.agg_loss) > 0 and float(pooled.agg_loss) == float(apart.agg_loss)
+    torch.testing.assert_close(apart.loss, apart.answer_loss + 0.3 * apart.lm_loss + 2.0 * apart.agg_loss)
+    assert not torch.isclose(pooled.answer_loss, apart.answer_loss)  # pooled: agg tokens are answers
+
+
+def test_default_mix_has_no_aggregation_rows_and_presets_validate():
+    assert MixConfig().aggregation == 0.0 and PRESETS["base"] == TrainConfig()
+    ft = PRESETS["aggregation"]
+    assert ft.mix.aggregation > 0 and ft.agg_weight is not None and 1 in ft.mix.agg.cwe_common
+    with pytest.raises(ValueError):
+        AggregationMix(cwe_common=())
+    with pytest.raises(ValueError):
+        TrainConfig(start_step=10, steps=10)

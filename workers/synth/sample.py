@@ -19,9 +19,9 @@ class Sample:
         """RULER's string-match-all: the fraction of gold strings found in the prediction."""
         return ruler_score(prediction, self.answers)
 
-    def episode(self) -> Episode:
+    def episode(self, aggregation: bool = False) -> Episode:
         """This sample as a one-question training episode."""
-        return Episode(document=self.document, turns=((self.query, self.target),))
+        return Episode(document=self.document, turns=((self.query, self.target),), aggregation=aggregation)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +32,8 @@ class Episode:
     turns: tuple[tuple[str, str], ...]
     lm: bool = False
     """Also train next-token prediction on the document itself."""
+    aggregation: bool = False
+    """The answers aggregate counts over the document (cwe / fwe): trainers may weight them apart."""
 
 
 def ruler_score(prediction: str, answers: tuple[str, ...]) -> float:

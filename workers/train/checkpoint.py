@@ -33,17 +33,34 @@ def load_state(out: Path) -> dict | None:
     return torch.load(path, map_location="cpu", weights_only=False) if path.exists() else None
 
 
-def export(model: LlamaForCausalLM, dest: Path, step: int, config: dict) -> None:
-    """Save bf16 weights in shards of at most 15 MB, the HF config and trainer_state.json."""
+def export(model: LlamaForCausalLM, dest: Path, step: int, config: dict, history: list[dict] | None = None) -> None:
+    """Save bf16 weights in shards of at most 15 MB, the HF config and trainer_state.json
+    (with `history`: the earlier stages these weights were trained in, oldest first)."""
     dest.mkdir(parents=True, exist_ok=True)
     shipped = copy.deepcopy(model).to(device="cpu", dtype=torch.bfloat16)  # type: ignore[call-arg]
     shipped.save_pretrained(dest, max_shard_size=MAX_SHARD)
-    (dest / TRAINER_STATE).write_text(json.dumps({"step": step, "train_config": config}, indent=1))
+    meta: dict = {"step": step, "train_config": config}
+    if history:
+        meta["history"] = history
+    (dest / TRAINER_STATE).write_text(json.dumps(meta, indent=1))
+
+
+def stage_history(src: Path | None) -> list[dict]:
+    """Stages behind an export: its own history, then its last stage ({"step", "train_config"})."""
+    meta = src / TRAINER_STATE if src is not None else None
+    if meta is None or not meta.exists():
+        return []
+    data = json.loads(meta.read_text())
+    return [*data.get("history", []), {"step": data["step"], "train_config": data["train_config"]}]
 
 
 def load_export(src: Path) -> tuple[LlamaForCausalLM, int]:
     """An exported model in float32, and the step it was exported at."""
     model = LlamaForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="sdpa")
+    return model, export_step(src)
+
+
+def export_step(src: Path) -> int:
+    """The step an export was written at (0 when it has no trainer_state.json)."""
     meta = src / TRAINER_STATE
-    step = json.loads(meta.read_text())["step"] if meta.exists() else 0
-    return model, step
+    return json.loads(meta.read_text())["step"] if meta.exists() else 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 from transformers import LlamaConfig
 
@@ -70,17 +71,53 @@ DEFAULT_CURRICULUM = (
 
 
 @dataclass(frozen=True, kw_only=True)
+class AggregationMix:
+    """Which aggregation samples (cwe / fwe) training draws; every draw is one fitted sample."""
+
+    cwe_share: float = 0.5
+    """Probability that an aggregation draw is cwe (else fwe)."""
+    cwe_common: tuple[int, ...] = (3, 5, 10)
+    """cwe: number of common words to name, drawn uniformly (repeat a value to weight it)."""
+    fwe_top: tuple[int, ...] = (1, 2, 3)
+    """fwe: number of most frequent words to name, drawn uniformly."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.cwe_share <= 1.0:
+            raise ValueError("cwe_share must be in [0, 1]")
+        if not self.cwe_common or not self.fwe_top or min(self.cwe_common + self.fwe_top) < 1:
+            raise ValueError("cwe_common and fwe_top need at least one count, each >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
 class MixConfig:
     """Relative weights of the training components (normalized when drawn)."""
 
     dense_recall: float = 0.40
     ruler: float = 0.40
+    """RULER tasks: 60% NIAH, 30% variable tracking, 10% aggregation (drawn from `agg`)."""
     repeat: float = 0.10
     plain_text: float = 0.10
+    aggregation: float = 0.0
+    """Aggregation-only rows (cwe / fwe drawn from `agg`), besides the RULER component's share."""
+    agg: AggregationMix = field(default_factory=AggregationMix)
     max_repeat_tokens: int = 4096
     """Cap on a copy document (its answer doubles the sequence)."""
     answer_reserve: int = 48
     """Tokens first kept free after a RULER prompt for its answer (retried smaller if it is longer)."""
+
+    def __post_init__(self) -> None:
+        weights = (self.dense_recall, self.ruler, self.repeat, self.plain_text, self.aggregation)
+        if min(weights) < 0 or sum(weights) <= 0:
+            raise ValueError("mix weights must be >= 0 and not all zero")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> MixConfig:
+        """Inverse of `asdict` (older configs without `aggregation` / `agg` get the defaults)."""
+        data = dict(data)
+        if "agg" in data:
+            agg: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in data["agg"].items()}
+            data["agg"] = AggregationMix(**agg)
+        return cls(**data)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,6 +128,10 @@ class TrainConfig:
     mix: MixConfig = field(default_factory=MixConfig)
     curriculum: tuple[Stage, ...] = DEFAULT_CURRICULUM
     steps: int = 4000
+    """Step count at the end of this run (the LR schedule and curriculum end here)."""
+    start_step: int = 0
+    """Step this stage starts from (a fine-tune from exported weights starts at their step);
+    warm-up, cosine decay and the length curriculum run over `start_step`..`steps`."""
     tokens_per_batch: int = 131072
     """Sequences per batch = tokens_per_batch // that batch's length."""
     lr: float = 1.5e-3
@@ -101,6 +142,9 @@ class TrainConfig:
     grad_clip: float = 1.0
     lm_weight: float = 0.3
     """Weight of the language-modelling loss next to the answer loss."""
+    agg_weight: float | None = None
+    """None: aggregation answers are ordinary answer tokens. A number: they get their own mean
+    cross-entropy, added with this weight (see `objective.compute_loss`)."""
     seed: int = 0
     checkpoint_every: int = 200
     log_every: int = 20
@@ -110,6 +154,12 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if not self.curriculum or self.curriculum[-1].until < 1.0:
             raise ValueError("the last curriculum stage must reach until=1.0")
+        if not 0 <= self.start_step < self.steps:
+            raise ValueError(f"need 0 <= start_step < steps, got {self.start_step} and {self.steps}")
+
+    def progress(self, step: int) -> float:
+        """Fraction of this stage done before `step` (0 at `start_step`, 1 at `steps`)."""
+        return min(1.0, max(0.0, (step - self.start_step) / (self.steps - self.start_step)))
 
     def to_dict(self) -> dict:
         """A JSON-able dict of this config."""
@@ -126,9 +176,40 @@ class TrainConfig:
         if "model" in data:
             data["model"] = ModelConfig(**data["model"])
         if "mix" in data:
-            data["mix"] = MixConfig(**data["mix"])
+            data["mix"] = MixConfig.from_dict(data["mix"])
         if "curriculum" in data:
             data["curriculum"] = tuple(Stage(until=s["until"], lengths=tuple(s["lengths"])) for s in data["curriculum"])
         if "betas" in data:
             data["betas"] = tuple(data["betas"])
         return cls(**data)
+
+
+AGGREGATION_CURRICULUM = (
+    Stage(until=0.35, lengths=(512, 1024, 2048)),
+    Stage(until=0.70, lengths=(1024, 2048, 4096)),
+    Stage(until=1.00, lengths=(2048, 4096, 8192, 16384)),
+)
+
+AGGREGATION_MIX = MixConfig(
+    dense_recall=0.25,
+    ruler=0.25,
+    repeat=0.05,
+    plain_text=0.05,
+    aggregation=0.40,
+    agg=AggregationMix(cwe_common=(1, 2, 3, 5, 10, 10), fwe_top=(1, 2, 3, 3)),
+)
+"""Fine-tune mix: 42.5% aggregation rows (easy counts first in the draw), the old components kept."""
+
+PRESETS: dict[str, TrainConfig] = {
+    "base": TrainConfig(),
+    "aggregation": TrainConfig(
+        mix=AGGREGATION_MIX,
+        curriculum=AGGREGATION_CURRICULUM,
+        agg_weight=1.0,
+        lr=5e-4,
+        warmup_steps=50,
+        steps=2400,
+    ),
+}
+"""Named recipes: `base` trains from scratch; `aggregation` fine-tunes exported weights (`--init`)
+for `steps` more steps on an aggregation-heavy mix at short lengths first."""

@@ -15,7 +15,7 @@ from workers.train.mix import episode
 
 def batch_length(cfg: TrainConfig, step: int) -> int:
     """The sequence length of batch `step` under the length curriculum."""
-    frac = step / max(1, cfg.steps)
+    frac = cfg.progress(step)
     stage = next((s for s in cfg.curriculum if frac < s.until), cfg.curriculum[-1])
     return random.Random(f"length/{cfg.seed}/{step}").choice(stage.lengths)
 

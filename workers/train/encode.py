@@ -9,8 +9,8 @@ import numpy as np
 from workers.synth import Episode
 
 IGNORE = -100
-NONE, ANSWER, LM = 0, 1, 2
-"""Per-position kinds of the next-token target."""
+NONE, ANSWER, LM, AGGREGATE = 0, 1, 2, 3
+"""Per-position kinds of the next-token target (AGGREGATE: an answer of an aggregation episode)."""
 
 
 @dataclass(frozen=True)
@@ -29,10 +29,11 @@ def encode(tok, ep: Episode) -> Encoded:
     """
     ids = list(tok(ep.document).input_ids)
     kinds = [LM if ep.lm else NONE] * (len(ids) - 1)
+    answer = AGGREGATE if ep.aggregation else ANSWER
     for query, target in ep.turns:
         q = tok(query, add_special_tokens=False).input_ids
         a = tok(target, add_special_tokens=False).input_ids + [tok.eos_token_id]
-        kinds += [NONE] * len(q) + [ANSWER] * len(a)
+        kinds += [NONE] * len(q) + [answer] * len(a)
         ids += q + a
     kinds.append(NONE)  # the last token predicts nothing
     ids_arr = np.asarray(ids, dtype=np.int64)

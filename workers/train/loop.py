@@ -21,11 +21,12 @@ RESTART_WARMUP = 50
 
 
 def lr_at(cfg: TrainConfig, step: int, restart: int | None = None) -> float:
-    """Linear warm-up, cosine decay to `min_lr_ratio`; a fresh warm-up after a restart."""
-    warm = min(1.0, (step + 1) / cfg.warmup_steps)
-    if restart is not None:
+    """Linear warm-up, cosine decay to `min_lr_ratio` over the stage; a fresh warm-up after a
+    restart from exported weights in mid-stage (a fine-tune's own warm-up covers its start)."""
+    warm = min(1.0, (step - cfg.start_step + 1) / cfg.warmup_steps)
+    if restart is not None and restart > cfg.start_step:
         warm = min(warm, (step - restart + 1) / RESTART_WARMUP)
-    progress = min(1.0, step / max(1, cfg.steps))
+    progress = cfg.progress(step)
     cosine = cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
     return cfg.lr * warm * cosine
 
@@ -82,7 +83,7 @@ def train(
         for group in opt.param_groups:
             group["lr"] = lr_at(cfg, step, restart)
         with autocast:
-            parts = compute_loss(model, batch, cfg.lm_weight)
+            parts = compute_loss(model, batch, cfg.lm_weight, cfg.agg_weight)
         parts.loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
@@ -97,6 +98,8 @@ def train(
                 "ans_loss": round(float(parts.answer_loss), 4),
                 "ans_acc": round(float(parts.answer_acc), 4),
                 "lm_loss": round(float(parts.lm_loss), 4),
+                "agg_loss": round(float(parts.agg_loss), 4),
+                "agg_acc": round(float(parts.agg_acc), 4),
                 "gnorm": round(float(gnorm), 3),
                 "lr": lr_at(cfg, step - 1, restart),
                 "s_per_step": round((now - last_t) / (step - last_step), 4),
@@ -113,5 +116,5 @@ def train(
             break
     ckpt.save_state(out, model, opt, step, cfg.to_dict())
     if export_to is not None:
-        ckpt.export(model, export_to, step, cfg.to_dict())
+        ckpt.export(model, export_to, step, cfg.to_dict(), ckpt.stage_history(init))
     return records

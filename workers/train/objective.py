@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
 from workers.train.config import ModelConfig
-from workers.train.encode import ANSWER, LM
+from workers.train.encode import AGGREGATE, ANSWER, LM
 
 
 def build_model(cfg: ModelConfig, tokenizer, seed: int) -> LlamaForCausalLM:
@@ -28,27 +28,43 @@ class LossParts:
     answer_loss: torch.Tensor
     answer_acc: torch.Tensor
     lm_loss: torch.Tensor
+    agg_loss: torch.Tensor
+    """Mean cross-entropy on aggregation answers alone (0 when the batch has none)."""
+    agg_acc: torch.Tensor
 
 
 def _mean(x: torch.Tensor) -> torch.Tensor:
     return x.mean() if x.numel() else x.new_zeros(())
 
 
-def compute_loss(model: LlamaForCausalLM, batch: dict[str, torch.Tensor], lm_weight: float) -> LossParts:
-    """Mean cross-entropy on answer tokens plus `lm_weight` times that on language-model tokens."""
+def compute_loss(
+    model: LlamaForCausalLM, batch: dict[str, torch.Tensor], lm_weight: float, agg_weight: float | None = None
+) -> LossParts:
+    """Mean cross-entropy on answer tokens plus `lm_weight` times that on language-model tokens.
+
+    With `agg_weight` None, aggregation answers are ordinary answer tokens; otherwise they are
+    averaged on their own and added with that weight (so a few short cwe/fwe answers are not
+    drowned by long reconstruction or dense-recall answers in the token mean).
+    """
     hidden = model.model(input_ids=batch["input_ids"]).last_hidden_state
     kinds = batch["kinds"]
     trained = kinds != 0
     logits = model.lm_head(hidden[trained]).float()
     targets = batch["targets"][trained]
     ce = F.cross_entropy(logits, targets, reduction="none")
-    is_answer = kinds[trained] == ANSWER
+    kind = kinds[trained]
+    is_agg = kind == AGGREGATE
+    is_answer = (kind == ANSWER) | is_agg if agg_weight is None else kind == ANSWER
     answer = _mean(ce[is_answer])
-    lm = _mean(ce[kinds[trained] == LM])
-    acc = (logits[is_answer].argmax(-1) == targets[is_answer]).float()
+    agg = _mean(ce[is_agg])
+    lm = _mean(ce[kind == LM])
+    loss = answer + lm_weight * lm + (0.0 if agg_weight is None else agg_weight * agg)
+    hit = (logits.argmax(-1) == targets).float()
     return LossParts(
-        loss=answer + lm_weight * lm,
+        loss=loss,
         answer_loss=answer.detach(),
-        answer_acc=_mean(acc),
+        answer_acc=_mean(hit[is_answer]),
         lm_loss=lm.detach(),
+        agg_loss=agg.detach(),
+        agg_acc=_mean(hit[is_agg]),
     )

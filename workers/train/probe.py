@@ -40,7 +40,7 @@ def probe(cfg: TrainConfig, tok, lengths: list[int], repeats: int, device: str) 
             sync()
             t0 = time.time()
             with autocast:
-                loss = compute_loss(model, batch, cfg.lm_weight).loss
+                loss = compute_loss(model, batch, cfg.lm_weight, cfg.agg_weight).loss
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -2,6 +2,10 @@
 
 python -m workers.train.run --out runs/tiny --steps 4000 --export models/kvstash-tiny --ship
 python -m workers.train.run --out runs/tiny --resume --time-budget 500 --export /tmp/export
+python -m workers.train.run --out runs/ft --preset aggregation --init models/kvstash-tiny --export /tmp/ft
+
+With --init, the run is a new stage starting at the exported weights' step: --steps more steps
+with their own warm-up, LR decay and length curriculum (resume such a run with the same --init).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from transformers import AutoTokenizer
 
 from workers.synth import PROMPT
 from workers.train import checkpoint as ckpt
-from workers.train.config import TINY_MODEL, TrainConfig
+from workers.train.config import PRESETS, TINY_MODEL, TrainConfig
 from workers.train.loop import train
 
 DEFAULT_TOKENIZER = Path(__file__).resolve().parents[2] / "models" / "kvstash-tiny"
@@ -29,7 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line arguments."""
     p = argparse.ArgumentParser(description="Train the kvstash tiny long-context model.")
     p.add_argument("--out", type=Path, required=True, help="run folder: state.pt (resume) and log.jsonl")
-    p.add_argument("--steps", type=int, help="total optimizer steps (sets the LR schedule and curriculum)")
+    p.add_argument("--steps", type=int, help="optimizer steps of this stage (sets the LR schedule and curriculum)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="base", help="named recipe (config.PRESETS)")
     p.add_argument("--tiny", action="store_true", help="the CPU-test model shape")
     p.add_argument("--config", type=Path, help="a TrainConfig JSON (as written in trainer_state.json)")
     p.add_argument("--tokens-per-batch", type=int)
@@ -45,12 +50,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_config(args: argparse.Namespace) -> TrainConfig:
-    """The run's config: file or defaults, then command-line overrides."""
-    cfg = TrainConfig.from_dict(json.loads(args.config.read_text())) if args.config else TrainConfig()
+    """The run's config: file or preset, then command-line overrides; an --init stage starts at
+    the exported weights' step and runs `steps` steps past it."""
+    cfg = TrainConfig.from_dict(json.loads(args.config.read_text())) if args.config else PRESETS[args.preset]
     if args.tiny:
         cfg = replace(cfg, model=TINY_MODEL)
     overrides = {"steps": args.steps, "tokens_per_batch": args.tokens_per_batch, "workers": args.workers, "lr": args.lr}
-    return replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+    cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+    if args.init is not None and not args.config:
+        start = ckpt.export_step(args.init)
+        cfg = replace(cfg, start_step=start, steps=start + cfg.steps)
+    return cfg
 
 
 def ship(dest: Path, tokenizer_dir: Path, eos_token: str) -> None:
