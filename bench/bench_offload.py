@@ -511,7 +511,7 @@ def tune_graph_path(args, res, w: Workload, fetcher: PageFetcher) -> None:
         PLAN_CONFIG["num_warps"] = warps
         plans[warps] = graph_ms(lambda: [plan_triton(cache.state, layer, gs.pages[layer])
                                          for layer in range(w.shape.layers)])
-    PLAN_CONFIG["num_warps"] = min(plans, key=lambda k: plans[k])
+    PLAN_CONFIG["num_warps"] = min(plans, key=lambda k: plans[k])  # 0 (auto) is one of those
     select = {}
     for fp32 in (False, True):
         w.topk_fp32 = fp32

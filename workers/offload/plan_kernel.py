@@ -35,8 +35,10 @@ except ImportError:  # CPU-only installs: plan_torch serves
     triton = None
 
 _KEY_MAX = 2**62
-PLAN_CONFIG = {"num_warps": 4}
-"""Warps of the plan kernel's one program per head (``bench/bench_offload.py`` may sweep it)."""
+PLAN_CONFIG = {"num_warps": 0}
+"""Warps of the plan kernel's one program per head; 0: by the slot block (8 from 1024 slots, else 4: on
+the H200 at 128k, where the sort of 1024 keys dominates, 8 warps took 0.37 ms/token against 0.58).
+``bench/bench_offload.py`` sweeps it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,11 +145,12 @@ def plan_triton(st: PlanState, layer: int, pages: torch.Tensor) -> None:
     heads, n = pages.shape
     p = st.rows.shape[2]
     n_pages = st.host_rows.shape[2]
+    warps = PLAN_CONFIG["num_warps"] or (8 if st.scratch.shape[2] >= 1024 else 4)
     _plan_kernel[(heads,)](pages, n, st.page_to_slot[layer], st.slot_to_page[layer], st.stamp[layer],
                            st.clock[layer], st.counters[layer], st.host_rows[layer], st.src_rows[layer],
                            st.dst_slots[layer], st.rows[layer], st.scratch[layer], n_pages, st.slots_per_head,
                            p, st.page_size, BLOCK_P=_next_pow2(p), BLOCK_S=st.scratch.shape[2],
-                           KEY_MAX=_KEY_MAX, num_warps=PLAN_CONFIG["num_warps"])
+                           KEY_MAX=_KEY_MAX, num_warps=warps)
 
 
 def plan_torch(st: PlanState, layer: int, pages: torch.Tensor) -> None:
