@@ -26,6 +26,9 @@ class StoreConfig:
     """Upper bound of the LMDB file (address space only; the file grows as needed)."""
     fsync: bool = True
     """fsync page files and directories before a commit (turn off only for throwaway tests)."""
+    write_threads: int = 4
+    """Threads a prefill's page writer overlaps per-page CRCs, file digests and durable writes on
+    (layer l is checksummed and written while layer l+1 is computed and packed)."""
     metadata_url: str | None = None
     """Metadata backend: None or ``lmdb`` -> LMDB in ``home/meta``; ``lmdb:///path``; ``redis://host:port/db``."""
     metadata_namespace: str = "kvstash:"

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -22,17 +24,20 @@ from store.layout import KVLayout
 from store.manifest import ArtifactInfo, FileInfo, Manifest
 from store.metadata import MetadataBackend, open_metadata
 from store.pages import (
+    bytes_digest,
     file_digest,
     layer_file_name,
     pack_layer,
     page_crc,
     read_pages_into,
     unpack_pages,
-    write_file_durably,
+    write_bytes_durably,
 )
 from store.prefix_key import PrefixKey
 
 PAGE_CRC_ARTIFACT = "page_crc"
+MAX_PENDING_LAYERS = 2
+"""Layers a prefix writer may hold in flight (memory bound: each is one layer's page-file bytes)."""
 TMP_PREFIX = ".tmp-"
 
 
@@ -57,6 +62,9 @@ class PrefixWriter:
         self._artifacts: dict[str, bytes] = {}
         n_pages = self.layout.n_pages(n_tokens)
         self._crc = np.zeros((self.layout.n_layers, self.layout.n_kv_heads, n_pages), dtype=np.uint32)
+        threads = store.config.write_threads
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvstash-write") if threads > 0 else None
+        self._pending: list[tuple[int, str, int, list[Future]]] = []
 
     def write_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one layer's K and V, each ``[kv_heads, n_tokens, head_dim]``."""
@@ -67,19 +75,39 @@ class PrefixWriter:
         self.write_layer_pages(layer, pack_layer(lay, k.detach().cpu(), v.detach().cpu()).numpy())
 
     def write_layer_pages(self, layer: int, arr: np.ndarray) -> None:
-        """Store one layer already laid out as page-file bytes ``uint8 [kv_heads, n_pages, page_bytes]``."""
+        """Store one layer already laid out as page-file bytes ``uint8 [kv_heads, n_pages, page_bytes]``.
+
+        Checksums and the durable write may run in the background until ``commit``: ``arr`` must not
+        change until then; a failure raises from a later ``write_layer_pages`` or from ``commit``."""
         lay = self.layout
         expect = (lay.n_kv_heads, lay.n_pages(self.n_tokens), lay.page_bytes)
         if arr.dtype != np.uint8 or tuple(arr.shape) != expect:
             raise InvalidInput(f"layer {layer}: pages must be uint8 {expect}, got {arr.dtype} {tuple(arr.shape)}")
         if not 0 <= layer < lay.n_layers:
             raise InvalidInput(f"layer {layer} out of range [0, {lay.n_layers})")
-        for h in range(lay.n_kv_heads):
-            for p in range(arr.shape[1]):
-                self._crc[layer, h, p] = page_crc(self.prefix_id, layer, h, p, memoryview(arr[h, p]))
         name = layer_file_name(layer)
-        blake = write_file_durably(self.tmp_dir / name, arr, fsync=self.store.config.fsync)
-        self._files[layer] = FileInfo(name=name, size=arr.nbytes, blake2b=blake)
+        jobs: list[Callable[[], object]] = [
+            *(functools.partial(self._page_crcs, layer, arr, h) for h in range(lay.n_kv_heads)),
+            functools.partial(bytes_digest, arr),
+            functools.partial(write_bytes_durably, self.tmp_dir / name, arr, self.store.config.fsync)]
+        if self._pool is None:
+            results = [job() for job in jobs]
+            self._files[layer] = FileInfo(name=name, size=arr.nbytes, blake2b=str(results[-2]))
+            return
+        # Bounded pipeline: at most MAX_PENDING_LAYERS layers' bytes are held while being written.
+        self._drain(MAX_PENDING_LAYERS - 1)
+        self._pending.append((layer, name, arr.nbytes, [self._pool.submit(job) for job in jobs]))
+
+    def _page_crcs(self, layer: int, arr: np.ndarray, head: int) -> None:
+        for p in range(arr.shape[1]):
+            self._crc[layer, head, p] = page_crc(self.prefix_id, layer, head, p, memoryview(arr[head, p]))
+
+    def _drain(self, keep: int) -> None:
+        """Wait for pending layer writes until at most ``keep`` remain; the first failure raises."""
+        while len(self._pending) > keep:
+            layer, name, size, futures = self._pending.pop(0)
+            results = [f.result() for f in futures]
+            self._files[layer] = FileInfo(name=name, size=size, blake2b=str(results[-2]))
 
     def put_artifact(self, name: str, data: bytes) -> None:
         """Stage a small artifact (committed together with the manifest)."""
@@ -89,6 +117,8 @@ class PrefixWriter:
 
     def commit(self) -> Manifest:
         """Make the prefix durable and visible: pages renamed into place, then the manifest."""
+        self._drain(0)
+        self._shutdown()
         missing = sorted(set(range(self.layout.n_layers)) - set(self._files))
         if missing:
             raise InvalidInput(f"cannot commit: layers {missing} were not written")
@@ -111,7 +141,17 @@ class PrefixWriter:
 
     def abort(self) -> None:
         """Discard everything written so far."""
+        for *_, futures in self._pending:
+            for f in futures:
+                f.cancel()
+        self._shutdown()  # running writes finish before their files are removed
+        self._pending.clear()
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
+
+    def _shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
 
 class KVStore:

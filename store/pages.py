@@ -56,13 +56,22 @@ def unpack_pages(layout: KVLayout, raw: torch.Tensor) -> tuple[torch.Tensor, tor
 
 def write_file_durably(path: Path, data: np.ndarray, fsync: bool = True) -> str:
     """Write bytes to ``path`` (fsync'd unless told not to); returns their blake2b digest."""
-    buf = np.ascontiguousarray(data).data.cast("B")
+    write_bytes_durably(path, data, fsync)
+    return bytes_digest(data)
+
+
+def write_bytes_durably(path: Path, data: np.ndarray, fsync: bool = True) -> None:
+    """Write bytes to ``path`` (fsync'd unless told not to)."""
     with open(path, "wb") as f:
-        f.write(buf)
+        f.write(np.ascontiguousarray(data).data.cast("B"))
         f.flush()
         if fsync:
             os.fsync(f.fileno())
-    return hashlib.blake2b(buf, digest_size=32).hexdigest()
+
+
+def bytes_digest(data: np.ndarray) -> str:
+    """blake2b digest of an array's bytes (the digest ``file_digest`` gives for a file holding them)."""
+    return hashlib.blake2b(np.ascontiguousarray(data).data.cast("B"), digest_size=32).hexdigest()
 
 
 def file_digest(path: Path) -> str:

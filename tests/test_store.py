@@ -15,7 +15,7 @@ from store.config import StoreConfig
 from store.errors import CorruptData, InvalidInput, PrefixNotFound, StoreUnavailable
 from store.kvstore import KVStore
 from store.layout import KVLayout
-from store.pages import coalesce, unpack_pages
+from store.pages import coalesce, layer_file_name, unpack_pages
 from store.prefix_key import PrefixKey, tenant_salt, token_hash
 
 REPO = Path(__file__).resolve().parents[1]
@@ -177,3 +177,36 @@ def test_unusable_data_directory(tmp_path: Path) -> None:
     if os.path.isdir("/proc/self"):
         with pytest.raises(StoreUnavailable):
             KVStore(StoreConfig(home=Path("/proc/self/kvstash")))
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_pipelined_writer_stores_what_the_synchronous_one_does(tmp_path: Path, threads: int) -> None:
+    """Page files, their digests and the per-page CRCs do not depend on the writer's threads."""
+    stores = [KVStore(StoreConfig(home=tmp_path / f"h{i}", page_size=16, write_threads=t))
+              for i, t in enumerate((0, threads))]
+    pids = [_write(s, 16 * 9 + 5)[0] for s in stores]
+    a, b = (s.manifest(p) for s, p in zip(stores, pids, strict=True))
+    assert a.files == b.files and [x.blake2b for x in a.artifacts] == [x.blake2b for x in b.artifacts]
+    for s, p in zip(stores, pids, strict=True):
+        s.verify(p)  # raises CorruptData if a file digest does not match its bytes
+        s.close()
+
+
+def test_background_write_failure_fails_the_commit(store: KVStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    import store.kvstore as kvstore_mod
+
+    real = kvstore_mod.write_bytes_durably
+
+    def flaky(path: Path, data, fsync: bool = True) -> None:
+        if path.name == layer_file_name(1):
+            raise OSError(28, "No space left on device")
+        real(path, data, fsync)
+
+    monkeypatch.setattr(kvstore_mod, "write_bytes_durably", flaky)
+    key = _key(40)
+    with pytest.raises(OSError, match="No space"), store.write_prefix(key, model_name="m", n_tokens=40) as w:
+        for layer, (k, v) in enumerate(_kv(40)):
+            w.write_layer(layer, k, v)
+        w.commit()
+    assert not store.exists(key.prefix_id)
+    assert [p.name for p in store.prefixes_dir.iterdir()] == []  # the temp dir went with the abort
