@@ -32,10 +32,10 @@ SLOTS_PER_LAYER = 48
 """Small enough that steps evict each other's pages (a layer has ~90 pages), big enough for one row."""
 
 
-def _tiers(lm, host_pages: int) -> OffloadConfig:
+def _tiers(lm, host_pages: int, **kw) -> OffloadConfig:
     lay = lm.layout
     return OffloadConfig(gpu_cache_bytes=SLOTS_PER_LAYER * lay.n_layers * lay.page_payload_bytes,
-                         host_cache_bytes=host_pages * lay.page_bytes, io_threads=2)
+                         host_cache_bytes=host_pages * lay.page_bytes, io_threads=2, **kw)
 
 
 def _run(worker: Worker, pid: str, method: str, budget: float | None) -> GenerationStats:
@@ -113,12 +113,35 @@ def test_sparse_offloaded_reads_a_fraction(stored, lm) -> None:
 
 def test_host_tier_is_shared_across_generations(stored, lm) -> None:
     store, pid = stored
-    w = Worker(store, lm, progress=False, offload=_tiers(lm, 1000))
+    w = Worker(store, lm, progress=False, offload=_tiers(lm, 1000, warm_host_fraction=0))
     first = _run(w, pid, "quest", 0.2)
     again = _run(w, pid, "quest", 0.2)
     assert again.token_ids == first.token_ids
     assert first.extra["offload_ssd_pages"] > 0
     assert again.extra["offload_ssd_pages"] == 0 and again.extra["offload_host_pages"] > 0
+
+
+@pytest.mark.parametrize("method", sorted(m for m in METHODS if m != "full"))
+def test_device_planned_fetch_of_a_warm_prefix_equals_resident(stored, resident, lm, method: str) -> None:
+    """A prefix that fits the host tier is warmed whole; steps are then fetched through the device-planned
+    cache (its torch plan on the CPU), falling back to the fetcher for steps that do not fit one call."""
+    store, pid = stored
+    ref = resident(method, 0.1)
+    lay = lm.layout
+    # Room for one call of every page of a head: each step fits the device-planned cache.
+    pages = lay.n_kv_heads * lay.n_pages(store.manifest(pid).n_tokens)
+    tiers = OffloadConfig(gpu_cache_bytes=2 * pages * lay.n_layers * lay.page_payload_bytes,
+                          host_cache_bytes=1000 * lay.page_bytes, device_plan="on")
+    off = _run(Worker(store, lm, progress=False, offload=tiers), pid, method, 0.1)
+    assert off.token_ids == ref.token_ids
+    x = off.extra
+    assert x["offload_ssd_pages"] == 0  # warmed at open: every step is served from the GPU cache or host tier
+    assert x["offload_pages_requested"] == x["offload_gpu_hits"] + x["offload_host_pages"]
+    if method == "doublep":  # its centroid rows live in the fetcher's cache: the fetcher serves it
+        assert x["offload_device_plan_pages"] == 0
+    else:  # every decode step (one query row) went through the device-planned cache
+        assert x["offload_device_plan_fetches"] >= (off.steps - 1) * lay.n_layers
+        assert x["offload_device_plan_pages"] > 0 and x["offload_gpu_hits"] > 0
 
 
 def test_corrupt_page_fails_the_request(lm, tmp_path) -> None:
@@ -158,10 +181,13 @@ def test_cli_generate_stats_json(tmp_path: Path, tiny_model_dir: Path) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("warm", [False, True], ids=["fetcher", "device-planned"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("method", sorted(m for m in METHODS if m != "full"))
-def test_cuda_offloaded_greedy_equals_resident(tiny_model_dir: Path, tmp_path: Path, method: str, dtype: str) -> None:
-    """On the GPU: pinned host tier, Triton gather from mapped host memory, Triton sparse kernel."""
+def test_cuda_offloaded_greedy_equals_resident(tiny_model_dir: Path, tmp_path: Path, method: str, dtype: str,
+                                               warm: bool) -> None:
+    """On the GPU: pinned host tier, Triton gather from mapped host memory, Triton sparse kernel; warm:
+    the whole prefix in the host tier and decode steps through the device-planned cache (Triton plan)."""
     from store.config import StoreConfig
     from workers.model import load_model
 
@@ -169,6 +195,12 @@ def test_cuda_offloaded_greedy_equals_resident(tiny_model_dir: Path, tmp_path: P
     store = KVStore(StoreConfig(home=tmp_path / "home", page_size=16))
     pid = Worker(store, lm, progress=False, offload=None).prefill(DOC).prefix_id
     ref = _run(Worker(store, lm, progress=False, offload=None), pid, method, 0.2)
-    off = _run(Worker(store, lm, progress=False, offload=_tiers(lm, 100)), pid, method, 0.2)
+    lay = lm.layout
+    pages = lay.n_kv_heads * lay.n_pages(store.manifest(pid).n_tokens)
+    tiers = (OffloadConfig(gpu_cache_bytes=2 * pages * lay.n_layers * lay.page_payload_bytes,
+                           host_cache_bytes=1000 * lay.page_bytes) if warm else _tiers(lm, 100))
+    off = _run(Worker(store, lm, progress=False, offload=tiers), pid, method, 0.2)
     assert off.token_ids == ref.token_ids and off.extra["offload_pages_requested"] > 0
+    if warm and method != "doublep":
+        assert off.extra["offload_device_plan_pages"] > 0 and off.extra["offload_ssd_pages"] == 0
     store.close()

@@ -20,6 +20,7 @@ from workers.methods.base import DecodeConfig, PrefixSource, ReportsReads
 from workers.methods.registry import get_method, prefill_summarizers
 from workers.model import LoadedModel
 from workers.offload import HostTier, OffloadConfig, PageFetcher
+from workers.offload.fast_path import open_device_cache, warm_if_it_fits
 from workers.prefill import DEFAULT_CHUNK, prefill_kv
 from workers.sampling import Sampler, SamplingParams
 from workers.textstream import TextStream
@@ -57,6 +58,14 @@ class GenerationStats:
     prefix_tokens_per_step: list[int] = field(default_factory=list)
     """Exact prefix tokens each step attended, summed over layers and KV heads (all of them for "full")."""
     extra: dict[str, float] = field(default_factory=dict)
+
+
+def _close_fetch(source: PrefixSource) -> None:
+    """Release a generation's fetch engines (the device cache first: it holds host-tier slots)."""
+    if source.device_cache is not None:
+        source.device_cache.close()
+    if source.fetcher is not None:
+        source.fetcher.close()
 
 
 class Worker:
@@ -156,15 +165,15 @@ class Worker:
             raise ContextTooLong(f"prefix ({m.n_tokens}) + query ({len(q_ids)}) tokens exceed the model's context "
                                  f"of {self.lm.max_context}")
         impl = get_method(method)
-        fetcher = None
-        if impl.fetches_pages and self.offload is not None:
-            fetcher = PageFetcher(self.store, m, self.lm.device, self.offload, self.host_tier())
-        source = PrefixSource(self.store, m, self.lm.device, fetcher=fetcher)
+        source = PrefixSource(self.store, m, self.lm.device)
         try:
+            if impl.fetches_pages and self.offload is not None:
+                source.fetcher = PageFetcher(self.store, m, self.lm.device, self.offload, self.host_tier())
+                warm_if_it_fits(source.fetcher, self.offload)
+                source.device_cache = open_device_cache(source.fetcher, self.offload)
             attn = impl.open(source, decode or DecodeConfig())
         except BaseException:
-            if fetcher is not None:
-                fetcher.close()
+            _close_fetch(source)
             raise
         stop = params.stop or self.lm.prompt.stop
         return self._leased(attn, source, q_ids, params, stop, min(room, params.max_new_tokens),
@@ -179,8 +188,7 @@ class Worker:
                     lease.keepalive()
                     yield piece
         finally:
-            if source.fetcher is not None:
-                source.fetcher.close()
+            _close_fetch(source)
 
     @torch.inference_mode()
     def _stream(self, attn: PrefixAttention, source: PrefixSource, n_prefix: int, q_ids: list[int],

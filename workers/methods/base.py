@@ -19,6 +19,7 @@ from store.layout import KVLayout
 from store.manifest import Manifest
 from workers.attention import PrefixAttention
 from workers.methods.layer_kv import FetchedKV, LayerKV, ResidentKV
+from workers.offload.device_plan import DevicePageCache
 from workers.offload.fetcher import PageFetcher
 
 
@@ -89,11 +90,13 @@ class PrefixSource:
     """
 
     def __init__(self, store: KVStore, manifest: Manifest, device: torch.device, *, verify: bool = True,
-                 fetcher: PageFetcher | None = None):
+                 fetcher: PageFetcher | None = None, device_cache: DevicePageCache | None = None):
         self.store, self.manifest, self.device = store, manifest, device
         self.verify = verify
         """Check each page's keyed CRC on read: corrupt or misplaced bytes fail the request, never decode."""
         self.fetcher = fetcher
+        self.device_cache = device_cache
+        """Device-planned fetches of a warm prefix (steps that fit it; the fetcher serves the rest)."""
         self.bytes_read = 0
 
     @property

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from store.errors import InvalidInput
+
 if TYPE_CHECKING:
     from workers.methods.base import PrefixSource
     from workers.offload.fetcher import PageFetcher
@@ -51,6 +53,28 @@ class StepKV:
         at = rows.clamp_min(0).unsqueeze(-1).expand(-1, -1, -1, self.k.shape[-1])
         return (self.k.unsqueeze(0).expand(t, -1, -1, -1).gather(2, at),
                 self.v.unsqueeze(0).expand(t, -1, -1, -1).gather(2, at))
+
+
+def pages_of_tokens(tokens: torch.Tensor, counts: torch.Tensor, n_tokens: int,
+                    page_size: int) -> tuple[torch.Tensor, int]:
+    """The distinct pages per KV head of the first ``counts [T, Hkv]`` ids of ``tokens [T, Hkv, n]``.
+
+    Returns ``[Hkv, n_pages]`` page ids, each head's distinct pages first (ascending) then -1, and the
+    largest per-head count (one device -> host sync). Ids outside ``[0, n_tokens)`` raise.
+    """
+    t, h, n = tokens.shape
+    n_pages = -(-n_tokens // page_size)
+    valid = torch.arange(n, device=tokens.device) < counts.unsqueeze(-1)
+    if bool(((tokens < 0) | (tokens >= n_tokens))[valid].any()):
+        raise InvalidInput(f"token ids must lie in [0, {n_tokens})")
+    col = torch.where(valid, torch.div(tokens, page_size, rounding_mode="floor"), n_pages)
+    mask = torch.zeros(h, n_pages + 1, dtype=torch.bool, device=tokens.device)
+    mask.scatter_(1, col.transpose(0, 1).reshape(h, -1).long(), True)
+    mask = mask[:, :n_pages]
+    order = torch.sort((~mask).to(torch.uint8), dim=1, stable=True).indices
+    per_head = mask.sum(1)
+    pages = torch.where(torch.arange(n_pages, device=tokens.device) < per_head.unsqueeze(1), order, -1)
+    return pages, int(per_head.max()) if h else 0
 
 
 class LayerKV(abc.ABC):
@@ -118,6 +142,7 @@ class FetchedKV(LayerKV):
         super().__init__(n_heads=lay.n_kv_heads, n_tokens=source.n_tokens, head_dim=lay.head_dim,
                          dtype=lay.torch_dtype, device=fetcher.device)
         self.source, self.fetcher, self.layer = source, fetcher, layer
+        self._extra = False
 
     def tokens(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Fetch the pages of ``ids`` (counted under step 0) and copy their K/V out of the page cache."""
@@ -135,9 +160,21 @@ class FetchedKV(LayerKV):
     def set_extra(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the entries in the layer's GPU page cache, after its page slots."""
         self.fetcher.set_extra_rows(self.layer, k.to(self.dtype), v.to(self.dtype))
+        self._extra = True
 
     def step(self, tokens: torch.Tensor, counts: torch.Tensor, step: int, *, overflow: bool = False) -> StepKV:
-        """One tiered fetch of every page the rows touch; rows index the page cache."""
+        """One tiered fetch of every page the rows touch; rows index the page cache.
+
+        With the source's device-planned cache (a warm prefix, no extra entries) the fetch is planned
+        on the device when the step's pages fit one call of it; otherwise the ``PageFetcher`` serves.
+        """
+        dc = self.source.device_cache
+        if dc is not None and not self._extra:
+            pages, n = pages_of_tokens(tokens, counts, self.n_tokens, self.fetcher.layout.page_size)
+            if 0 < n <= dc.pages_per_call:
+                res = dc.fetch(self.layer, pages[:, :n])
+                return StepKV(k=res.k, v=res.v, rows=res.token_rows(tokens), extra_base=res.extra_base,
+                              extra_stride=0)
         res = self.fetcher.fetch_tokens(self.layer, tokens, counts, step=step, overflow=overflow)
         return StepKV(k=res.k, v=res.v, rows=res.token_rows(tokens), extra_base=res.extra_base,
                       extra_stride=res.n_extra)

@@ -38,6 +38,7 @@ class MemorySource(PrefixSource):
         self.device = k0.device
         self.verify = False
         self.fetcher = None
+        self.device_cache = None
         self.bytes_read = 0
 
     @classmethod

@@ -28,7 +28,8 @@ from workers.methods.phi import PhiCompletion, PhiSummarizer
 from workers.methods.phi_maps import FeatureMap
 from workers.methods.reads import KV_ONCE, ReadCounter, mark_tokens
 from workers.methods.selector import LayerContext, Selection, Selector
-from workers.offload.fetcher import CacheTooSmall
+from workers.offload.device_plan import DevicePageCache
+from workers.offload.fetcher import PageFetcher
 
 DEFAULT_FRACTION = 0.05
 """Budget of fixed-budget selectors when the request gives none."""
@@ -62,6 +63,26 @@ def _compact(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
     return idx.gather(-1, order), valid.sum(-1), bias.gather(-1, order).contiguous()
 
 
+def offload_counters(fetcher: PageFetcher, device_cache: DevicePageCache | None, steps: int) -> dict[str, float]:
+    """``offload_*`` counters of one generation: the fetcher's, plus the device-planned cache's fetches
+    (its hits are GPU-cache hits, its misses host-tier pages). Raises if it was given bad page ids."""
+    x = fetcher.stats.as_dict()
+    if device_cache is not None:
+        device_cache.check()
+        d = device_cache.stats()
+        x["offload_pages_requested"] += d.pages
+        x["offload_gpu_hits"] += d.hits
+        x["offload_host_pages"] += d.misses
+        x["offload_bytes_gpu_hit"] += d.hits * d.payload_bytes
+        x["offload_bytes_host"] += d.bytes_host
+        x["offload_device_plan_fetches"] = float(d.fetches)
+        x["offload_device_plan_pages"] = float(d.pages)
+        x["offload_hit_rate"] = x["offload_gpu_hits"] / x["offload_pages_requested"] if x[
+            "offload_pages_requested"] else 0.0
+    x["offload_steps"] = float(steps)
+    return x
+
+
 def _prefix(ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     return torch.arange(ids.shape[-1], device=ids.device) < counts.unsqueeze(-1)
 
@@ -81,8 +102,8 @@ class SparsePrefixAttention:
         report = self.counter.report()
         if (fetcher := self.source.fetcher) is not None:
             # What the tiers really moved: whole pages, GPU-cache hits included.
-            report.step_bytes = fetcher.stats.total.pages * self.source.layout.page_payload_bytes
-            report.extra.update(fetcher.stats.as_dict())
+            report.extra.update(offload_counters(fetcher, self.source.device_cache, len(report.tokens_per_step)))
+            report.step_bytes = int(report.extra["offload_pages_requested"]) * self.source.layout.page_payload_bytes
         return report
 
     def _layer(self, layer: int) -> tuple[LayerContext, torch.Tensor | None]:
@@ -116,11 +137,11 @@ class SparsePrefixAttention:
         hits = torch.zeros(hkv, n, dtype=torch.int32, device=q.device)
         outs, lses, pseudo = [], [], []
         for part in rows.split(chunk):
-            for sel, o, s in self._attend_rows(layer, ctx, ebias, part, scale):
-                outs.append(o)
-                lses.append(s)
-                mark_tokens(hits, sel.tokens, sel.counts)
-                pseudo.append(sel.n_centroids.sum() if sel.n_centroids is not None else 0)
+            sel, o, s = self._attend_rows(layer, ctx, ebias, part, scale)
+            outs.append(o)
+            lses.append(s)
+            mark_tokens(hits, sel.tokens, sel.counts)
+            pseudo.append(sel.n_centroids.sum() if sel.n_centroids is not None else 0)
         n_read = (hits > 0).sum() + ctx.anchors.numel() * hkv
         phi_rows = rows.shape[0] * hq if self.completion is not None else 0
         self.counter.add_layer(n_read, sum(pseudo) + phi_rows)
@@ -128,9 +149,8 @@ class SparsePrefixAttention:
         return out, torch.cat(lses).reshape(b, l, hq).permute(0, 2, 1)
 
     def _attend_rows(self, layer: int, ctx: LayerContext, ebias: torch.Tensor | None, q: torch.Tensor,
-                     scale: float) -> list[tuple[Selection, torch.Tensor, torch.Tensor]]:
-        """Select, make the step's tokens attendable, attend; rows whose pages do not fit the GPU page
-        cache together are split in halves (each half is one fetch; a single row may overflow it)."""
+                     scale: float) -> tuple[Selection, torch.Tensor, torch.Tensor]:
+        """Select, make the step's tokens attendable (one fetch), attend."""
         t, hq, d = q.shape
         hkv = ctx.kv.n_heads
         qg = q.view(t, hkv, hq // hkv, d)
@@ -141,11 +161,9 @@ class SparsePrefixAttention:
             (anchors, torch.ones_like(anchors, dtype=torch.bool), None),
             (sel.tokens, _prefix(sel.tokens, sel.counts), None)]
         tok, n_tok, _ = _compact(parts)
-        try:
-            # One query row always gets its pages, over the GPU budget if it must.
-            step = ctx.kv.step(tok, n_tok, self._step, overflow=t == 1)
-        except CacheTooSmall:
-            return [r for half in q.split(-(-t // 2)) for r in self._attend_rows(layer, ctx, ebias, half, scale)]
+        # A step whose pages exceed the GPU page cache (e.g. the query's first forward, many rows) still
+        # gets them, in a one-off pool of at most one layer's pages.
+        step = ctx.kv.step(tok, n_tok, self._step, overflow=True)
         rows = step.rows
         bias = None
         if sel.centroids is not None and sel.n_centroids is not None and ebias is not None:
@@ -162,7 +180,7 @@ class SparsePrefixAttention:
         with self._timed("attend"):
             out, lse = gathered_attention(q, step.k, step.v, scale=scale, idx=rows, n_valid=n_tok, bias=bias,
                                           pseudo_logits=pl, pseudo_values=pv)
-        return [(sel, out, lse)]
+        return sel, out, lse
 
     def _timed(self, phase: str) -> contextlib.AbstractContextManager[None]:
         """Time a phase into the fetcher's stats (``offload_<phase>_s``), when there is one."""

@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 READERS = ("auto", "posix", "kvikio")
+DEVICE_PLANS = ("auto", "on", "off")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,6 +30,12 @@ class OffloadConfig:
     """Open page files with ``O_DIRECT`` (bypass the OS page cache) where the file system allows."""
     pin_memory: bool | None = None
     """Page-lock host buffers (staging, host tier) for the GPU; None: when CUDA is available."""
+    warm_host_fraction: float = 0.5
+    """When a generation opens, load its whole prefix into the host tier (large sequential reads) if
+    it takes at most this fraction of the tier (0: never); a warm prefix enables ``device_plan``."""
+    device_plan: str = "auto"
+    """Fetch through the device-planned GPU page cache (no host work per fetch) when the prefix is whole
+    in the host tier: ``auto`` (CUDA only), ``on`` (also on a CPU: tests), ``off``."""
 
     def __post_init__(self) -> None:
         if self.gpu_cache_bytes <= 0:
@@ -37,6 +44,10 @@ class OffloadConfig:
             raise ValueError(f"host_cache_bytes must be >= 0, got {self.host_cache_bytes}")
         if self.reader not in READERS:
             raise ValueError(f"reader must be one of {READERS}, got {self.reader!r}")
+        if not 0 <= self.warm_host_fraction <= 1:
+            raise ValueError(f"warm_host_fraction must be in [0, 1], got {self.warm_host_fraction}")
+        if self.device_plan not in DEVICE_PLANS:
+            raise ValueError(f"device_plan must be one of {DEVICE_PLANS}, got {self.device_plan!r}")
         if not 1 <= self.io_threads <= 64:
             raise ValueError(f"io_threads must be in [1, 64], got {self.io_threads}")
 
@@ -54,6 +65,10 @@ def add_offload_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--page-reader", choices=READERS, default=d.reader, help="SSD page reader")
     g.add_argument("--io-threads", type=int, default=d.io_threads)
     g.add_argument("--no-verify-pages", action="store_true", help="skip the per-page CRC check of SSD reads")
+    g.add_argument("--warm-host-fraction", type=float, default=d.warm_host_fraction,
+                   help="load a whole prefix into the host tier when it takes at most this fraction of it")
+    g.add_argument("--device-plan", choices=DEVICE_PLANS, default=d.device_plan,
+                   help="device-planned GPU page cache for prefixes whole in the host tier")
 
 
 def offload_from_args(args: argparse.Namespace) -> OffloadConfig | None:
@@ -61,4 +76,5 @@ def offload_from_args(args: argparse.Namespace) -> OffloadConfig | None:
     if args.no_offload:
         return None
     return OffloadConfig(gpu_cache_bytes=args.gpu_cache_mb << 20, host_cache_bytes=args.host_cache_mb << 20,
-                         reader=args.page_reader, io_threads=args.io_threads, verify=not args.no_verify_pages)
+                         reader=args.page_reader, io_threads=args.io_threads, verify=not args.no_verify_pages,
+                         warm_host_fraction=args.warm_host_fraction, device_plan=args.device_plan)
