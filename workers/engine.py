@@ -55,6 +55,8 @@ class GenerationStats:
     seconds: float = 0.0
     finish_reason: str = ""
     token_ids: list[int] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    """Wall time of each decode step (forward + sampling; the sampled token syncs the device)."""
     prefix_tokens_per_step: list[int] = field(default_factory=list)
     """Exact prefix tokens each step attended, summed over layers and KV heads (all of them for "full")."""
     extra: dict[str, float] = field(default_factory=dict)
@@ -201,6 +203,7 @@ class Worker:
         stats.prompt_tokens, stats.finish_reason = len(q_ids), "length"
         full_step_bytes = n_prefix * lm.layout.token_kv_bytes() * lm.layout.n_kv_heads * lm.layout.n_layers
         for _ in range(max_new):
+            t_step = time.perf_counter()
             inp = torch.tensor([ids], device=dev)
             positions = torch.arange(pos, pos + len(ids), device=dev)[None]
             out = lm.model(input_ids=inp, position_ids=positions, past_key_values=cache, use_cache=True,
@@ -209,6 +212,7 @@ class Worker:
             stats.steps += 1
             stats.bytes_full += full_step_bytes
             token = sampler(out.logits[0, -1])
+            stats.step_seconds.append(time.perf_counter() - t_step)
             if token in lm.eos_ids:
                 stats.finish_reason = "eos"
                 break
