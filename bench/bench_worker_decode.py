@@ -141,6 +141,7 @@ def main() -> None:
     model_dir = build_tiny_llama(work / "model", spec)
     lm = load_model(str(model_dir), device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32",
                     page_size=16, progress=False)
+    lm.model.generation_config.eos_token_id = []  # random weights: decode a fixed number of steps, never stop early
     store = KVStore(StoreConfig(home=args.home or work / "home", page_size=16))
     rng = random.Random(0)
     words = ["river", "stone", "light", "quiet", "north", "field", "paper", "cloud", "ember", "glass"]

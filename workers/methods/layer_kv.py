@@ -172,7 +172,8 @@ class FetchedKV(LayerKV):
         if dc is not None and not self._extra:
             pages, n = pages_of_tokens(tokens, counts, self.n_tokens, self.fetcher.layout.page_size)
             if 0 < n <= dc.pages_per_call:
-                res = dc.fetch(self.layer, pages[:, :n])
+                with self.fetcher.stats.timed("fetch", self.device):
+                    res = dc.fetch(self.layer, pages[:, :n])
                 return StepKV(k=res.k, v=res.v, rows=res.token_rows(tokens), extra_base=res.extra_base,
                               extra_stride=0)
         res = self.fetcher.fetch_tokens(self.layer, tokens, counts, step=step, overflow=overflow)
