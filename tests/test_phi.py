@@ -188,7 +188,7 @@ def test_wider_anchors_are_subtracted_from_the_stored_cache() -> None:
     k, v = torch.randn(hkv, n, d, generator=_gen(20)), torch.randn(hkv, n, d, generator=_gen(21))
     src = MemorySource.build([(k, v)], [PhiSummarizer])
     comp = PhiCompletion(src)
-    ctx = LayerContext(ResidentKV(k, v), 10, n - 30)
+    ctx = LayerContext(ResidentKV(k, v, page_size=16), 10, n - 30)
     comp.prepare(0, ctx)
     direct = build_cache(comp.fmap, 0, k[:, 10:n - 30], v[:, 10:n - 30])
     q = torch.randn(1, hkv, 2, d, generator=_gen(22))

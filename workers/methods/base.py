@@ -119,7 +119,7 @@ class PrefixSource:
         """Decode-time access to one layer: fetched per step through the fetcher, else read and held."""
         if self.fetcher is not None:
             return FetchedKV(self, self.fetcher, layer)
-        return ResidentKV(*self.layer_kv(layer))
+        return ResidentKV(*self.layer_kv(layer), page_size=self.layout.page_size)
 
     def artifact(self, name: str) -> dict[str, torch.Tensor]:
         """An artifact's tensors (checksum-verified) on the device."""

@@ -55,6 +55,11 @@ class StepKV:
                 self.v.unsqueeze(0).expand(t, -1, -1, -1).gather(2, at))
 
 
+def page_tokens(first: torch.Tensor, page_size: int) -> torch.Tensor:
+    """First rows (or token ids) of pages ``[..., n]`` -> every row of those pages ``[..., n * page_size]``."""
+    return (first.unsqueeze(-1) + torch.arange(page_size, device=first.device)).flatten(-2)
+
+
 def pages_of_tokens(tokens: torch.Tensor, counts: torch.Tensor, n_tokens: int,
                     page_size: int) -> tuple[torch.Tensor, int]:
     """The distinct pages per KV head of the first ``counts [T, Hkv]`` ids of ``tokens [T, Hkv, n]``.
@@ -80,9 +85,10 @@ def pages_of_tokens(tokens: torch.Tensor, counts: torch.Tensor, n_tokens: int,
 class LayerKV(abc.ABC):
     """Decode-time access to one layer's stored K/V ``[Hkv, N, D]``."""
 
-    def __init__(self, *, n_heads: int, n_tokens: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, *, n_heads: int, n_tokens: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 page_size: int):
         self.n_heads, self.n_tokens, self.head_dim = n_heads, n_tokens, head_dim
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device, self.page_size = dtype, device, page_size
 
     @abc.abstractmethod
     def tokens(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,6 +104,11 @@ class LayerKV(abc.ABC):
         """Per-head extra entries ``[Hkv, M, D]`` (Double-P centroids) every later step can attend."""
 
     @abc.abstractmethod
+    def step_pages(self, pages: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Make whole pages ``[Hkv, n]`` (ids per head, unique per head) attendable for a single-row step:
+        (K pool, V pool ``[Hkv, R, D]``, first pool row of each page ``[Hkv, n]``)."""
+
+    @abc.abstractmethod
     def step(self, tokens: torch.Tensor, counts: torch.Tensor, step: int, *, overflow: bool = False) -> StepKV:
         """Make the first ``counts [T, Hkv]`` ids of ``tokens [T, Hkv, n]`` attendable for one step.
 
@@ -108,9 +119,9 @@ class LayerKV(abc.ABC):
 class ResidentKV(LayerKV):
     """The whole layer on the device (read once)."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor):
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, page_size: int):
         super().__init__(n_heads=k.shape[0], n_tokens=k.shape[1], head_dim=k.shape[2], dtype=k.dtype,
-                         device=k.device)
+                         device=k.device, page_size=page_size)
         self.k, self.v = k, v
         self._pools = (k, v)
         self._n_extra = 0
@@ -128,6 +139,11 @@ class ResidentKV(LayerKV):
         self._pools = (torch.cat([self.k, k.to(self.dtype)], 1), torch.cat([self.v, v.to(self.dtype)], 1))
         self._n_extra = k.shape[1]
 
+    def step_pages(self, pages: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Pages are rows of the resident layer already."""
+        k, v = self._pools
+        return k, v, pages * self.page_size
+
     def step(self, tokens: torch.Tensor, counts: torch.Tensor, step: int, *, overflow: bool = False) -> StepKV:
         """Rows are the token ids themselves."""
         k, v = self._pools
@@ -140,7 +156,7 @@ class FetchedKV(LayerKV):
     def __init__(self, source: PrefixSource, fetcher: PageFetcher, layer: int):
         lay = source.layout
         super().__init__(n_heads=lay.n_kv_heads, n_tokens=source.n_tokens, head_dim=lay.head_dim,
-                         dtype=lay.torch_dtype, device=fetcher.device)
+                         dtype=lay.torch_dtype, device=fetcher.device, page_size=lay.page_size)
         self.source, self.fetcher, self.layer = source, fetcher, layer
         self._extra = False
 
@@ -161,6 +177,19 @@ class FetchedKV(LayerKV):
         """Store the entries in the layer's GPU page cache, after its page slots."""
         self.fetcher.set_extra_rows(self.layer, k.to(self.dtype), v.to(self.dtype))
         self._extra = True
+
+    def step_pages(self, pages: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Through the device-planned cache when it can take them (no host work, no sync), else the fetcher."""
+        dc = self.source.device_cache
+        if dc is not None and not self._extra and pages.shape[1] <= dc.pages_per_call:
+            with self.fetcher.stats.timed("fetch", self.device):
+                res = dc.fetch(self.layer, pages)
+            assert res.rows is not None
+            return res.k, res.v, res.rows
+        first = pages * self.page_size  # each page's first token; a fetch of them fetches exactly these pages
+        counts = torch.full((1, self.n_heads), first.shape[1], device=first.device)
+        res = self.fetcher.fetch_tokens(self.layer, first[None], counts, step=step, overflow=True)
+        return res.k, res.v, res.token_rows(first)
 
     def step(self, tokens: torch.Tensor, counts: torch.Tensor, step: int, *, overflow: bool = False) -> StepKV:
         """One tiered fetch of every page the rows touch; rows index the page cache.

@@ -156,15 +156,20 @@ class PhiCompletion:
         self._caches[layer] = cache
 
     def term(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, k_sel: torch.Tensor,
-             v_sel: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+             v_sel: torch.Tensor, counts: torch.Tensor, *, valid: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
         """The remainder pseudo-entry per query head: (logit ``[T, Hkv, G]``, value ``[T, Hkv, G, D]``).
 
-        ``k_sel``, ``v_sel [T, Hkv, n, D]`` (first ``counts [T, Hkv]`` valid) are the mid tokens attended
-        exactly; their contributions are subtracted. The logit is ``-inf`` where nothing remains.
+        ``k_sel``, ``v_sel [T, Hkv, n, D]`` (first ``counts [T, Hkv]`` valid, or where ``valid [T, Hkv, n]``)
+        are the mid tokens attended exactly; their contributions are subtracted. The logit is ``-inf``
+        where nothing remains.
         """
         cache = self._caches[layer]
         n = k_sel.shape[2]
-        valid = torch.arange(n, device=k_sel.device) < counts.unsqueeze(-1)
+        if valid is None:
+            valid = torch.arange(n, device=k_sel.device) < counts.unsqueeze(-1)
+        else:
+            counts = valid.sum(-1)
         lpk = self.fmap.log_phi_k(layer, k_sel).masked_fill(~valid.unsqueeze(-1), float("-inf"))
         u_r, t_r = subtract(cache, *shifted_sums(cache.m, lpk, v_sel.float()))
         log_z, mean = evaluate(self.fmap.log_phi_q(layer, q, scale), cache.m, u_r, t_r)

@@ -11,7 +11,15 @@ from __future__ import annotations
 import torch
 
 from workers.methods.base import DecodeConfig, PrefixSource, Summarizer
-from workers.methods.selector import LayerContext, Selection, Selector, choose_units, group_mass, mask_to_index
+from workers.methods.selector import (
+    LayerContext,
+    Selection,
+    Selector,
+    choose_units,
+    group_mass,
+    mask_to_index,
+    top_tokens,
+)
 from workers.methods.sparse import SparseMethod
 
 QUEST_PAGE = 16
@@ -38,18 +46,29 @@ class QuestSelector(Selector):
 
     def __init__(self, source: PrefixSource):
         self.bounds = source.artifact(QuestBounds.name)
-        self.page_size = int(self.bounds["0.meta"][0])
+        self.page = int(self.bounds["0.meta"][0])
+        self.page_size = self.page
+
+    def _upper_bounds(self, layer: int, q: torch.Tensor, scale: float, p0: int, p1: int) -> torch.Tensor:
+        """Upper-bound logits ``[T, Hkv, G, p1 - p0]`` of pages ``[p0, p1)``."""
+        kmin = self.bounds[f"{layer}.kmin"][:, p0:p1].float()
+        kmax = self.bounds[f"{layer}.kmax"][:, p0:p1].float()
+        qf = q.float()
+        return (torch.einsum("thgd,hud->thgu", qf.clamp_min(0), kmax)
+                + torch.einsum("thgd,hud->thgu", qf.clamp_max(0), kmin)) * scale
+
+    def select_pages(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, n: int) -> torch.Tensor:
+        """The ``n`` pages overlapping ``[ctx.lo, ctx.hi)`` with the most upper-bound mass."""
+        p = self.page
+        p0, p1 = ctx.lo // p, -(-ctx.hi // p)
+        return top_tokens(group_mass(self._upper_bounds(layer, q, scale, p0, p1)), n) + p0
 
     def select(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, k: int | None) -> Selection:
         """Pages overlapping the mid region, ranked by upper-bound mass; their mid tokens are attended."""
         t, hkv = q.shape[0], q.shape[1]
-        p = self.page_size
+        p = self.page
         p0, p1 = ctx.lo // p, -(-ctx.hi // p)
-        kmin = self.bounds[f"{layer}.kmin"][:, p0:p1].float()
-        kmax = self.bounds[f"{layer}.kmax"][:, p0:p1].float()
-        qf = q.float()
-        ub = (torch.einsum("thgd,hud->thgu", qf.clamp_min(0), kmax)
-              + torch.einsum("thgd,hud->thgu", qf.clamp_max(0), kmin)) * scale
+        ub = self._upper_bounds(layer, q, scale, p0, p1)
         starts = torch.arange(p0, p1, device=q.device) * p
         sizes = (torch.clamp(starts + p, max=ctx.hi) - torch.clamp(starts, min=ctx.lo)).clamp_min(0)
         ranked = choose_units(group_mass(ub).reshape(t * hkv, -1), sizes=sizes,

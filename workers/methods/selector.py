@@ -93,6 +93,14 @@ class Selector(abc.ABC):
         """Prefix bytes the selector itself must hold for this layer (exhaustive Top-K: the keys)."""
         return 0
 
+    page_size: int | None = None
+    """Set by selectors that can also pick whole pages of this size (``select_pages``)."""
+
+    def select_pages(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, n: int) -> torch.Tensor:
+        """Grouped queries ``[T, Hkv, G, D]`` -> the ``n`` best whole pages per row ``[T, Hkv, n]`` overlapping
+        the mid region (fixed shape, no device sync). Only where ``page_size`` is set."""
+        raise NotImplementedError(f"{type(self).__name__} does not select whole pages")
+
     @abc.abstractmethod
     def select(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, k: int | None) -> Selection:
         """Grouped queries ``[T, Hkv, G, D]`` -> the tokens to attend; ``k`` caps exact mid tokens
