@@ -17,7 +17,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -30,6 +30,9 @@ from workers.methods.reads import KV_ONCE, ReadCounter, mark_tokens
 from workers.methods.selector import LayerContext, Selection, Selector
 from workers.offload.device_plan import DevicePageCache
 from workers.offload.fetcher import PageFetcher
+
+if TYPE_CHECKING:
+    from workers.speculate import Lookahead
 
 DEFAULT_FRACTION = 0.05
 """Budget of fixed-budget selectors when the request gives none."""
@@ -66,6 +69,7 @@ def _compact(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
 def offload_counters(fetcher: PageFetcher, device_cache: DevicePageCache | None, steps: int) -> dict[str, float]:
     """``offload_*`` counters of one generation: the fetcher's, plus the device-planned cache's fetches
     (its hits are GPU-cache hits, its misses host-tier pages). Raises if it was given bad page ids."""
+    fetcher.wait_prefetch()  # queued layer-ahead reads have run: their counters are final
     x = fetcher.stats.as_dict()
     if device_cache is not None:
         device_cache.check()
@@ -96,15 +100,28 @@ class SparsePrefixAttention:
         self.k, self.counter = k, counter
         self._ctx: dict[int, tuple[LayerContext, torch.Tensor | None]] = {}
         self._step = -1
+        self.lookahead: Lookahead | None = None
+        """Layer-ahead prefetch of this generation (``workers/speculate.py``), told each selection."""
 
     def read_report(self) -> ReadReport:
         """Reads made so far (per step and one-time)."""
         report = self.counter.report()
+        if self.lookahead is not None:
+            self.lookahead.flush()
         if (fetcher := self.source.fetcher) is not None:
             # What the tiers really moved: whole pages, GPU-cache hits included.
             report.extra.update(offload_counters(fetcher, self.source.device_cache, len(report.tokens_per_step)))
             report.step_bytes = int(report.extra["offload_pages_requested"]) * self.source.layout.page_payload_bytes
         return report
+
+    def layer_context(self, layer: int) -> LayerContext:
+        """Layer ``layer``'s prepared context (prepared on first use)."""
+        return self._layer(layer)[0]
+
+    def predict(self, layer: int, q: torch.Tensor, scale: float) -> Selection:
+        """The selection ``layer``'s selector makes for grouped rows ``q [T, Hkv, G, D]``, without fetching
+        or attending (layer-ahead speculation)."""
+        return self.selector.select(layer, self.layer_context(layer), q, scale, self.k)
 
     def _layer(self, layer: int) -> tuple[LayerContext, torch.Tensor | None]:
         if layer not in self._ctx:
@@ -156,6 +173,8 @@ class SparsePrefixAttention:
         qg = q.view(t, hkv, hq // hkv, d)
         with self._timed("select"):
             sel = self.selector.select(layer, ctx, qg, scale, self.k)
+        if self.lookahead is not None:
+            self.lookahead.selected(layer, sel)
         anchors = ctx.anchors.expand(t, hkv, -1)
         parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = [
             (anchors, torch.ones_like(anchors, dtype=torch.bool), None),
