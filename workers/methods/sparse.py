@@ -24,6 +24,7 @@ import torch
 from workers.budget import plan_budget
 from workers.kernels.sparse_attention import sparse_decode_attention, sparse_decode_attention_ref
 from workers.methods.base import DecodeConfig, Method, PrefixSource, ReadReport, mid_range
+from workers.methods.page_step import PagePlan, entry_bias, entry_rows, entry_tokens, page_plan, step_pages
 from workers.methods.phi import PhiCompletion, PhiSummarizer
 from workers.methods.phi_maps import FeatureMap
 from workers.methods.reads import KV_ONCE, ReadCounter, mark_tokens
@@ -99,6 +100,7 @@ class SparsePrefixAttention:
         self.source, self.config, self.selector, self.completion = source, config, selector, completion
         self.k, self.counter = k, counter
         self._ctx: dict[int, tuple[LayerContext, torch.Tensor | None]] = {}
+        self._plans: dict[int, PagePlan] = {}
         self._step = -1
         self.lookahead: Lookahead | None = None
         """Layer-ahead prefetch of this generation (``workers/speculate.py``), told each selection."""
@@ -131,6 +133,10 @@ class SparsePrefixAttention:
                 if r:
                     lo, hi = max(lo, r[0]), min(hi, r[1])
             ctx = LayerContext(kv, lo, max(lo, hi))
+            if self.k is not None and self.selector.page_size == kv.page_size:
+                # Whole pages under a fixed budget: fixed-shape steps (see page_step).
+                self._plans[layer] = page_plan(anchors=ctx.anchors, lo=ctx.lo, hi=ctx.hi, page_size=kv.page_size,
+                                               k=self.k, n_heads=kv.n_heads)
             self.selector.prepare(layer, ctx)
             if self.completion is not None:
                 self.completion.prepare(layer, ctx)
@@ -171,6 +177,8 @@ class SparsePrefixAttention:
         t, hq, d = q.shape
         hkv = ctx.kv.n_heads
         qg = q.view(t, hkv, hq // hkv, d)
+        if (plan := self._plans.get(layer)) is not None and ebias is None:
+            return self._attend_pages(layer, ctx, plan, q, scale)
         with self._timed("select"):
             sel = self.selector.select(layer, ctx, qg, scale, self.k)
         if self.lookahead is not None:
@@ -198,6 +206,43 @@ class SparsePrefixAttention:
             pl, pv = log_z.reshape(t, hq, 1).contiguous(), mean.reshape(t, hq, 1, d).contiguous()
         with self._timed("attend"):
             out, lse = gathered_attention(q, step.k, step.v, scale=scale, idx=rows, n_valid=n_tok, bias=bias,
+                                          pseudo_logits=pl, pseudo_values=pv)
+        return sel, out, lse
+
+    def _attend_pages(self, layer: int, ctx: LayerContext, plan: PagePlan, q: torch.Tensor, scale: float
+                      ) -> tuple[Selection, torch.Tensor, torch.Tensor]:
+        """Rows over whole pages (``page_step``): fixed shapes; a single row needs no device -> host copy."""
+        t, hq, d = q.shape
+        hkv = ctx.kv.n_heads
+        qg = q.view(t, hkv, hq // hkv, d)
+        with self._timed("select"):
+            picked = self.selector.select_pages(layer, ctx, qg, scale, plan.n_pages)
+        n_picked = plan.n_pages * plan.page_size
+        tokens = entry_tokens(plan, picked)
+        bias, in_mid = entry_bias(plan, tokens)
+        counts = torch.full((t, hkv), n_picked, device=q.device)
+        # Out-of-mid ids become duplicates of their page's mid tokens: read counting sees distinct tokens.
+        sel = Selection(tokens=tokens[..., :n_picked].clamp(ctx.lo, max(ctx.lo, ctx.hi - 1)), counts=counts)
+        if self.lookahead is not None:
+            self.lookahead.selected(layer, sel)
+        if t == 1:
+            k, v, first = ctx.kv.step_pages(step_pages(plan, picked[0]), self._step)
+            rows = entry_rows(plan, first)[None]
+        else:  # the query's first forward: the same entries per row, fetched together
+            n_all = torch.full((t, hkv), plan.n_entries, device=q.device)
+            step = ctx.kv.step(tokens.clamp_max(ctx.n_tokens - 1), n_all, self._step, overflow=True)
+            k, v, rows = step.k, step.v, step.rows
+        rows = rows.clamp(0, k.shape[1] - 1)  # a masked entry past the prefix still reads a real row
+        pl = pv = None
+        if self.completion is not None:
+            at = rows[..., :n_picked].unsqueeze(-1).expand(-1, -1, -1, d)
+            k_sel = k.unsqueeze(0).expand(t, -1, -1, -1).gather(2, at)
+            v_sel = v.unsqueeze(0).expand(t, -1, -1, -1).gather(2, at)
+            log_z, mean = self.completion.term(layer, ctx, qg, scale, k_sel, v_sel, counts, valid=in_mid)
+            pl, pv = log_z.reshape(t, hq, 1).contiguous(), mean.reshape(t, hq, 1, d).contiguous()
+        n_valid = torch.full((t, hkv), plan.n_entries, device=q.device)
+        with self._timed("attend"):
+            out, lse = gathered_attention(q, k, v, scale=scale, idx=rows, n_valid=n_valid, bias=bias,
                                           pseudo_logits=pl, pseudo_values=pv)
         return sel, out, lse
 
