@@ -48,8 +48,8 @@ def demo_trained(kv: KVClient) -> int:
     first = generate(DEMO_TASKS[0], DEMO_TOKENS, seed=1000, ctx=ctx)
     again = kv.prefill(first.document)
     print(f"\nprefill of the first document again: cached={again.cached} (no forward pass)")
-    print(f"the same question with Top-K at a {SPARSE_BUDGET:.0%} read budget:")
-    _print_answer(kv, first.query, again, raw=True, kv_method="topk", budget=SPARSE_BUDGET)
+    print(f"the same question with Quest at a {SPARSE_BUDGET:.0%} read budget (pages fetched per step):")
+    _print_answer(kv, first.query, again, raw=True, kv_method="quest", budget=SPARSE_BUDGET)
     print(f"{correct}/{len(DEMO_TASKS)} answers correct")
     return 0 if correct == len(DEMO_TASKS) else 1
 
