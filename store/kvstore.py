@@ -64,7 +64,7 @@ class PrefixWriter:
         self._crc = np.zeros((self.layout.n_layers, self.layout.n_kv_heads, n_pages), dtype=np.uint32)
         threads = store.config.write_threads
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvstash-write") if threads > 0 else None
-        self._pending: list[tuple[int, str, int, list[Future]]] = []
+        self._pending: list[tuple[int, str, int, Future, list[Future]]] = []
 
     def write_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one layer's K and V, each ``[kv_heads, n_tokens, head_dim]``."""
@@ -86,17 +86,21 @@ class PrefixWriter:
         if not 0 <= layer < lay.n_layers:
             raise InvalidInput(f"layer {layer} out of range [0, {lay.n_layers})")
         name = layer_file_name(layer)
-        jobs: list[Callable[[], object]] = [
-            *(functools.partial(self._page_crcs, layer, arr, h) for h in range(lay.n_kv_heads)),
-            functools.partial(bytes_digest, arr),
-            functools.partial(write_bytes_durably, self.tmp_dir / name, arr, self.store.config.fsync)]
-        if self._pool is None:
-            results = [job() for job in jobs]
-            self._files[layer] = FileInfo(name=name, size=arr.nbytes, blake2b=str(results[-2]))
-            return
         # Bounded pipeline: at most MAX_PENDING_LAYERS layers' bytes are held while being written.
         self._drain(MAX_PENDING_LAYERS - 1)
-        self._pending.append((layer, name, arr.nbytes, [self._pool.submit(job) for job in jobs]))
+        digest_job = self._run(functools.partial(bytes_digest, arr))
+        other_jobs = [self._run(functools.partial(write_bytes_durably, self.tmp_dir / name, arr,
+                                                  self.store.config.fsync)),
+                      *(self._run(functools.partial(self._page_crcs, layer, arr, h)) for h in range(lay.n_kv_heads))]
+        self._pending.append((layer, name, arr.nbytes, digest_job, other_jobs))
+
+    def _run(self, job: Callable[[], object]) -> Future:
+        """``job`` on the writer's threads, or now on this one when it has none."""
+        if self._pool is not None:
+            return self._pool.submit(job)
+        done: Future = Future()
+        done.set_result(job())
+        return done
 
     def _page_crcs(self, layer: int, arr: np.ndarray, head: int) -> None:
         for p in range(arr.shape[1]):
@@ -105,9 +109,10 @@ class PrefixWriter:
     def _drain(self, keep: int) -> None:
         """Wait for pending layer writes until at most ``keep`` remain; the first failure raises."""
         while len(self._pending) > keep:
-            layer, name, size, futures = self._pending.pop(0)
-            results = [f.result() for f in futures]
-            self._files[layer] = FileInfo(name=name, size=size, blake2b=str(results[-2]))
+            layer, name, size, digest_job, other_jobs = self._pending.pop(0)
+            for f in other_jobs:
+                f.result()
+            self._files[layer] = FileInfo(name=name, size=size, blake2b=str(digest_job.result()))
 
     def put_artifact(self, name: str, data: bytes) -> None:
         """Stage a small artifact (committed together with the manifest)."""
@@ -141,8 +146,8 @@ class PrefixWriter:
 
     def abort(self) -> None:
         """Discard everything written so far."""
-        for *_, futures in self._pending:
-            for f in futures:
+        for *_, digest_job, other_jobs in self._pending:
+            for f in (digest_job, *other_jobs):
                 f.cancel()
         self._shutdown()  # running writes finish before their files are removed
         self._pending.clear()

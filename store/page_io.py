@@ -32,9 +32,9 @@ DIRECT_ALIGN = 4096
 SPLIT_BYTES = 8 << 20
 """With several threads, runs longer than this are split so that threads share one big read."""
 PARALLEL_MIN_BYTES = 256 << 10
+"""Below this many bytes per call, threads cost more than they save: read on the calling thread."""
 VERIFY_CHUNK = 32
 """Pages per verification task at least (``zlib.crc32`` releases the GIL on pages this large)."""
-"""Below this many bytes per call, threads cost more than they save: read on the calling thread."""
 
 
 @dataclass(frozen=True)

@@ -70,16 +70,18 @@ def pages_of_tokens(tokens: torch.Tensor, counts: torch.Tensor, n_tokens: int,
     t, h, n = tokens.shape
     n_pages = -(-n_tokens // page_size)
     valid = torch.arange(n, device=tokens.device) < counts.unsqueeze(-1)
-    if bool(((tokens < 0) | (tokens >= n_tokens))[valid].any()):
-        raise InvalidInput(f"token ids must lie in [0, {n_tokens})")
-    col = torch.where(valid, torch.div(tokens, page_size, rounding_mode="floor"), n_pages)
+    outside = (valid & ((tokens < 0) | (tokens >= n_tokens))).sum()
+    col = torch.where(valid, torch.div(tokens, page_size, rounding_mode="floor").clamp(0, n_pages), n_pages)
     mask = torch.zeros(h, n_pages + 1, dtype=torch.bool, device=tokens.device)
     mask.scatter_(1, col.transpose(0, 1).reshape(h, -1).long(), True)
     mask = mask[:, :n_pages]
     order = torch.sort((~mask).to(torch.uint8), dim=1, stable=True).indices
     per_head = mask.sum(1)
     pages = torch.where(torch.arange(n_pages, device=tokens.device) < per_head.unsqueeze(1), order, -1)
-    return pages, int(per_head.max()) if h else 0
+    bad, widest = torch.stack([outside, per_head.max() if h else outside.new_zeros(())]).tolist()  # one sync
+    if bad:
+        raise InvalidInput(f"token ids must lie in [0, {n_tokens})")
+    return pages, int(widest)
 
 
 class LayerKV(abc.ABC):

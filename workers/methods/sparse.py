@@ -24,6 +24,7 @@ import torch
 from workers.budget import plan_budget
 from workers.kernels.sparse_attention import sparse_decode_attention, sparse_decode_attention_ref
 from workers.methods.base import DecodeConfig, Method, PrefixSource, ReadReport, mid_range
+from workers.methods.layer_kv import StepKV
 from workers.methods.page_step import PagePlan, entry_bias, entry_rows, entry_tokens, page_plan, step_pages
 from workers.methods.phi import PhiCompletion, PhiSummarizer
 from workers.methods.phi_maps import FeatureMap
@@ -227,17 +228,15 @@ class SparsePrefixAttention:
             self.lookahead.selected(layer, sel)
         if t == 1:
             k, v, first = ctx.kv.step_pages(step_pages(plan, picked[0]), self._step)
-            rows = entry_rows(plan, first)[None]
+            step = StepKV(k=k, v=v, rows=entry_rows(plan, first)[None], extra_base=0, extra_stride=0)
         else:  # the query's first forward: the same entries per row, fetched together
             n_all = torch.full((t, hkv), plan.n_entries, device=q.device)
             step = ctx.kv.step(tokens.clamp_max(ctx.n_tokens - 1), n_all, self._step, overflow=True)
-            k, v, rows = step.k, step.v, step.rows
-        rows = rows.clamp(0, k.shape[1] - 1)  # a masked entry past the prefix still reads a real row
+        k, v = step.k, step.v
+        rows = step.rows.clamp(0, k.shape[1] - 1)  # a masked entry past the prefix still reads a real row
         pl = pv = None
         if self.completion is not None:
-            at = rows[..., :n_picked].unsqueeze(-1).expand(-1, -1, -1, d)
-            k_sel = k.unsqueeze(0).expand(t, -1, -1, -1).gather(2, at)
-            v_sel = v.unsqueeze(0).expand(t, -1, -1, -1).gather(2, at)
+            k_sel, v_sel = step.gather(rows[..., :n_picked])
             log_z, mean = self.completion.term(layer, ctx, qg, scale, k_sel, v_sel, counts, valid=in_mid)
             pl, pv = log_z.reshape(t, hq, 1).contiguous(), mean.reshape(t, hq, 1, d).contiguous()
         n_valid = torch.full((t, hkv), plan.n_entries, device=q.device)
