@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,31 @@ def test_training_episodes_fit(tok):
 
 def test_niah_task_list():
     assert set(NIAH_TASKS) <= set(TASKS) and "niah_single" in NIAH_TASKS and "vt" not in NIAH_TASKS
+
+
+@pytest.mark.parametrize("n_tokens", [300, 2048, 6000])
+def test_compare_answer_is_the_more_frequent_of_the_two_asked(ctx, n_tokens):
+    for seed in range(4):
+        s = generate("compare", n_tokens, seed, ctx)
+        question = s.query.split("Question: ")[1].split("\n")[0]
+        pair = question.split("list above, ")[1].rstrip("?").split(" or ")
+        counts = Counter(s.document.split(", "))
+        more, less = sorted(pair, key=lambda w: -counts[w])
+        assert s.answers == (more,) and counts[more] > counts[less] > 0
+        assert more not in less and less not in more  # a string-match score cannot credit the other word
+        ratio = counts[more] / counts[less]
+        assert 1.0 < ratio <= 3.0, ratio
+        # Distractors recur as often, so the pair is not simply the list's most frequent words.
+        frequent = [w for w, n in counts.items() if n >= counts[less]]
+        assert len(frequent) >= 3
+        if n_tokens >= 2048:  # far more occurrences than a 1 % top-k keeps per head
+            assert counts[more] + counts[less] > 0.01 * n_tokens * 2
+
+
+def test_compare_draws_differ_in_which_word_wins_first(ctx):
+    firsts = []
+    for seed in range(12):
+        s = generate("compare", 600, seed, ctx)
+        first = s.query.split("list above, ")[1].split(" or ")[0]
+        firsts.append(first == s.answers[0])
+    assert 0 < sum(firsts) < len(firsts)  # the answer's position in the question carries no signal

@@ -108,7 +108,25 @@ def test_default_mix_has_no_aggregation_rows_and_presets_validate():
     assert MixConfig().aggregation == 0.0 and PRESETS["base"] == TrainConfig()
     ft = PRESETS["aggregation"]
     assert ft.mix.aggregation > 0 and ft.agg_weight is not None and 1 in ft.mix.agg.cwe_common
+    cmp = PRESETS["compare"]
+    assert cmp.mix.agg.compare_share == 0.5 and cmp.agg_weight is not None
+    assert replace(cmp.mix, agg=replace(cmp.mix.agg, compare_share=0.0)) == ft.mix  # stage 2's mix otherwise
+    assert MixConfig.from_dict(json.loads(json.dumps(cmp.to_dict()))["mix"]) == cmp.mix
     with pytest.raises(ValueError):
         AggregationMix(cwe_common=())
     with pytest.raises(ValueError):
+        AggregationMix(compare_share=1.5)
+    with pytest.raises(ValueError):
         TrainConfig(start_step=10, steps=10)
+
+
+def test_compare_share_draws_compare_rows_flagged_as_aggregation(tok):
+    ctx = SynthContext(tok, "train")
+    only = dict.fromkeys(("dense_recall", "ruler", "repeat", "plain_text"), 0.0)
+    mix = MixConfig(**only, aggregation=1.0, agg=AggregationMix(compare_share=1.0))
+    for seed in range(3):
+        ep = episode(ctx, mix, 512, seed)
+        (query, target), = ep.turns
+        assert ep.aggregation and "Which word occurs more often" in query
+        assert target.strip() in query and ep.document.count(target.strip()) > 1
+

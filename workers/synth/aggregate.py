@@ -1,4 +1,5 @@
-"""Aggregation tasks (RULER's cwe and fwe): answers depend on counts over the whole document."""
+"""Aggregation tasks (RULER's cwe and fwe, and a query-dependent word comparison): answers
+depend on counts over the whole document."""
 
 from __future__ import annotations
 
@@ -118,3 +119,74 @@ class FrequentWords:
         weights = [r**-self.alpha for r in range(1, len(vocab) + 1)]
         scale = n_items / sum(weights)
         return {w: max(1, int(scale * p)) for w, p in zip(vocab, weights)}
+
+
+COMPARE_ATTEMPTS = 8
+
+
+@dataclass(frozen=True, kw_only=True)
+class WordCompare:
+    """Query-dependent aggregation: of two words named only in the question, which occurs more
+    often. Other words recur about as often, so the answer cannot be read off a precomputed
+    "most frequent" list; the counts are far above a small top-k budget, so every occurrence of
+    both words weighs in at answer time."""
+
+    name: str
+    n_frequent: int = 6
+    """Words that recur often: the two asked about plus distractors in the same count range."""
+    frequent_share: float = 0.35
+    """Fraction of the list's items taken by the frequent words."""
+    min_ratio: float = 1.25
+    max_ratio: float = 2.5
+    """Bounds of (count of the more frequent word) / (count of the other)."""
+    rare_freq: int = 2
+    sep: str = ", "
+
+    def __post_init__(self) -> None:
+        if self.n_frequent < 2 or not 1.0 < self.min_ratio <= self.max_ratio:
+            raise ValueError("need n_frequent >= 2 and 1 < min_ratio <= max_ratio")
+
+    def make(self, ctx: SynthContext, n_tokens: int, seed: int) -> Sample:
+        """One sample whose prompt has at most `n_tokens` tokens; the answer is one word."""
+        rng = ctx.rng(self.name, n_tokens, seed)
+        for _ in range(COMPARE_ATTEMPTS):  # a shrunk list can tie the two counts: draw again
+            sample = self._draw(ctx, n_tokens, rng)
+            if sample is not None:
+                return sample
+        raise ValueError(f"{self.name}: no untied list fits {n_tokens} tokens")
+
+    def _draw(self, ctx: SynthContext, n_tokens: int, rng: random.Random) -> Sample | None:
+        """One attempt; None when fitting the list to the budget tied the two counts."""
+        frequent = distinct_words(ctx, rng, self.n_frequent)
+        more, less = frequent[:2]
+        first, second = rng.sample((more, less), 2)
+        query = PROMPT.query(f"Which word occurs more often in the list above, {first} or {second}?")
+        budget = hs.document_budget(ctx, n_tokens, [query])
+        n_items = int(budget / tokens_per_item(ctx, rng, self.sep))
+        mean = max(2.0, self.frequent_share * n_items / self.n_frequent)
+        top = max(2, round(rng.uniform(0.8, 1.4) * mean))
+        counts = {more: top, less: max(1, round(top / rng.uniform(self.min_ratio, self.max_ratio)))}
+        for w in frequent[2:]:  # distractors span both asked counts, so either may be "rare" overall
+            counts[w] = max(1, round(rng.uniform(0.5 * counts[less], 1.3 * top)))
+        n_rare = max(0, (n_items - sum(counts.values())) // self.rare_freq)
+        taken = set(frequent)
+        for w in rng.sample(ctx.words(), n_rare + len(taken)):
+            if w not in taken and len(counts) < self.n_frequent + n_rare:
+                counts[w] = self.rare_freq
+        doc = fit_items(ctx, counts, set(frequent), self.sep, budget, rng)
+        seen = Counter(doc.split(self.sep))
+        if seen[more] <= seen[less]:
+            return None
+        return Sample(task=self.name, document=doc, query=query, answers=(more,), target=PROMPT.target((more,)))
+
+
+def distinct_words(ctx: SynthContext, rng: random.Random, n: int) -> list[str]:
+    """`n` different words of the split, none a substring of another (so a string-match score
+    cannot credit the wrong one)."""
+    out: list[str] = []
+    for w in rng.sample(ctx.words(), 8 * n):
+        if all(w not in o and o not in w for o in out):
+            out.append(w)
+            if len(out) == n:
+                return out
+    raise ValueError(f"could not draw {n} words that do not contain each other")

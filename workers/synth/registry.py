@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from workers.synth.aggregate import CommonWords, FrequentWords
+from workers.synth.aggregate import CommonWords, FrequentWords, WordCompare
 from workers.synth.context import SynthContext
 from workers.synth.niah import Niah
 from workers.synth.reconstruct import Repeat
@@ -34,6 +34,7 @@ _TASK_LIST: tuple[Task, ...] = (
     VariableTracking(name="vt"),
     CommonWords(name="cwe"),
     FrequentWords(name="fwe"),
+    WordCompare(name="compare"),
     Repeat(name="repeat"),
 )
 TASKS: dict[str, Task] = {t.name: t for t in _TASK_LIST}

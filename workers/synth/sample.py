@@ -33,7 +33,7 @@ class Episode:
     lm: bool = False
     """Also train next-token prediction on the document itself."""
     aggregation: bool = False
-    """The answers aggregate counts over the document (cwe / fwe): trainers may weight them apart."""
+    """The answers aggregate counts over the document (cwe / fwe / compare): trainers may weight them apart."""
 
 
 def ruler_score(prediction: str, answers: tuple[str, ...]) -> float:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from transformers import LlamaConfig
@@ -72,18 +72,20 @@ DEFAULT_CURRICULUM = (
 
 @dataclass(frozen=True, kw_only=True)
 class AggregationMix:
-    """Which aggregation samples (cwe / fwe) training draws; every draw is one fitted sample."""
+    """Which aggregation samples (compare / cwe / fwe) training draws; every draw is one fitted sample."""
 
+    compare_share: float = 0.0
+    """Probability that an aggregation draw is the query-dependent word comparison (`compare`)."""
     cwe_share: float = 0.5
-    """Probability that an aggregation draw is cwe (else fwe)."""
+    """Of the other draws: probability of cwe (else fwe)."""
     cwe_common: tuple[int, ...] = (3, 5, 10)
     """cwe: number of common words to name, drawn uniformly (repeat a value to weight it)."""
     fwe_top: tuple[int, ...] = (1, 2, 3)
     """fwe: number of most frequent words to name, drawn uniformly."""
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.cwe_share <= 1.0:
-            raise ValueError("cwe_share must be in [0, 1]")
+        if not (0.0 <= self.cwe_share <= 1.0 and 0.0 <= self.compare_share <= 1.0):
+            raise ValueError("cwe_share and compare_share must be in [0, 1]")
         if not self.cwe_common or not self.fwe_top or min(self.cwe_common + self.fwe_top) < 1:
             raise ValueError("cwe_common and fwe_top need at least one count, each >= 1")
 
@@ -98,7 +100,7 @@ class MixConfig:
     repeat: float = 0.10
     plain_text: float = 0.10
     aggregation: float = 0.0
-    """Aggregation-only rows (cwe / fwe drawn from `agg`), besides the RULER component's share."""
+    """Aggregation-only rows (drawn from `agg`), besides the RULER component's share."""
     agg: AggregationMix = field(default_factory=AggregationMix)
     max_repeat_tokens: int = 4096
     """Cap on a copy document (its answer doubles the sequence)."""
@@ -200,6 +202,9 @@ AGGREGATION_MIX = MixConfig(
 )
 """Fine-tune mix: 42.5% aggregation rows (easy counts first in the draw), the old components kept."""
 
+COMPARE_MIX = replace(AGGREGATION_MIX, agg=replace(AGGREGATION_MIX.agg, compare_share=0.5))
+"""Stage-3 mix: the stage-2 mix with half of the aggregation rows the query-dependent `compare`."""
+
 PRESETS: dict[str, TrainConfig] = {
     "base": TrainConfig(),
     "aggregation": TrainConfig(
@@ -210,6 +215,15 @@ PRESETS: dict[str, TrainConfig] = {
         warmup_steps=50,
         steps=2400,
     ),
+    "compare": TrainConfig(
+        mix=COMPARE_MIX,
+        curriculum=AGGREGATION_CURRICULUM,
+        agg_weight=1.0,
+        lr=5e-4,
+        warmup_steps=50,
+        steps=2000,
+    ),
 }
 """Named recipes: `base` trains from scratch; `aggregation` fine-tunes exported weights (`--init`)
-for `steps` more steps on an aggregation-heavy mix at short lengths first."""
+for `steps` more steps on an aggregation-heavy mix at short lengths first; `compare` is the same
+recipe with half of the aggregation rows the query-dependent word comparison."""

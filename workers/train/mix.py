@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from workers.synth import TASKS, Episode, SynthContext
-from workers.synth.aggregate import CommonWords, FrequentWords
+from workers.synth.aggregate import CommonWords, FrequentWords, WordCompare
 from workers.synth.dense import DenseRecall, PlainText
 from workers.synth.reconstruct import Repeat
 from workers.synth.registry import Task
@@ -22,12 +22,15 @@ NIAH_SHARE = 0.6
 """Of the RULER component: NIAH share; the rest is split between vt and aggregation."""
 VT_SHARE = 0.3
 RULER_RETRIES = 4
-AGGREGATION_TASKS = ("cwe", "fwe")
+AGGREGATION_TASKS = ("cwe", "fwe", "compare")
+COMPARE = WordCompare(name="compare")
 RULER_MARGIN = 8
 
 
 def aggregation_task(rng: random.Random, agg: AggregationMix) -> Task:
-    """A cwe or fwe generator with its answer count drawn from `agg`."""
+    """A compare, cwe or fwe generator (cwe / fwe with their answer count drawn from `agg`)."""
+    if rng.random() < agg.compare_share:
+        return COMPARE
     if rng.random() < agg.cwe_share:
         return CommonWords(name="cwe", n_common=rng.choice(agg.cwe_common))
     return FrequentWords(name="fwe", n_top=rng.choice(agg.fwe_top))

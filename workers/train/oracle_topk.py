@@ -27,7 +27,7 @@ from workers.synth import PROMPT, Sample, SynthContext, generate
 
 ATTN_NAME = "oracle_topk"
 ANSWER_SLACK_TOKENS = 8
-DEFAULT_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe")
+DEFAULT_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "compare")
 
 
 ANCHORS = DecodeConfig()
