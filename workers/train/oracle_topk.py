@@ -1,10 +1,18 @@
 """Realism check for the model card: greedy accuracy when each decode-time query attends only to
-its oracle top-k document keys (per query head), next to full attention.
+its oracle top-k document keys, next to full attention.
 
     python -m workers.train.oracle_topk --model models/kvstash-tiny --length 2048 --fractions 1 0.05 0.02 0.01
 
-The document is prefilled with full attention; the query and the answer tokens then attend to
-the top `fraction` of document keys by exact score, plus every query/answer token (resident tail).
+The document is prefilled with full attention; the query and the answer tokens then attend to a
+budget of document keys plus every query/answer token (resident tail). Two selections:
+
+- ``kv-head`` (default; the paper's Lane A "Sink + Tail + Top-K" and the product's `topk`): a
+  budget of n(f) = ceil(f N) token equivalents per KV head, of which the sink and tail anchors
+  take theirs and the rest, k_topk = n(f) - sink - tail (eq. 14), are the mid tokens with the most
+  group-mean attention mass (exhaustive, exact scores), shared by the KV head's query heads.
+- ``query-head``: every query head keeps its own top ceil(f N) document keys, anchors not charged
+  (with 4 query heads per KV head this reads up to 4x the budget per KV head).
+
 With full attention it also records H_mid (the mid-region normalized entropy of appendix H,
 eq. 52) of every layer and query head at the last query token, the one that predicts the first
 answer token: the entropy of the attention restricted to the document minus its first `sink`
@@ -22,12 +30,15 @@ from pathlib import Path
 import torch
 from transformers import AttentionInterface, AutoTokenizer, DynamicCache, LlamaForCausalLM
 
+from workers.budget import k_topk, n_budget
 from workers.methods.base import DecodeConfig, mid_range
+from workers.methods.selector import group_mass
 from workers.synth import PROMPT, Sample, SynthContext, generate
 
 ATTN_NAME = "oracle_topk"
 ANSWER_SLACK_TOKENS = 8
 DEFAULT_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "compare")
+SELECTIONS = ("kv-head", "query-head")
 
 
 ANCHORS = DecodeConfig()
@@ -36,11 +47,12 @@ ANCHORS = DecodeConfig()
 
 @dataclass
 class TopK:
-    """What the attention function reads: document length and kept fraction (1.0 = full);
-    while `record` is set, each layer appends its H_mid per query head to `entropy`."""
+    """What the attention function reads: document length, kept fraction (1.0 = full) and how
+    keys are selected; while `record` is set, each layer appends its H_mid per query head to `entropy`."""
 
     doc_len: int = 0
     fraction: float = 1.0
+    selection: str = "kv-head"
     record: bool = False
     entropy: list[torch.Tensor] = field(default_factory=list)
 
@@ -62,15 +74,37 @@ def topk_attention(module, query, key, value, attention_mask, dropout=0.0, scali
     if STATE.record and q_len < k_len and n_doc > 0:
         STATE.entropy.append(mid_entropy(scores[0, :, -1, :n_doc]))
     if q_len < k_len and STATE.fraction < 1.0 and n_doc > 0:
-        budget = max(1, math.ceil(STATE.fraction * n_doc))
-        doc = scores[..., :n_doc]
-        threshold = doc.topk(budget, dim=-1).values[..., -1:]
-        scores[..., :n_doc] = doc.masked_fill(doc < threshold, -math.inf)
+        keep = (kv_head_keep if STATE.selection == "kv-head" else query_head_keep)(scores[..., :n_doc], groups)
+        scores[..., :n_doc] = scores[..., :n_doc].masked_fill(~keep, -math.inf)
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return (probs @ v).transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(ATTN_NAME, topk_attention)
+
+
+def query_head_keep(doc: torch.Tensor, groups: int) -> torch.Tensor:
+    """Mask of each query head's own top ceil(f N) document keys, from logits [B, Hq, T, N]."""
+    budget = max(1, math.ceil(STATE.fraction * doc.shape[-1]))
+    threshold = doc.topk(budget, dim=-1).values[..., -1:]
+    return doc >= threshold
+
+
+def kv_head_keep(doc: torch.Tensor, groups: int) -> torch.Tensor:
+    """Mask of the sink and tail anchors plus each KV head's k_topk mid keys by group-mean
+    attention mass (the paper's token-equivalent budget), from logits [B, Hq, T, N]."""
+    n = doc.shape[-1]
+    lo, hi = mid_range(n, ANCHORS.sink, ANCHORS.tail)
+    keep = torch.ones_like(doc, dtype=torch.bool)
+    k = min(hi - lo, k_topk(n_budget(STATE.fraction, n), ANCHORS.sink, ANCHORS.tail))
+    mid = doc[..., lo:hi]
+    b, hq, t, m = mid.shape
+    mass = group_mass(mid.reshape(b, hq // groups, groups, t, m).transpose(2, 3))  # [B, Hkv, T, M]
+    chosen = torch.zeros_like(mass, dtype=torch.bool)
+    if k > 0:
+        chosen.scatter_(-1, mass.topk(k, dim=-1).indices, True)
+    keep[..., lo:hi] = chosen.repeat_interleave(groups, dim=1)
+    return keep
 
 
 def mid_entropy(scores: torch.Tensor) -> torch.Tensor:
@@ -145,6 +179,7 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=10)
     p.add_argument("--fractions", nargs="*", type=float, default=[1.0, 0.05, 0.02, 0.01])
     p.add_argument("--tasks", nargs="*", default=list(DEFAULT_TASKS))
+    p.add_argument("--selection", choices=SELECTIONS, default="kv-head", help="how keys are kept (module doc)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", help="also write the result here")
     args = p.parse_args()
@@ -152,6 +187,7 @@ def main() -> None:
     model = model.to(args.device).eval()  # fp32 everywhere: exact top-k
     tok = AutoTokenizer.from_pretrained(args.model)
     ctx = SynthContext(tok, "eval")
+    STATE.selection = args.selection
     table: dict[str, dict] = {}
     for task in args.tasks:
         samples = [generate(task, args.length, seed, ctx) for seed in range(args.samples)]
@@ -162,6 +198,9 @@ def main() -> None:
         "length": args.length,
         "samples": args.samples,
         "device": args.device,
+        "selection": args.selection,
+        "sink": ANCHORS.sink,
+        "tail": ANCHORS.tail,
         "tasks": table,
     }
     text = json.dumps(result, indent=1)
