@@ -17,7 +17,7 @@ from store.manifest import Manifest
 from store.prefix_key import PrefixKey, tenant_salt, token_hash
 from workers.attention import PREFIX_KWARG, PrefixAttention
 from workers.methods.base import DecodeConfig, PrefixSource, ReportsReads
-from workers.methods.registry import get_method, prefill_summarizers
+from workers.methods.registry import build_summarizers, get_method, prefill_summarizers
 from workers.model import LoadedModel
 from workers.offload import HostTier, OffloadConfig, PageFetcher
 from workers.offload.fast_path import open_device_cache, warm_if_it_fits
@@ -127,7 +127,7 @@ class Worker:
         return PrefillResult(prefix_id=pid, n_tokens=len(ids), cached=False, manifest=m)
 
     def _write_prefix(self, key: PrefixKey, ids: list[int], tenant: str) -> Manifest:
-        summarizers = [s() for s in prefill_summarizers()]
+        summarizers = build_summarizers(self.lm.phi_map)
         parts: dict[str, dict[str, torch.Tensor]] = {s.name: {} for s in summarizers}
         with self.store.write_prefix(key, model_name=self.lm.name, n_tokens=len(ids), tenant=tenant) as w:
             for layer, k, v in prefill_kv(self.lm, ids, chunk_size=self.chunk_size, progress=self.progress):
@@ -167,7 +167,7 @@ class Worker:
         if room < 1:
             raise ContextTooLong(f"prefix ({m.n_tokens}) + query ({len(q_ids)}) tokens exceed the model's context "
                                  f"of {self.lm.max_context}")
-        impl = get_method(method)
+        impl = get_method(method, self.lm.phi_map)
         source = PrefixSource(self.store, m, self.lm.device)
         try:
             if impl.fetches_pages and self.offload is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +12,7 @@ from transformers.utils import logging as hf_logging
 from store.layout import KVLayout
 from workers.attention import KVSTASH_ATTENTION, register_attention
 from workers.fingerprint import model_fingerprint
+from workers.methods.phi_maps import FeatureMap, load_feature_map
 from workers.prompt import PromptFormat
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -27,6 +29,8 @@ class LoadedModel:
     layout: KVLayout
     max_context: int
     prompt: PromptFormat
+    phi_map: FeatureMap | None = None
+    """The distilled φ feature map shipped with the model (``phi_map.*``), if any; else FAVOR+."""
 
     @property
     def device(self) -> torch.device:
@@ -66,11 +70,17 @@ def load_model(name_or_path: str, *, device: str = "cpu", dtype: str = "auto", p
         dtype=DTYPE_NAMES[model.dtype],
         page_size=page_size,
     )
+    phi_map = load_feature_map(name_or_path)
+    fingerprint = model_fingerprint(model, name_or_path)
+    if phi_map is not None:  # φ caches built with the map belong to (weights, map)
+        phi_map.to(device)
+        fingerprint = hashlib.sha256(f"{fingerprint}:phi:{phi_map.digest}".encode()).hexdigest()[:32]
     return LoadedModel(
         name=name_or_path,
         model=model,
         tokenizer=tokenizer,
-        fingerprint=model_fingerprint(model, name_or_path),
+        fingerprint=fingerprint,
+        phi_map=phi_map,
         layout=layout,
         max_context=int(getattr(cfg, "max_position_embeddings", 1 << 20)),
         prompt=PromptFormat.load(name_or_path),

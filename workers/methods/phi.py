@@ -104,8 +104,12 @@ class PhiSummarizer(Summarizer):
     name = "phi"
     version = 1
     phi_dim: int | None = None
-    """Feature dimension (None: the head dimension, the paper's setting)."""
+    """Feature dimension of the default FAVOR+ map (None: the head dimension, the paper's setting)."""
     seed = 0
+
+    def __init__(self, fmap: FeatureMap | None = None):
+        self.fmap = fmap
+        """The model's distilled map, when it ships one (else FAVOR+)."""
 
     def summarize(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
         """K, V ``[Hkv, N, D]`` -> ``m``, ``u``, ``t`` and ``meta = [kind, phi_dim, seed, lo, hi]``."""
@@ -118,6 +122,8 @@ class PhiSummarizer(Summarizer):
 
     def feature_map(self, head_dim: int) -> FeatureMap:
         """The map the cache is built with (decode must use the same one)."""
+        if self.fmap is not None:
+            return self.fmap
         return FavorFeatureMap(self.phi_dim or head_dim, self.seed)
 
 
@@ -131,9 +137,9 @@ class PhiCompletion:
             raise ValueError(f"the prefix's φ cache was built with a {MAP_KINDS.get(kind, kind)!r} map; "
                              "pass that feature map to PhiCompletion")
         self.fmap = fmap if fmap is not None else FavorFeatureMap(phi_dim, seed)
-        if self.fmap.kind != kind or self.fmap.phi_dim != phi_dim:
-            raise ValueError(f"feature map (kind {self.fmap.kind}, dim {self.fmap.phi_dim}) does not match the "
-                             f"stored cache (kind {kind}, dim {phi_dim})")
+        if self.fmap.kind != kind or self.fmap.phi_dim != phi_dim or self.fmap.seed != seed:
+            raise ValueError(f"feature map (kind {self.fmap.kind}, dim {self.fmap.phi_dim}, id {self.fmap.seed}) does "
+                             f"not match the stored cache (kind {kind}, dim {phi_dim}, id {seed})")
         self.phi_dim = phi_dim
         self.elem_bytes = self.tensors["0.u"].element_size()
         self._caches: dict[int, StableCache] = {}

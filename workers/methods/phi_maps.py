@@ -7,7 +7,8 @@ log domain (``log φ``), which the stable cache (appendix C) needs anyway.
 - ``FavorFeatureMap``: training-free positive orthogonal random features (FAVOR+, Choromanski
   et al. 2021), seeded per (layer, KV head); the default until distilled maps exist.
 - ``ReZeroMLPFeatureMap``: the paper's head-wise one-block ReZero-MLP (appendix J), φq per query
-  head and φk per KV head, ready to ``load_state_dict`` distilled weights.
+  head and φk per KV head; ``load_feature_map`` reads one distilled by ``workers.train.phi_distill``
+  from a model folder.
 
 Shapes: keys ``[..., Hkv, n, D] -> [..., Hkv, n, F]``; queries grouped by KV head
 ``[..., Hkv, G, D] -> [..., Hkv, G, F]`` (query head ``h * G + g`` reads KV head ``h``).
@@ -16,7 +17,10 @@ Shapes: keys ``[..., Hkv, n, D] -> [..., Hkv, n, F]``; queries grouped by KV hea
 from __future__ import annotations
 
 import abc
+import hashlib
+import json
 import math
+from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -24,6 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 MAP_KINDS: dict[int, str] = {1: "favor", 2: "rezero_mlp"}
+MAP_WEIGHTS = "phi_map.safetensors"
+MAP_CONFIG = "phi_map.json"
+"""A distilled map ships next to the model's weights under these names (``workers.train.phi_distill``)."""
 
 
 class FeatureMap(nn.Module, abc.ABC):
@@ -42,7 +49,7 @@ class FeatureMap(nn.Module, abc.ABC):
 
     @property
     def seed(self) -> int:
-        """Seed of a random map (0 for learned maps)."""
+        """Identity stored with a φ cache: a random map's seed, a learned map's weight digest."""
         return 0
 
 
@@ -154,6 +161,13 @@ class ReZeroMLPFeatureMap(FeatureMap):
         self.phi_dim, self.n_heads, self.n_kv_heads = phi_dim, n_heads, n_kv_heads
         self.q = HeadwiseMLP(n_layers, n_heads, head_dim, hidden, phi_dim, seed=seed)
         self.k = HeadwiseMLP(n_layers, n_kv_heads, head_dim, hidden, phi_dim, seed=seed + 1)
+        self.digest = 0
+
+    @property
+    def seed(self) -> int:
+        """Digest of the loaded weights (0 until `load_feature_map` sets it), so a cache built with
+        other weights is refused."""
+        return self.digest
 
     def log_phi_k(self, layer: int, k: torch.Tensor) -> torch.Tensor:
         """``log φk`` of keys ``[..., Hkv, n, D]``."""
@@ -164,3 +178,30 @@ class ReZeroMLPFeatureMap(FeatureMap):
         *lead, hkv, g, d = q.shape
         per_head = self.q(layer, q.reshape(*lead, hkv * g, 1, d))
         return per_head.reshape(*lead, hkv, g, self.phi_dim)
+
+
+def weights_digest(state: dict[str, torch.Tensor]) -> int:
+    """A 62-bit digest of a state dict (fits the int64 metadata of a φ cache)."""
+    h = hashlib.sha256()
+    for name, t in sorted(state.items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return int.from_bytes(h.digest()[:8], "big") >> 2
+
+
+def load_feature_map(model_dir: str | Path) -> ReZeroMLPFeatureMap | None:
+    """The distilled map shipped in a local model folder, or None when it has none."""
+    folder = Path(model_dir)
+    if not (folder / MAP_CONFIG).is_file():
+        return None
+    from safetensors.torch import load_file  # local import: only models with a map need it
+
+    cfg = json.loads((folder / MAP_CONFIG).read_text())
+    if cfg.get("kind") != MAP_KINDS[ReZeroMLPFeatureMap.kind]:
+        raise ValueError(f"{folder / MAP_CONFIG}: unsupported map kind {cfg.get('kind')!r}")
+    shape = {k: int(cfg[k]) for k in ("n_layers", "n_heads", "n_kv_heads", "head_dim", "phi_dim", "hidden")}
+    fmap = ReZeroMLPFeatureMap(**shape)
+    state = load_file(str(folder / MAP_WEIGHTS))
+    fmap.load_state_dict(state)
+    fmap.digest = weights_digest(state)
+    return fmap.eval().requires_grad_(False)

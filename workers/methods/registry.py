@@ -6,8 +6,10 @@ from store.errors import UnknownMethod
 from workers.methods.base import Method, Summarizer
 from workers.methods.doublep import DoubleP
 from workers.methods.full import FullAttention
+from workers.methods.phi import PhiSummarizer
+from workers.methods.phi_maps import FeatureMap
 from workers.methods.quest import Quest
-from workers.methods.sparse import with_phi
+from workers.methods.sparse import SparseMethod, with_phi
 from workers.methods.topk import TopK
 
 METHODS: dict[str, type[Method]] = {
@@ -24,12 +26,16 @@ METHODS: dict[str, type[Method]] = {
 }
 
 
-def get_method(name: str) -> Method:
-    """An instance of the method called ``name``."""
+def get_method(name: str, phi_map: FeatureMap | None = None) -> Method:
+    """An instance of the method called ``name`` (φ-completed ones use the model's distilled
+    ``phi_map`` when it has one, else FAVOR+)."""
     try:
-        return METHODS[name]()
+        method = METHODS[name]()
     except KeyError:
         raise UnknownMethod(f"unknown method {name!r}; choose one of {sorted(METHODS)}") from None
+    if phi_map is not None and isinstance(method, SparseMethod) and method.completion:
+        method.feature_map = phi_map
+    return method
 
 
 def prefill_summarizers() -> list[type[Summarizer]]:
@@ -39,3 +45,8 @@ def prefill_summarizers() -> list[type[Summarizer]]:
         for s in method.summarizers:
             seen.setdefault(s.name, s)
     return [seen[n] for n in sorted(seen)]
+
+
+def build_summarizers(phi_map: FeatureMap | None = None) -> list[Summarizer]:
+    """Instances of `prefill_summarizers`; the φ cache is built with the model's `phi_map` when given."""
+    return [s(phi_map) if issubclass(s, PhiSummarizer) else s() for s in prefill_summarizers()]

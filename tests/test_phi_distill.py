@@ -1,0 +1,125 @@
+"""Distilled φ feature maps: the appendix-B loss, training, shipping and use by the worker."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+from store.artifacts import bytes_to_tensors
+from workers.methods.memory import MemorySource
+from workers.methods.phi import PhiCompletion, PhiSummarizer
+from workers.methods.phi_maps import MAP_CONFIG, FavorFeatureMap, ReZeroMLPFeatureMap, load_feature_map
+from workers.methods.registry import get_method
+from workers.train.phi_distill import (
+    CAPTURE_ATTN,
+    DistillConfig,
+    DistillLoss,
+    capture,
+    distill_loss,
+    log_z_error,
+    model_shape,
+    save_map,
+    student_logits,
+    train_map,
+)
+
+MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "kvstash-tiny"
+SHAPE = {"n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8}
+
+
+def test_loss_is_zero_for_a_perfect_student_and_penalizes_overestimated_mass():
+    s = torch.randn(3, 50) * 4
+    parts = distill_loss(s, s.clone(), DistillLoss())
+    assert all(float(v) == pytest.approx(0.0, abs=1e-6) for v in parts.values())
+    over = distill_loss(s, s + 1.0, DistillLoss())  # same shape, e times the mass
+    assert float(over["kl"]) == pytest.approx(0.0, abs=1e-5)  # the KL term is blind to a shift ...
+    assert float(over["z"]) > 0.4 and float(over["top"]) > 0.4  # ... the auxiliary terms are not
+    under = distill_loss(s, s - 1.0, DistillLoss())
+    assert float(under["z"]) == 0.0  # log-partition penalty is one-sided (overestimation only)
+
+
+def test_student_logits_are_the_log_feature_inner_products():
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(4, 5, 8, generator=g), torch.randn(2, 30, 8, generator=g)
+    for fmap in (FavorFeatureMap(16), ReZeroMLPFeatureMap(phi_dim=16, seed=1, **SHAPE)):
+        got = student_logits(fmap, 1, q, k, 0.35)
+        lq = fmap.log_phi_q(1, q.reshape(2, 2, 5, 8).permute(2, 0, 1, 3), 0.35).permute(1, 2, 0, 3).reshape(4, 5, 16)
+        lk = fmap.log_phi_k(1, k).repeat_interleave(2, 0)
+        want = torch.logsumexp(lq[:, :, None, :] + lk[:, None, :, :], -1)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def teacher():
+    model = LlamaForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32, attn_implementation=CAPTURE_ATTN)
+    return model.eval(), AutoTokenizer.from_pretrained(MODEL_DIR)
+
+
+def test_distillation_on_the_shipped_model_beats_favor_and_ships(teacher, tmp_path):
+    model, tok = teacher
+    train = capture(model, tok, "train", 4, (384,), seed=0)
+    held = capture(model, tok, "eval", 2, (384,), seed=1)
+    assert len(train[0].q) == model.config.num_hidden_layers and train[0].q[0].shape[0] == 8
+    cfg = DistillConfig(phi_dim=8, hidden=16, steps=60, lr=1e-2, loss=DistillLoss(lambda_kl=0.5))
+    shape = model_shape(model.config)
+    untrained = log_z_error(ReZeroMLPFeatureMap(phi_dim=8, hidden=16, seed=0, **shape), held, drop_top=16)
+    favor = log_z_error(FavorFeatureMap(shape["head_dim"]), held, drop_top=16)
+    fmap, log = train_map(train, held, cfg, shape, "cpu")
+    final = log[-1]["heldout_residual_log_z_err"]
+    assert final < 0.5 * untrained and final < 0.25 * favor, (final, untrained, favor)  # FAVOR+: many nats off
+    save_map(fmap, tmp_path, cfg, shape, {"log": log})
+    loaded = load_feature_map(tmp_path)
+    assert loaded is not None and loaded.seed == json.loads((tmp_path / MAP_CONFIG).read_text())["digest"] != 0
+    x = torch.randn(2, 7, 64)
+    torch.testing.assert_close(loaded.log_phi_k(3, x), fmap.log_phi_k(3, x))
+    assert not list(tmp_path.glob(".*.tmp"))  # written by rename: no leftovers
+    assert load_feature_map(tmp_path / "missing") is None
+
+
+def test_a_cache_built_with_one_map_is_refused_with_another():
+    a = ReZeroMLPFeatureMap(phi_dim=8, seed=0, **SHAPE)
+    b = ReZeroMLPFeatureMap(phi_dim=8, seed=0, **SHAPE)
+    a.digest, b.digest = 11, 12
+
+    class WithA(PhiSummarizer):
+        def __init__(self) -> None:
+            super().__init__(a)
+
+    g = torch.Generator().manual_seed(3)
+    kv = [(torch.randn(2, 64, 8, generator=g), torch.randn(2, 64, 8, generator=g)) for _ in range(2)]
+    src = MemorySource.build(kv, [WithA])
+    assert int(src.artifact("phi")["0.meta"][2]) == 11
+    PhiCompletion(src, a)  # the same map opens it
+    with pytest.raises(ValueError, match="does not match"):
+        PhiCompletion(src, b)
+    with pytest.raises(ValueError, match="rezero_mlp"):
+        PhiCompletion(src, None)  # FAVOR+ cannot read a learned map's cache
+    assert get_method("topk+phi", a).feature_map is a and get_method("topk", a).feature_map is None
+
+
+def test_the_worker_uses_a_shipped_map(tmp_path):
+    from client import KVClient
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(MODEL_DIR, model_dir, ignore=shutil.ignore_patterns("logs"))
+    shipped = load_feature_map(MODEL_DIR)
+    assert shipped is not None, "the shipped model carries its distilled map"
+    kv = KVClient(home=tmp_path / "home", model=str(model_dir), device="cpu", progress=False)
+    with_map = kv.worker.lm
+    assert with_map.phi_map is not None and with_map.phi_map.seed == shipped.seed
+    doc = kv.prefill("The special magic number for amber-lantern is: 4921873. " + "Nothing else happened. " * 60)
+    art = kv.worker.store.artifact(doc.prefix_id, "phi")
+    meta = bytes_to_tensors(art)["0.meta"]
+    assert int(meta[0]) == ReZeroMLPFeatureMap.kind and int(meta[2]) == shipped.seed
+    out = kv.generate("What is the special magic number for amber-lantern mentioned in the provided text?",
+                      prefix=doc, method="topk+phi", budget=0.2, max_new_tokens=12)
+    assert "4921873" in out.text
+    for name in ("phi_map.json", "phi_map.safetensors"):
+        (model_dir / name).unlink()
+    plain = KVClient(home=tmp_path / "home2", model=str(model_dir), device="cpu", progress=False).worker.lm
+    assert plain.phi_map is None and plain.fingerprint != with_map.fingerprint  # caches never mix
