@@ -28,6 +28,8 @@ from workers.attention import PREFIX_KWARG, dense_attention
 from workers.budget import plan_budget
 from workers.methods.base import DecodeConfig, mid_range
 from workers.methods.memory import MemorySource
+from workers.methods.phi import PhiSummarizer
+from workers.methods.phi_maps import FeatureMap
 from workers.methods.registry import METHODS, get_method
 
 METHODS_SHOWN = ["topk", "topk+phi", "quest", "quest+phi", "doublep", "doublep+phi"]
@@ -125,6 +127,7 @@ def model_cases(args: argparse.Namespace) -> list[Case]:
     from workers.synth import SynthContext, generate
 
     lm = load_model(args.model, dtype="float32", progress=False)
+    args.fmap = lm.phi_map if args.phi_map == "model" else None
     ctx = SynthContext(tokenizer=lm.tokenizer, split="eval")
     cases = []
     for i in range(args.samples):
@@ -142,9 +145,10 @@ def model_cases(args: argparse.Namespace) -> list[Case]:
     return cases
 
 
-def measure(src: MemorySource, name: str, cfg: DecodeConfig, case: Case) -> tuple[list[torch.Tensor], dict]:
+def measure(src: MemorySource, name: str, cfg: DecodeConfig, case: Case,
+            fmap: FeatureMap | None = None) -> tuple[list[torch.Tensor], dict]:
     """Each query token is one decode step over every layer; (out per layer, per-step reads per KV head)."""
-    attn = get_method(name).open(src, cfg)
+    attn = get_method(name, fmap).open(src, cfg)
     steps = [[attn.attend(layer, q[:, :, j:j + 1], case.scale)[0] for layer, q in enumerate(case.q)]
              for j in range(case.q[0].shape[2])]
     rep = attn.read_report()
@@ -166,7 +170,9 @@ def run(args: argparse.Namespace) -> tuple[list[str], dict]:
     edges = torch.quantile(ent, torch.tensor([0.25, 0.5, 0.75], dtype=ent.dtype))
     quart = torch.bucketize(ent, edges)
     t0 = time.perf_counter()
-    summarizers = {s for m in METHODS_SHOWN for s in METHODS[m].summarizers}
+    fmap = getattr(args, "fmap", None)
+    classes = {s for m in METHODS_SHOWN for s in METHODS[m].summarizers}
+    summarizers = [PhiSummarizer(fmap) if s is PhiSummarizer else s for s in classes]
     sources = [MemorySource.build(c.kv, summarizers) for c in cases]
     prefill_s = time.perf_counter() - t0
     rows, results = [], {}
@@ -175,7 +181,7 @@ def run(args: argparse.Namespace) -> tuple[list[str], dict]:
     for f, label, name, cfg in jobs:
         errs, counts = [], []
         for case, src, ref in zip(cases, sources, refs):
-            outs, c = measure(src, name, cfg, case)
+            outs, c = measure(src, name, cfg, case, fmap)
             errs += [rel_l1(o, r).flatten() for o, r in zip(outs, ref)]
             counts.append(c)
         err = torch.cat(errs)
@@ -183,7 +189,7 @@ def run(args: argparse.Namespace) -> tuple[list[str], dict]:
         per_q = [float(err[quart == i].mean()) for i in range(4)]
         results[(f, label)] = (float(err.mean()), per_q)
         feasible = f is None or not name.endswith("+phi") or cfg.gen_len > 1 or plan_budget(
-            prefill_len=n, fraction=f, head_dim=d, phi_dim=d).hybrid_feasible
+            prefill_len=n, fraction=f, head_dim=d, phi_dim=fmap.phi_dim if fmap else d).hybrid_feasible
         rows.append(f"| {'-' if f is None else f'{f:.0%}'} | {label}{'' if feasible else ' (infeasible)'} | "
                     f"{c['k']:.0f} | {float(err.mean()):.3f} | " + " | ".join(f"{e:.3f}" for e in per_q)
                     + f" | {c['exact']:.0f} | {c['pseudo']:.0f} | {c['once']:.0f} |")
@@ -191,7 +197,8 @@ def run(args: argparse.Namespace) -> tuple[list[str], dict]:
     used = [args.tasks[i % len(args.tasks)] for i in range(len(cases))]
     source = (f"model {args.model}, {len(cases)} documents ({', '.join(used)}, seeds from {args.seed})" if args.model
               else f"planted data, seed {args.seed}")
-    header = [f"{source}; N={n}, d_h=d_phi={d}, {len(cases[0].kv)} layers x {kv0.shape[0]} KV heads x "
+    phi = f"distilled phi map, d_phi={fmap.phi_dim}" if fmap else f"FAVOR+ phi, d_phi={d}"
+    header = [f"{source}; N={n}, d_h={d}, {phi}, {len(cases[0].kv)} layers x {kv0.shape[0]} KV heads x "
               f"G={cases[0].q[0].shape[1] // kv0.shape[0]}, {cases[0].q[0].shape[2]} decode steps "
               f"({len(ent)} rows); H_mid quartile edges {', '.join(f'{x:.2f}' for x in edges.tolist())}; "
               f"summaries built in {prefill_s:.1f} s",
@@ -224,6 +231,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", help="capture q/K/V from this model (hub id or path) instead of planted data")
     p.add_argument("--samples", type=int, default=2, help="documents to capture (with --model)")
+    p.add_argument("--phi-map", choices=("model", "favor"), default="model",
+                   help="with --model: its distilled phi map when it ships one (model), or FAVOR+ (favor)")
     p.add_argument("--tasks", type=lambda s: s.split(","), default=["niah_multikey", "fwe"],
                    help="synthetic tasks the documents come from (with --model)")
     p.add_argument("--budgets", type=lambda s: [float(x) for x in s.split(",")], default=[0.01, 0.02, 0.03, 0.04, 0.05])

@@ -15,11 +15,12 @@ from workers.methods.base import PrefixSource, Summarizer
 
 
 def summarize_layers(kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                     summarizers: Iterable[type[Summarizer]]) -> dict[str, dict[str, torch.Tensor]]:
-    """Artifacts of every summarizer over layers ``kv`` (each K, V ``[Hkv, N, D]``)."""
+                     summarizers: Iterable[type[Summarizer] | Summarizer]) -> dict[str, dict[str, torch.Tensor]]:
+    """Artifacts of every summarizer (a class, or an instance built with its model's parts) over
+    layers ``kv`` (each K, V ``[Hkv, N, D]``)."""
     out: dict[str, dict[str, torch.Tensor]] = {}
     for cls in summarizers:
-        s = cls()
+        s = cls() if isinstance(cls, type) else cls
         out[s.name] = {f"{layer}.{name}": t for layer, (k, v) in enumerate(kv) for name, t in
                        s.summarize(layer, k, v).items()}
     return out
@@ -42,7 +43,8 @@ class MemorySource(PrefixSource):
         self.bytes_read = 0
 
     @classmethod
-    def build(cls, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], summarizers: Iterable[type[Summarizer]],
+    def build(cls, kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+              summarizers: Iterable[type[Summarizer] | Summarizer],
               **kwargs: int) -> MemorySource:
         """A source with the artifacts ``summarizers`` produce for ``kv``."""
         return cls(kv, summarize_layers(kv, summarizers), **kwargs)
