@@ -123,3 +123,14 @@ def test_the_worker_uses_a_shipped_map(tmp_path):
         (model_dir / name).unlink()
     plain = KVClient(home=tmp_path / "home2", model=str(model_dir), device="cpu", progress=False).worker.lm
     assert plain.phi_map is None and plain.fingerprint != with_map.fingerprint  # caches never mix
+
+
+def test_a_map_for_another_model_shape_is_refused_at_load(tmp_path):
+    from workers.model import load_model
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(MODEL_DIR, model_dir, ignore=shutil.ignore_patterns("logs", "phi_map.*"))
+    cfg = DistillConfig(phi_dim=4, hidden=8)
+    save_map(ReZeroMLPFeatureMap(phi_dim=4, hidden=8, **SHAPE), model_dir, cfg, SHAPE, {})
+    with pytest.raises(ValueError, match="phi_map is for"):
+        load_model(str(model_dir), progress=False)

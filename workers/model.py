@@ -73,6 +73,10 @@ def load_model(name_or_path: str, *, device: str = "cpu", dtype: str = "auto", p
     phi_map = load_feature_map(name_or_path)
     fingerprint = model_fingerprint(model, name_or_path)
     if phi_map is not None:  # φ caches built with the map belong to (weights, map)
+        heads = (layout.n_layers, cfg.num_attention_heads, layout.n_kv_heads, layout.head_dim)
+        if phi_map.shape != heads:
+            raise ValueError(f"{name_or_path}: phi_map is for (layers, heads, kv heads, head dim) {phi_map.shape}, "
+                             f"the model has {heads}")
         phi_map.to(device)
         fingerprint = hashlib.sha256(f"{fingerprint}:phi:{phi_map.digest}".encode()).hexdigest()[:32]
     return LoadedModel(

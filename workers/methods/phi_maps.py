@@ -159,6 +159,8 @@ class ReZeroMLPFeatureMap(FeatureMap):
             raise ValueError(f"n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads}")
         hidden = hidden or head_dim
         self.phi_dim, self.n_heads, self.n_kv_heads = phi_dim, n_heads, n_kv_heads
+        self.shape = (n_layers, n_heads, n_kv_heads, head_dim)
+        """(layers, query heads, KV heads, head dim) of the model it maps."""
         self.q = HeadwiseMLP(n_layers, n_heads, head_dim, hidden, phi_dim, seed=seed)
         self.k = HeadwiseMLP(n_layers, n_kv_heads, head_dim, hidden, phi_dim, seed=seed + 1)
         self.digest = 0
