@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -53,3 +55,15 @@ def page_tokens(pages: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor, torch
     """Token ids ``[H, n * PAGE]`` of pages ``[H, n]`` and which of them exist (< n_tokens)."""
     tok = (pages.unsqueeze(-1) * PAGE + torch.arange(PAGE)).reshape(pages.shape[0], -1)
     return tok.clamp(max=n_tokens - 1), tok < n_tokens
+
+
+@contextmanager
+def stored_document(lm, home: Path, document: str) -> Iterator[tuple[KVStore, str]]:  # noqa: ANN001 - a LoadedModel
+    """A store under ``home`` holding ``document`` prefilled by ``lm`` (resident path): (store, prefix id)."""
+    from workers.engine import Worker  # local: the low-level offload tests do not load the worker
+
+    store = KVStore(StoreConfig(home=home, page_size=lm.layout.page_size))
+    try:
+        yield store, Worker(store, lm, progress=False, offload=None).prefill(document).prefix_id
+    finally:
+        store.close()

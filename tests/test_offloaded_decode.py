@@ -11,10 +11,12 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from offload_helpers import stored_document
 
 from store.errors import CorruptData
 from store.kvstore import KVStore
@@ -46,13 +48,9 @@ def _run(worker: Worker, pid: str, method: str, budget: float | None) -> Generat
 
 
 @pytest.fixture(scope="module")
-def stored(lm, tmp_path_factory) -> tuple[KVStore, str]:
-    from store.config import StoreConfig
-
-    store = KVStore(StoreConfig(home=tmp_path_factory.mktemp("off"), page_size=lm.layout.page_size))
-    pid = Worker(store, lm, progress=False, offload=None).prefill(DOC).prefix_id
-    yield store, pid
-    store.close()
+def stored(lm, tmp_path_factory) -> Iterator[tuple[KVStore, str]]:
+    with stored_document(lm, tmp_path_factory.mktemp("off"), DOC) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

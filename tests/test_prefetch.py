@@ -11,7 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from offload_helpers import LAYERS, PAGE, gather_rows, layer_path, open_store, page_tokens, write_prefix
+from offload_helpers import (
+    LAYERS,
+    PAGE,
+    gather_rows,
+    layer_path,
+    open_store,
+    page_tokens,
+    stored_document,
+    write_prefix,
+)
 
 from store.config import StoreConfig
 from store.errors import CorruptData
@@ -53,10 +62,8 @@ def _hooks(lm: LoadedModel) -> int:
 
 @pytest.fixture(scope="module")
 def stored(lm: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[KVStore, str]]:
-    store = KVStore(StoreConfig(home=tmp_path_factory.mktemp("pf"), page_size=lm.layout.page_size))
-    pid = Worker(store, lm, progress=False, offload=None).prefill(DOC).prefix_id
-    yield store, pid
-    store.close()
+    with stored_document(lm, tmp_path_factory.mktemp("pf"), DOC) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
