@@ -34,13 +34,17 @@ SHAPE = {"n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8}
 
 def test_loss_is_zero_for_a_perfect_student_and_penalizes_overestimated_mass():
     s = torch.randn(3, 50) * 4
-    parts = distill_loss(s, s.clone(), DistillLoss())
+    parts = distill_loss(s, s.clone(), DistillLoss(lambda_residual=1.0, residual_top=8))
     assert all(float(v) == pytest.approx(0.0, abs=1e-6) for v in parts.values())
     over = distill_loss(s, s + 1.0, DistillLoss())  # same shape, e times the mass
     assert float(over["kl"]) == pytest.approx(0.0, abs=1e-5)  # the KL term is blind to a shift ...
     assert float(over["z"]) > 0.4 and float(over["top"]) > 0.4  # ... the auxiliary terms are not
     under = distill_loss(s, s - 1.0, DistillLoss())
     assert float(under["z"]) == 0.0  # log-partition penalty is one-sided (overestimation only)
+    tail = s.clone()
+    tail[s < s.topk(8, -1).values[..., -1:]] += 2.0  # only keys outside each row's top 8 overestimated
+    res = distill_loss(s, tail, DistillLoss(lambda_residual=1.0, residual_top=8))
+    assert float(res["residual"]) == pytest.approx(1.5, abs=1e-4)  # huber(2) with delta 1
 
 
 def test_student_logits_are_the_log_feature_inner_products():

@@ -55,6 +55,12 @@ class DistillLoss:
     """Δ: the top band is r >= -Δ (logit drop from the teacher maximum), the far region r < -Δ."""
     huber: float = 1.0
     """δ of the Huber penalty."""
+    lambda_residual: float = 0.0
+    """Ours, not the paper's (0 = appendix B alone): weight of a symmetric Huber penalty on the
+    log mass outside the teacher's `residual_top` keys, the quantity completion estimates after
+    one-way subtraction. Without it peaked rows get their tiny residual overestimated several-fold
+    (many far keys each a little too high), which the KL and top-band terms barely see."""
+    residual_top: int = 32
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,7 +166,14 @@ def distill_loss(s: torch.Tensor, s_hat: torch.Tensor, c: DistillLoss) -> dict[s
     l_fp = (huber((r_hat + c.band).clamp_min(0), c.huber) * far).sum() / far.sum().clamp_min(1)
     l_z = huber((torch.logsumexp(s_hat, -1) - torch.logsumexp(s, -1)).clamp_min(0), c.huber).mean()
     aux = c.lambda_top * l_top + c.lambda_fp * l_fp + c.lambda_z * l_z
-    return {"loss": c.lambda_kl * kl + (1 - c.lambda_kl) * aux, "kl": kl, "top": l_top, "fp": l_fp, "z": l_z}
+    loss = c.lambda_kl * kl + (1 - c.lambda_kl) * aux
+    l_res = s.new_zeros(())
+    if c.lambda_residual > 0 and s.shape[-1] > c.residual_top:
+        idx = s.topk(c.residual_top, -1).indices
+        log_rest_hat = torch.logsumexp(s_hat.scatter(-1, idx, -math.inf), -1)
+        l_res = huber(log_rest_hat - torch.logsumexp(s.scatter(-1, idx, -math.inf), -1), c.huber).mean()
+        loss = loss + c.lambda_residual * l_res
+    return {"loss": loss, "kl": kl, "top": l_top, "fp": l_fp, "z": l_z, "residual": l_res}
 
 
 @torch.no_grad()
@@ -247,9 +260,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lengths", nargs="*", type=int, default=list(DistillConfig.lengths))
     p.add_argument("--lambda-kl", type=float, default=DistillLoss.lambda_kl, help="weight of the KL term (appendix B)")
     p.add_argument("--tau", type=float, default=DistillLoss.tau, help="distillation temperature")
+    p.add_argument("--lambda-residual", type=float, default=DistillLoss.lambda_residual,
+                   help="weight of the residual log-mass penalty (ours; 0 = the paper's objective alone)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
-    loss = DistillLoss(lambda_kl=args.lambda_kl, tau=args.tau)
+    loss = DistillLoss(lambda_kl=args.lambda_kl, tau=args.tau, lambda_residual=args.lambda_residual)
     cfg = DistillConfig(phi_dim=args.phi_dim, docs=args.docs, steps=args.steps, lengths=tuple(args.lengths), loss=loss)
     model = LlamaForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation=CAPTURE_ATTN)
     model = model.to(args.device).eval()
