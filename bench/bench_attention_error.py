@@ -118,8 +118,9 @@ class _Recorder:
 
 
 @torch.inference_mode()
-def model_cases(args: argparse.Namespace) -> list[Case]:
-    """Capture q/K/V from ``args.model`` over synthetic-suite documents of ~``args.n`` tokens."""
+def model_cases(args: argparse.Namespace) -> tuple[list[Case], FeatureMap | None]:
+    """Capture q/K/V from ``args.model`` over synthetic-suite documents of ~``args.n`` tokens; also
+    the φ map to complete with (the model's distilled one, unless ``--phi-map favor``)."""
     from transformers import DynamicCache
 
     from workers.model import load_model
@@ -127,7 +128,6 @@ def model_cases(args: argparse.Namespace) -> list[Case]:
     from workers.synth import SynthContext, generate
 
     lm = load_model(args.model, dtype="float32", progress=False)
-    args.fmap = lm.phi_map if args.phi_map == "model" else None
     ctx = SynthContext(tokenizer=lm.tokenizer, split="eval")
     cases = []
     for i in range(args.samples):
@@ -142,7 +142,7 @@ def model_cases(args: argparse.Namespace) -> list[Case]:
                  logits_to_keep=1, **{PREFIX_KWARG: rec})
         last = slice(-args.queries, None)
         cases.append(Case(kv, [rec.q[layer][:, :, last] for layer in range(len(kv))], rec.scale))
-    return cases
+    return cases, lm.phi_map if args.phi_map == "model" else None
 
 
 def measure(src: MemorySource, name: str, cfg: DecodeConfig, case: Case,
@@ -162,7 +162,7 @@ def measure(src: MemorySource, name: str, cfg: DecodeConfig, case: Case,
 
 
 def run(args: argparse.Namespace) -> tuple[list[str], dict]:
-    cases = model_cases(args) if args.model else synthetic_cases(args)
+    cases, fmap = model_cases(args) if args.model else (synthetic_cases(args), None)
     n, d = cases[0].kv[0][0].shape[1], cases[0].kv[0][0].shape[2]
     lo, hi = mid_range(n, 4, 16)
     refs = [[dense_attention(q, k[None], v[None], c.scale)[0] for q, (k, v) in zip(c.q, c.kv)] for c in cases]
@@ -170,7 +170,6 @@ def run(args: argparse.Namespace) -> tuple[list[str], dict]:
     edges = torch.quantile(ent, torch.tensor([0.25, 0.5, 0.75], dtype=ent.dtype))
     quart = torch.bucketize(ent, edges)
     t0 = time.perf_counter()
-    fmap = getattr(args, "fmap", None)
     classes = {s for m in METHODS_SHOWN for s in METHODS[m].summarizers}
     summarizers = [PhiSummarizer(fmap) if s is PhiSummarizer else s for s in classes]
     sources = [MemorySource.build(c.kv, summarizers) for c in cases]

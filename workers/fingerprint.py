@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -36,14 +37,19 @@ def weight_files_digest(model_dir: Path) -> str | None:
     return h.hexdigest()
 
 
-def state_dict_digest(model: torch.nn.Module) -> str:
-    """Hash of a model's parameters and buffers (for models not loaded from local files)."""
+def tensors_digest(tensors: Mapping[str, torch.Tensor]) -> str:
+    """Hash of named tensors (names, dtypes and bytes, in name order)."""
     h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
+    for name, t in sorted(tensors.items()):
         h.update(name.encode())
         h.update(str(t.dtype).encode())
         h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def state_dict_digest(model: torch.nn.Module) -> str:
+    """Hash of a model's parameters and buffers (for models not loaded from local files)."""
+    return tensors_digest(model.state_dict())
 
 
 def model_fingerprint(model: PreTrainedModel, source: str) -> str:

@@ -17,7 +17,6 @@ Shapes: keys ``[..., Hkv, n, D] -> [..., Hkv, n, F]``; queries grouped by KV hea
 from __future__ import annotations
 
 import abc
-import hashlib
 import json
 import math
 from pathlib import Path
@@ -26,6 +25,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from workers.fingerprint import tensors_digest
 
 MAP_KINDS: dict[int, str] = {1: "favor", 2: "rezero_mlp"}
 MAP_WEIGHTS = "phi_map.safetensors"
@@ -184,11 +185,7 @@ class ReZeroMLPFeatureMap(FeatureMap):
 
 def weights_digest(state: dict[str, torch.Tensor]) -> int:
     """A 62-bit digest of a state dict (fits the int64 metadata of a φ cache)."""
-    h = hashlib.sha256()
-    for name, t in sorted(state.items()):
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return int.from_bytes(h.digest()[:8], "big") >> 2
+    return int(tensors_digest(state)[:16], 16) >> 2
 
 
 def load_feature_map(model_dir: str | Path) -> ReZeroMLPFeatureMap | None:

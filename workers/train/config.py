@@ -205,24 +205,19 @@ AGGREGATION_MIX = MixConfig(
 COMPARE_MIX = replace(AGGREGATION_MIX, agg=replace(AGGREGATION_MIX.agg, compare_share=0.5))
 """Stage-3 mix: the stage-2 mix with half of the aggregation rows the query-dependent `compare`."""
 
+AGGREGATION_FINETUNE = TrainConfig(
+    mix=AGGREGATION_MIX,
+    curriculum=AGGREGATION_CURRICULUM,
+    agg_weight=1.0,
+    lr=5e-4,
+    warmup_steps=50,
+    steps=2400,
+)
+
 PRESETS: dict[str, TrainConfig] = {
     "base": TrainConfig(),
-    "aggregation": TrainConfig(
-        mix=AGGREGATION_MIX,
-        curriculum=AGGREGATION_CURRICULUM,
-        agg_weight=1.0,
-        lr=5e-4,
-        warmup_steps=50,
-        steps=2400,
-    ),
-    "compare": TrainConfig(
-        mix=COMPARE_MIX,
-        curriculum=AGGREGATION_CURRICULUM,
-        agg_weight=1.0,
-        lr=5e-4,
-        warmup_steps=50,
-        steps=2000,
-    ),
+    "aggregation": AGGREGATION_FINETUNE,
+    "compare": replace(AGGREGATION_FINETUNE, mix=COMPARE_MIX, steps=2000),
 }
 """Named recipes: `base` trains from scratch; `aggregation` fine-tunes exported weights (`--init`)
 for `steps` more steps on an aggregation-heavy mix at short lengths first; `compare` is the same
