@@ -169,10 +169,8 @@ class WordCompare:
         for w in frequent[2:]:  # distractors span both asked counts, so either may be "rare" overall
             counts[w] = max(1, round(rng.uniform(0.5 * counts[less], 1.3 * top)))
         n_rare = max(0, (n_items - sum(counts.values())) // self.rare_freq)
-        taken = set(frequent)
-        for w in rng.sample(ctx.words(), n_rare + len(taken)):
-            if w not in taken and len(counts) < self.n_frequent + n_rare:
-                counts[w] = self.rare_freq
+        rare = [w for w in rng.sample(ctx.words(), n_rare + len(frequent)) if w not in counts][:n_rare]
+        counts.update(dict.fromkeys(rare, self.rare_freq))
         doc = fit_items(ctx, counts, set(frequent), self.sep, budget, rng)
         seen = Counter(doc.split(self.sep))
         if seen[more] <= seen[less]:
