@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # The CPU build is what this project's CI machines carry; override for CUDA machines.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test lint fmt clean
+.PHONY: install system-deps demo test test-fast lint fmt clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -15,11 +15,24 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# The tests start a real redis-server (metadata backend, services e2e); Debian's package provides it.
+system-deps:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
+	  else echo "install redis-server (Debian/Ubuntu: sudo apt-get install redis-server), then run make again" >&2; \
+	    exit 1; fi; }
+
 demo: install
 	$(PY) -m client.demo
 
-test: install
+# Every test (CPU only; Triton kernels in interpreter mode).
+test: install system-deps
 	$(PY) -m pytest -q
+
+# The inner loop: everything but the tests marked slow (under 5 minutes on 2 cores).
+test-fast: install system-deps
+	$(PY) -m pytest -q -m "not slow"
 
 lint: install
 	$(VENV)/bin/ruff check .
