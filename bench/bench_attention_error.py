@@ -123,9 +123,9 @@ def model_cases(args: argparse.Namespace) -> tuple[list[Case], FeatureMap | None
     the φ map to complete with (the model's distilled one, unless ``--phi-map favor``)."""
     from transformers import DynamicCache
 
+    from lab.synth import SynthContext, generate
     from workers.model import load_model
     from workers.prefill import prefill_kv
-    from workers.synth import SynthContext, generate
 
     lm = load_model(args.model, dtype="float32", progress=False)
     ctx = SynthContext(tokenizer=lm.tokenizer, split="eval")

@@ -2,7 +2,7 @@
 page reads the prefetch moves off the real fetches.
 
 The shipped model (``models/kvstash-tiny``, 8 layers, loaded through ``workers.model.load_model``)
-prefills ``--docs`` synthetic documents of ``--length`` tokens (``workers.synth``, eval split) into a
+prefills ``--docs`` synthetic documents of ``--length`` tokens (``lab.synth``, eval split) into a
 store on local disk. Each document's question is decoded greedily by every sparse method at
 ``--budget``, once per ``OffloadConfig.prefetch`` (off, same_pages, speculative), each run on a fresh
 worker (its own host tier) and cold: nothing preloaded (``warm_host_fraction=0``), a host tier of
@@ -29,6 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from lab.synth import SynthContext, generate  # noqa: E402
 from store.config import StoreConfig  # noqa: E402
 from store.kvstore import KVStore  # noqa: E402
 from workers.engine import GenerationStats, Worker  # noqa: E402
@@ -37,7 +38,6 @@ from workers.methods.registry import METHODS  # noqa: E402
 from workers.model import LoadedModel, load_model  # noqa: E402
 from workers.offload import OffloadConfig  # noqa: E402
 from workers.sampling import SamplingParams  # noqa: E402
-from workers.synth import SynthContext, generate  # noqa: E402
 
 MODES = ("off", "same_pages", "speculative")
 COUNTERS = ("prefetch_predicted_pages", "prefetch_selected_pages", "prefetch_matched_pages", "prefetch_pages",

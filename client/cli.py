@@ -100,7 +100,7 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     """Accuracy of the synthetic suite per task x length x method x budget."""
     import tempfile
 
-    from workers.eval.accuracy import EvalSpec, run_eval, summary, table
+    from lab.eval.accuracy import EvalSpec, run_eval, summary, table
 
     spec = EvalSpec(tasks=tuple(args.task), lengths=tuple(args.length), methods=tuple(args.method),
                     budgets=tuple(args.budget) if args.budget else (None,), samples=args.samples,

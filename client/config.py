@@ -31,7 +31,7 @@ def default_model(home: Path) -> str:
         return str(shipped)
     fallback = home / "models" / FALLBACK_MODEL_NAME
     if not (fallback / "config.json").is_file():
-        from workers.tiny_random import build_tiny_llama
+        from lab.tiny_random import build_tiny_llama
 
         log.warning("no trained model shipped in %s; building a random-weight model at %s", shipped, fallback)
         build_tiny_llama(fallback)

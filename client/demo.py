@@ -30,8 +30,8 @@ def _print_answer(kv: KVClient, question: str, prefix, raw: bool = False, kv_met
 
 def demo_trained(kv: KVClient) -> int:
     """Synthetic long-context tasks with gold answers, over the shipped trained model."""
-    from workers.synth.context import SynthContext
-    from workers.synth.registry import generate
+    from lab.synth.context import SynthContext
+    from lab.synth.registry import generate
 
     ctx = SynthContext(tokenizer=kv.worker.lm.tokenizer, split="eval")
     correct = 0

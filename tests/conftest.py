@@ -11,11 +11,11 @@ if not Path("/dev/nvidia0").exists():
 
 import pytest
 
+from lab.tiny_random import TinyLlamaSpec, build_tiny_llama
 from store.config import StoreConfig
 from store.kvstore import KVStore
 from workers.engine import Worker
 from workers.model import LoadedModel, load_model
-from workers.tiny_random import TinyLlamaSpec, build_tiny_llama
 
 TEST_PAGE_SIZE = 16
 

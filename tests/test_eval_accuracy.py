@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from client import KVClient
-from workers.eval.accuracy import EvalSpec, run_eval, summary, table
+from lab.eval.accuracy import EvalSpec, run_eval, summary, table
 
 
 @pytest.fixture()
@@ -50,7 +50,7 @@ def test_scores_come_from_the_generated_text(kv: KVClient, monkeypatch) -> None:
         _ = g.text
         return Fixed(answers.get(query, ""), g.stats)
 
-    import workers.synth as synth
+    import lab.synth as synth
 
     real = synth.generate
 

@@ -10,12 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from store.artifacts import bytes_to_tensors
-from workers.methods.memory import MemorySource
-from workers.methods.phi import PhiCompletion, PhiSummarizer
-from workers.methods.phi_maps import MAP_CONFIG, FavorFeatureMap, ReZeroMLPFeatureMap, load_feature_map
-from workers.methods.registry import get_method
-from workers.train.phi_distill import (
+from lab.train.phi_distill import (
     CAPTURE_ATTN,
     DistillConfig,
     DistillLoss,
@@ -27,6 +22,11 @@ from workers.train.phi_distill import (
     student_logits,
     train_map,
 )
+from store.artifacts import bytes_to_tensors
+from workers.methods.memory import MemorySource
+from workers.methods.phi import PhiCompletion, PhiSummarizer
+from workers.methods.phi_maps import MAP_CONFIG, FavorFeatureMap, ReZeroMLPFeatureMap, load_feature_map
+from workers.methods.registry import get_method
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "kvstash-tiny"
 SHAPE = {"n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8}

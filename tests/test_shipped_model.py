@@ -8,7 +8,7 @@ import pytest
 
 from client import KVClient
 from client.config import SHIPPED_MODEL_NAME, SHIPPED_MODELS_DIR
-from workers.eval.accuracy import EvalSpec, run_eval
+from lab.eval.accuracy import EvalSpec, run_eval
 
 MODEL = SHIPPED_MODELS_DIR / SHIPPED_MODEL_NAME
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from workers.synth import NIAH_TASKS, PROMPT, TASKS, SynthContext, corpus, generate, ruler_score
-from workers.synth.dense import DenseRecall, PlainText
+from lab.synth import NIAH_TASKS, PROMPT, TASKS, SynthContext, corpus, generate, ruler_score
+from lab.synth.dense import DenseRecall, PlainText
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "kvstash-tiny"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from workers.train.tokenizer import BOS, EOS, PAD, build_tokenizer
+from lab.train.tokenizer import BOS, EOS, PAD, build_tokenizer
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "kvstash-tiny"
 

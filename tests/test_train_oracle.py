@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lab.train.oracle_topk import ANCHORS, STATE, mid_entropy, topk_attention
 from workers.budget import k_topk, n_budget
 from workers.methods.selector import group_mass
-from workers.train.oracle_topk import ANCHORS, STATE, mid_entropy, topk_attention
 
 
 def reference(q, k, v):

@@ -10,14 +10,14 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from workers.synth import SynthContext
-from workers.train import checkpoint as ckpt
-from workers.train.config import PRESETS, TINY_MODEL, AggregationMix, MixConfig, Stage, TrainConfig
-from workers.train.data import batch_length, make_batch
-from workers.train.encode import AGGREGATE, ANSWER, collate, encode
-from workers.train.loop import lr_at, train
-from workers.train.mix import episode
-from workers.train.objective import build_model, compute_loss
+from lab.synth import SynthContext
+from lab.train import checkpoint as ckpt
+from lab.train.config import PRESETS, TINY_MODEL, AggregationMix, MixConfig, Stage, TrainConfig
+from lab.train.data import batch_length, make_batch
+from lab.train.encode import AGGREGATE, ANSWER, collate, encode
+from lab.train.loop import lr_at, train
+from lab.train.mix import episode
+from lab.train.objective import build_model, compute_loss
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "kvstash-tiny"
 

@@ -7,7 +7,7 @@ log domain (``log φ``), which the stable cache (appendix C) needs anyway.
 - ``FavorFeatureMap``: training-free positive orthogonal random features (FAVOR+, Choromanski
   et al. 2021), seeded per (layer, KV head); the default until distilled maps exist.
 - ``ReZeroMLPFeatureMap``: the paper's head-wise one-block ReZero-MLP (appendix J), φq per query
-  head and φk per KV head; ``load_feature_map`` reads one distilled by ``workers.train.phi_distill``
+  head and φk per KV head; ``load_feature_map`` reads one distilled by ``lab.train.phi_distill``
   from a model folder.
 
 Shapes: keys ``[..., Hkv, n, D] -> [..., Hkv, n, F]``; queries grouped by KV head
@@ -31,7 +31,7 @@ from workers.fingerprint import tensors_digest
 MAP_KINDS: dict[int, str] = {1: "favor", 2: "rezero_mlp"}
 MAP_WEIGHTS = "phi_map.safetensors"
 MAP_CONFIG = "phi_map.json"
-"""A distilled map ships next to the model's weights under these names (``workers.train.phi_distill``)."""
+"""A distilled map ships next to the model's weights under these names (``lab.train.phi_distill``)."""
 
 
 class FeatureMap(nn.Module, abc.ABC):

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from workers.synth import Episode
+from lab.synth import Episode
 
 IGNORE = -100
 NONE, ANSWER, LM, AGGREGATE = 0, 1, 2, 3

@@ -5,11 +5,11 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from workers.synth import haystack as hs
-from workers.synth.context import SynthContext
-from workers.synth.format import PROMPT
-from workers.synth.sample import Sample
-from workers.synth.values import distinct, variable_name
+from lab.synth import haystack as hs
+from lab.synth.context import SynthContext
+from lab.synth.format import PROMPT
+from lab.synth.sample import Sample
+from lab.synth.values import distinct, variable_name
 
 VALUE_DIGITS = 5
 

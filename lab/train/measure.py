@@ -1,6 +1,6 @@
 """Full-attention accuracy of a model on the held-out task suite (plain transformers, greedy).
 
-python -m workers.train.measure --model models/kvstash-tiny --lengths 2048 --samples 20 --json out.json
+python -m lab.train.measure --model models/kvstash-tiny --lengths 2048 --samples 20 --json out.json
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from workers.synth import NIAH_TASKS, PROMPT, TASKS, Sample, SynthContext, generate
+from lab.synth import NIAH_TASKS, PROMPT, TASKS, Sample, SynthContext, generate
 
 ANSWER_SLACK_TOKENS = 8
 MAX_REPEAT_LENGTH = 4096

@@ -7,10 +7,10 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 
-from workers.synth import haystack as hs
-from workers.synth.context import SynthContext
-from workers.synth.format import PROMPT
-from workers.synth.sample import Sample
+from lab.synth import haystack as hs
+from lab.synth.context import SynthContext
+from lab.synth.format import PROMPT
+from lab.synth.sample import Sample
 
 PROBE_WORDS = 64
 MAX_FIT_ROUNDS = 64

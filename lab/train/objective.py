@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
-from workers.train.config import ModelConfig
-from workers.train.encode import AGGREGATE, ANSWER, LM
+from lab.train.config import ModelConfig
+from lab.train.encode import AGGREGATE, ANSWER, LM
 
 
 def build_model(cfg: ModelConfig, tokenizer, seed: int) -> LlamaForCausalLM:

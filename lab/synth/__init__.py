@@ -1,9 +1,9 @@
 """Deterministic, seeded RULER-style long-context tasks (see registry.TASKS)."""
 
-from workers.synth.context import SynthContext
-from workers.synth.format import PROMPT, PromptFormat
-from workers.synth.registry import NIAH_TASKS, TASKS, generate
-from workers.synth.sample import Episode, Sample, ruler_score
+from lab.synth.context import SynthContext
+from lab.synth.format import PROMPT, PromptFormat
+from lab.synth.registry import NIAH_TASKS, TASKS, generate
+from lab.synth.sample import Episode, Sample, ruler_score
 
 __all__ = [
     "NIAH_TASKS",

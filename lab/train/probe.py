@@ -1,6 +1,6 @@
 """Throughput probe: seconds per optimizer step and peak memory at each batch length.
 
-python -m workers.train.probe --lengths 1024 4096 16384
+python -m lab.train.probe --lengths 1024 4096 16384
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from contextlib import nullcontext
 import torch
 from transformers import AutoTokenizer
 
-from workers.synth import SynthContext
-from workers.train.config import TrainConfig
-from workers.train.data import make_batch
-from workers.train.loop import make_optimizer
-from workers.train.objective import build_model, compute_loss
-from workers.train.run import DEFAULT_TOKENIZER
+from lab.synth import SynthContext
+from lab.train.config import TrainConfig
+from lab.train.data import make_batch
+from lab.train.loop import make_optimizer
+from lab.train.objective import build_model, compute_loss
+from lab.train.run import DEFAULT_TOKENIZER
 
 
 def probe(cfg: TrainConfig, tok, lengths: list[int], repeats: int, device: str) -> list[dict]:

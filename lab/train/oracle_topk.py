@@ -1,7 +1,7 @@
 """Realism check for the model card: greedy accuracy when each decode-time query attends only to
 its oracle top-k document keys, next to full attention.
 
-    python -m workers.train.oracle_topk --model models/kvstash-tiny --length 2048 --fractions 1 0.05 0.02 0.01
+    python -m lab.train.oracle_topk --model models/kvstash-tiny --length 2048 --fractions 1 0.05 0.02 0.01
 
 The document is prefilled with full attention; the query and the answer tokens then attend to a
 budget of document keys plus every query/answer token (resident tail). Two selections:
@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 from transformers import AttentionInterface, AutoTokenizer, DynamicCache, LlamaForCausalLM
 
+from lab.synth import PROMPT, Sample, SynthContext, generate
 from workers.budget import k_topk, n_budget
 from workers.methods.base import DecodeConfig, mid_range
 from workers.methods.selector import group_mass
-from workers.synth import PROMPT, Sample, SynthContext, generate
 
 ATTN_NAME = "oracle_topk"
 ANSWER_SLACK_TOKENS = 8

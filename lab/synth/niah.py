@@ -6,11 +6,11 @@ import random
 from dataclasses import dataclass
 from typing import Literal
 
-from workers.synth import haystack as hs
-from workers.synth.context import SynthContext
-from workers.synth.format import PROMPT
-from workers.synth.sample import Sample
-from workers.synth.values import distinct, number_value, uuid_value, word_key
+from lab.synth import haystack as hs
+from lab.synth.context import SynthContext
+from lab.synth.format import PROMPT
+from lab.synth.sample import Sample
+from lab.synth.values import distinct, number_value, uuid_value, word_key
 
 ValueKind = Literal["number", "word", "uuid"]
 KeyKind = Literal["words", "uuid"]

@@ -7,10 +7,10 @@ import random
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from workers.synth import SynthContext, corpus
-from workers.train.config import TrainConfig
-from workers.train.encode import collate, encode
-from workers.train.mix import episode
+from lab.synth import SynthContext, corpus
+from lab.train.config import TrainConfig
+from lab.train.encode import collate, encode
+from lab.train.mix import episode
 
 
 def batch_length(cfg: TrainConfig, step: int) -> int:

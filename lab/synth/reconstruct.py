@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workers.synth import haystack as hs
-from workers.synth.context import SynthContext
-from workers.synth.format import PROMPT
-from workers.synth.sample import Sample
+from lab.synth import haystack as hs
+from lab.synth.context import SynthContext
+from lab.synth.format import PROMPT
+from lab.synth.sample import Sample
 
 QUESTION = "Repeat the text above, word for word."
 

@@ -1,8 +1,8 @@
 """CLI: train (or resume) the kvstash tiny model.
 
-python -m workers.train.run --out runs/tiny --steps 4000 --export models/kvstash-tiny --ship
-python -m workers.train.run --out runs/tiny --resume --time-budget 500 --export /tmp/export
-python -m workers.train.run --out runs/ft --preset aggregation --init models/kvstash-tiny --export /tmp/ft
+python -m lab.train.run --out runs/tiny --steps 4000 --export models/kvstash-tiny --ship
+python -m lab.train.run --out runs/tiny --resume --time-budget 500 --export /tmp/export
+python -m lab.train.run --out runs/ft --preset aggregation --init models/kvstash-tiny --export /tmp/ft
 
 With --init, the run is a new stage starting at the exported weights' step: --steps more steps
 with their own warm-up, LR decay and length curriculum (resume such a run with the same --init).
@@ -19,10 +19,10 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from workers.synth import PROMPT
-from workers.train import checkpoint as ckpt
-from workers.train.config import PRESETS, TINY_MODEL, TrainConfig
-from workers.train.loop import train
+from lab.synth import PROMPT
+from lab.train import checkpoint as ckpt
+from lab.train.config import PRESETS, TINY_MODEL, TrainConfig
+from lab.train.loop import train
 
 DEFAULT_TOKENIZER = Path(__file__).resolve().parents[2] / "models" / "kvstash-tiny"
 RUNTIME_FILE = "kvstash.json"

@@ -6,7 +6,7 @@ import itertools
 import random
 from collections.abc import Callable, Iterator, Sequence
 
-from workers.synth.context import SynthContext
+from lab.synth.context import SynthContext
 
 NOISE = (
     "The grass is green.",

@@ -1,6 +1,6 @@
 """Distil head-wise φ feature maps for φ completion from the frozen model (paper §5, appendices B, J, K).
 
-    python -m workers.train.phi_distill --model models/kvstash-tiny      # the shipped map's recipe
+    python -m lab.train.phi_distill --model models/kvstash-tiny      # the shipped map's recipe
 
 The model runs with full attention over training-split task documents; each layer's post-RoPE
 queries at the question and answer positions and the keys of the document's mid region are
@@ -27,6 +27,8 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers import AttentionInterface, AutoTokenizer, LlamaForCausalLM
 
+from lab.synth import SynthContext, generate
+from lab.synth.corpus import Split
 from workers.methods.base import DecodeConfig, mid_range
 from workers.methods.phi_maps import (
     MAP_CONFIG,
@@ -36,8 +38,6 @@ from workers.methods.phi_maps import (
     ReZeroMLPFeatureMap,
     weights_digest,
 )
-from workers.synth import SynthContext, generate
-from workers.synth.corpus import Split
 
 CAPTURE_ATTN = "phi_capture"
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe", "fwe", "compare")

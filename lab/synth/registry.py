@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from workers.synth.aggregate import CommonWords, FrequentWords, WordCompare
-from workers.synth.context import SynthContext
-from workers.synth.niah import Niah
-from workers.synth.reconstruct import Repeat
-from workers.synth.sample import Sample
-from workers.synth.tracking import VariableTracking
+from lab.synth.aggregate import CommonWords, FrequentWords, WordCompare
+from lab.synth.context import SynthContext
+from lab.synth.niah import Niah
+from lab.synth.reconstruct import Repeat
+from lab.synth.sample import Sample
+from lab.synth.tracking import VariableTracking
 
 
 class Task(Protocol):

@@ -1,13 +1,13 @@
-"""Build the shipped text corpus (workers/synth/data) from Debian packages.
+"""Build the shipped text corpus (lab/synth/data) from Debian packages.
 
 Run once, on a machine with apt (the result is committed, so training never needs it):
 
     mkdir -p /tmp/debs && cd /tmp/debs && apt-get download r-cran-janeaustenr jargon-text dict-devil wamerican
     for f in *.deb; do mkdir -p x/${f%%_*}; dpkg -x $f x/${f%%_*}; done
-    python -m workers.synth.corpus_build --debs /tmp/debs/x
+    python -m lab.synth.corpus_build --debs /tmp/debs/x
 
 Needs the `rdata` package (reads the R lazy-load database that holds Austen's novels).
-Sources and licences are recorded in workers/synth/data/SOURCES.md.
+Sources and licences are recorded in lab/synth/data/SOURCES.md.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import warnings
 import zlib
 from pathlib import Path
 
-from workers.synth.corpus import DATA_DIR, HELDOUT_FILE, TRAIN_FILE, WORDS_FILE
+from lab.synth.corpus import DATA_DIR, HELDOUT_FILE, TRAIN_FILE, WORDS_FILE
 
 AUSTEN_DB = "r-cran-janeaustenr/usr/lib/R/site-library/janeaustenr/data/Rdata"
 JARGON = "jargon-text/usr/share/doc/jargon-text/jargon.txt.gz"

@@ -10,8 +10,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from workers.synth import corpus
-from workers.synth.values import number_value, uuid_value, variable_name
+from lab.synth import corpus
+from lab.synth.values import number_value, uuid_value, variable_name
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 SPECIALS = (PAD, BOS, EOS)  # ids 0, 1, 2
@@ -62,7 +62,7 @@ def training_texts() -> Iterator[str]:
 
 
 def main() -> None:
-    """CLI: python -m workers.train.tokenizer --out models/<name>."""
+    """CLI: python -m lab.train.tokenizer --out models/<name>."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--vocab-size", type=int, default=VOCAB_SIZE)

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
-from workers.train import checkpoint as ckpt
-from workers.train.config import TrainConfig
-from workers.train.data import batch_length, loader
-from workers.train.objective import build_model, compute_loss
+from lab.train import checkpoint as ckpt
+from lab.train.config import TrainConfig
+from lab.train.data import batch_length, loader
+from lab.train.objective import build_model, compute_loss
 
 LOG_FILE = "log.jsonl"
 RESTART_WARMUP = 50

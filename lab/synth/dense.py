@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from workers.synth import haystack as hs
-from workers.synth.context import SynthContext
-from workers.synth.format import PROMPT
-from workers.synth.niah import (
+from lab.synth import haystack as hs
+from lab.synth.context import SynthContext
+from lab.synth.format import PROMPT
+from lab.synth.niah import (
     HaystackKind,
     KeyKind,
     ValueKind,
@@ -18,8 +18,8 @@ from workers.synth.niah import (
     question_text,
     stream,
 )
-from workers.synth.sample import Episode
-from workers.synth.values import distinct
+from lab.synth.sample import Episode
+from lab.synth.values import distinct
 
 VALUE_KINDS: tuple[ValueKind, ...] = ("number", "number", "word", "uuid")
 HAYSTACKS: tuple[HaystackKind, ...] = ("noise", "text", "text", "needles")

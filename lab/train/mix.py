@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import random
 
-from workers.synth import TASKS, Episode, SynthContext
-from workers.synth.aggregate import CommonWords, FrequentWords, WordCompare
-from workers.synth.dense import DenseRecall, PlainText
-from workers.synth.reconstruct import Repeat
-from workers.synth.registry import Task
-from workers.synth.tracking import VariableTracking
-from workers.train.config import AggregationMix, MixConfig
+from lab.synth import TASKS, Episode, SynthContext
+from lab.synth.aggregate import CommonWords, FrequentWords, WordCompare
+from lab.synth.dense import DenseRecall, PlainText
+from lab.synth.reconstruct import Repeat
+from lab.synth.registry import Task
+from lab.synth.tracking import VariableTracking
+from lab.train.config import AggregationMix, MixConfig
 
 RULER_NIAH = tuple(TASKS[n] for n in TASKS if n.startswith("niah_"))
 DENSE = DenseRecall()

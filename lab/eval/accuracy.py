@@ -5,12 +5,11 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tqdm.auto import tqdm
 
-if TYPE_CHECKING:
-    from client.kvclient import KVClient
+from lab.eval.target import EvalTarget
 
 EVAL_SEED_BASE = 100_000
 """Eval samples use seeds from here on (training uses other seeds and the train split)."""
@@ -56,9 +55,9 @@ def _cells(spec: EvalSpec) -> Iterator[tuple[str, int]]:
             yield task, length
 
 
-def run_eval(client: KVClient, spec: EvalSpec, progress: bool = True) -> list[EvalRow]:
+def run_eval(client: EvalTarget, spec: EvalSpec, progress: bool = True) -> list[EvalRow]:
     """Score every (task, length, method, budget) cell; each sample is prefilled once and reused."""
-    from workers.synth import SynthContext, generate
+    from lab.synth import SynthContext, generate
 
     ctx = SynthContext(tokenizer=client.worker.lm.tokenizer, split="eval")
     combos = [(m, b) for m in spec.methods for b in spec.budgets]
@@ -71,7 +70,7 @@ def run_eval(client: KVClient, spec: EvalSpec, progress: bool = True) -> list[Ev
             sample = generate(task, length, EVAL_SEED_BASE + i, ctx)
             handle = client.prefill(sample.document)
             for method, budget in combos:
-                gen = client.generate(sample.query, prefix=handle, method=method, budget=budget, raw=True,
+                gen = client.generate(sample.query, prefix=handle.prefix_id, method=method, budget=budget, raw=True,
                                       max_new_tokens=spec.max_new_tokens, gen_len=spec.gen_len)
                 key = (task, length, method, budget)
                 scores.setdefault(key, []).append(sample.score(gen.text))

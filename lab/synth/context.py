@@ -6,8 +6,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from workers.synth import corpus
-from workers.synth.corpus import Split
+from lab.synth import corpus
+from lab.synth.corpus import Split
 
 COUNT_CACHE_SIZE = 1 << 18
 
