@@ -29,7 +29,7 @@ from store.pages import file_digest, unpack_pages
 from store.prefix_key import PrefixKey, check_prefix_id, tenant_salt
 from store.writer import PAGE_CRC_ARTIFACT, TMP_PREFIX, PrefixWriter
 
-__all__ = ["KVStore", "PrefixWriter", "PAGE_CRC_ARTIFACT"]
+__all__ = ["KVStore", "PrefixWriter", "PAGE_CRC_ARTIFACT", "Lease", "PrefixUsage", "EvictionResult", "LeaseHandle"]
 
 
 def _owned(m: Manifest, tenant: str, secret: str | None) -> bool:
