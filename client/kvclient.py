@@ -10,7 +10,7 @@ from typing import Any
 from client.backends import Backend, remote_backend
 from client.config import ClientConfig
 from store.config import StoreConfig
-from store.errors import InvalidInput, PrefixNotFound
+from store.errors import InvalidInput
 from store.kvstore import KVStore
 from store.manifest import Manifest
 from workers.engine import GenerationStats, Worker
@@ -94,14 +94,11 @@ class EmbeddedBackend:
 
     def list(self) -> list[Manifest]:
         """This tenant's prefixes."""
-        return [m for m in self.store.list_prefixes() if m.tenant == self.config.tenant]
+        return self.store.list_prefixes(self.config.tenant)
 
     def manifest(self, prefix_id: str) -> Manifest:
         """A manifest this tenant may see."""
-        m = self.store.manifest(prefix_id)
-        if m.tenant != self.config.tenant:
-            raise PrefixNotFound(f"no prefix {prefix_id!r}")
-        return m
+        return self.store.visible(prefix_id, self.config.tenant)
 
     def remove(self, prefix_id: str) -> None:
         """Delete after checking visibility."""

@@ -17,11 +17,10 @@ from services.gen import kvstash_pb2 as pb
 from services.gen import kvstash_pb2_grpc as pb_grpc
 from services.grpc_common import ServerConfig, build_server, mapped_errors, serve_forever, tenant_of
 from store.config import StoreConfig, default_home
-from store.errors import InvalidInput, PrefixNotFound
+from store.errors import InvalidInput
 from store.kvstore import KVStore, PrefixWriter
 from store.layout import KVLayout
 from store.manifest import Manifest
-from store.metadata import lease_prefix
 from store.prefix_key import PrefixKey, tenant_salt
 
 MAX_LEASE_TTL_S = 3600.0
@@ -36,11 +35,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.store, self.keys, self.secret = store, keys, secret
 
     def _visible(self, context: grpc.ServicerContext, prefix_id: str) -> Manifest:
-        tenant = tenant_of(context, self.keys)
-        m = self.store.meta.manifest(prefix_id)
-        if m is None or m.tenant != tenant:  # another tenant's prefix looks exactly like a missing one
-            raise PrefixNotFound(f"no prefix {prefix_id!r}")
-        return m
+        return self.store.visible(prefix_id, tenant_of(context, self.keys))
 
     def WritePrefix(self, request_iterator: Iterator[pb.WriteChunk], context: grpc.ServicerContext) -> pb.Manifest:
         """Create, fill and commit a prefix from a client stream; anything short of ``commit`` aborts."""
@@ -52,7 +47,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 raise InvalidInput("the first message of WritePrefix must be a header")
             key, n_tokens = self._key(first.header, tenant)
             with self.store.prefill_lock(key.prefix_id):
-                if (existing := self.store.meta.manifest(key.prefix_id)) is not None:
+                if (existing := self.store.find(key.prefix_id)) is not None:
                     return manifest_to_pb(existing)  # same bytes already stored: idempotent
                 with self.store.write_prefix(key, model_name=first.header.model_name, n_tokens=n_tokens,
                                              tenant=tenant) as writer:
@@ -84,7 +79,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         with mapped_errors(context):
             tenant = tenant_of(context, self.keys)
             return pb.ListPrefixesResponse(
-                prefixes=[manifest_to_pb(m) for m in self.store.list_prefixes() if m.tenant == tenant])
+                prefixes=[manifest_to_pb(m) for m in self.store.list_prefixes(tenant)])
         raise AssertionError("unreachable")
 
     def DeletePrefix(self, request: pb.PrefixRef, context: grpc.ServicerContext) -> pb.DeletePrefixResponse:
@@ -101,8 +96,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             self._visible(context, request.prefix_id)
             if not 0 < request.ttl_s <= MAX_LEASE_TTL_S:
                 raise InvalidInput(f"ttl_s must be in (0, {MAX_LEASE_TTL_S}]")
-            lease_id = self.store.meta.acquire_lease(request.prefix_id, request.holder or context.peer(),
-                                                     request.ttl_s)
+            lease_id = self.store.acquire_lease(request.prefix_id, request.holder or context.peer(), request.ttl_s)
             return pb.Lease(prefix_id=request.prefix_id, lease_id=lease_id, ttl_s=request.ttl_s)
         raise AssertionError("unreachable")
 
@@ -110,9 +104,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         """Release a lease early (leases also expire on their own)."""
         with mapped_errors(context):
             self._visible(context, request.prefix_id)
-            if lease_prefix(request.lease_id) != request.prefix_id:
-                raise InvalidInput("lease_id does not belong to prefix_id")
-            return pb.ReleaseLeaseResponse(released=self.store.meta.release_lease(request.lease_id))
+            released = self.store.release_lease(request.lease_id, prefix_id=request.prefix_id)
+            return pb.ReleaseLeaseResponse(released=released)
         raise AssertionError("unreachable")
 
     def Pin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinResponse:
@@ -120,10 +113,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         with mapped_errors(context):
             self._visible(context, request.prefix_id)
             if request.pinned:
-                self.store.meta.pin(request.prefix_id)
+                self.store.pin(request.prefix_id)
             else:
-                self.store.meta.unpin(request.prefix_id)
-            usage = self.store.meta.prefix_usage(request.prefix_id)
+                self.store.unpin(request.prefix_id)
+            usage = self.store.usage_of(request.prefix_id)
             return pb.PinResponse(prefix_id=request.prefix_id, pinned=bool(usage and usage.pinned))
         raise AssertionError("unreachable")
 
@@ -150,7 +143,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         """Counts and bytes of the caller's prefixes."""
         with mapped_errors(context):
             tenant = tenant_of(context, self.keys)
-            ms = [m for m in self.store.list_prefixes() if m.tenant == tenant]
+            ms = self.store.list_prefixes(tenant)
             return pb.StoreStats(n_prefixes=len(ms), kv_bytes=sum(m.kv_bytes for m in ms),
                                  artifact_bytes=sum(m.artifact_bytes for m in ms))
         raise AssertionError("unreachable")

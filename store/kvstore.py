@@ -1,16 +1,16 @@
-"""The embedded KV store: page files on disk + manifests and artifacts in a metadata backend."""
+"""The embedded KV store: page files on disk + manifests and artifacts in a metadata backend.
+
+``KVStore`` is the one interface to stored prefixes: code outside ``store/`` never touches the
+metadata backend (``tests/test_store_boundary.py``). Every method that takes a prefix id from a
+caller checks its form first (``check_prefix_id``), so no id reaches a path or a metadata key unchecked.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import functools
-import os
 import shutil
-import time
 import uuid
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -20,143 +20,22 @@ from store.artifacts import digest
 from store.capacity import EvictionResult, LeaseHandle, default_holder
 from store.config import StoreConfig
 from store.errors import CorruptData, InvalidInput, LockTimeout, PrefixNotFound, StoreUnavailable
-from store.layout import KVLayout
-from store.manifest import ArtifactInfo, FileInfo, Manifest
-from store.metadata import MetadataBackend, open_metadata
-from store.pages import (
-    bytes_digest,
-    file_digest,
-    layer_file_name,
-    pack_layer,
-    page_crc,
-    read_pages_into,
-    unpack_pages,
-    write_bytes_durably,
-)
-from store.prefix_key import PrefixKey
+from store.locks import file_lock, try_file_lock
+from store.manifest import Manifest
+from store.metadata import Lease, MetadataBackend, PrefixUsage, lease_prefix
+from store.metadata_factory import open_metadata
+from store.page_io import PageCheck, PosixPageReader, read_checked
+from store.pages import file_digest, unpack_pages
+from store.prefix_key import PrefixKey, check_prefix_id, tenant_salt
+from store.writer import PAGE_CRC_ARTIFACT, TMP_PREFIX, PrefixWriter
 
-PAGE_CRC_ARTIFACT = "page_crc"
-MAX_PENDING_LAYERS = 2
-"""Layers a prefix writer may hold in flight (memory bound: each is one layer's page-file bytes)."""
-TMP_PREFIX = ".tmp-"
+__all__ = ["KVStore", "PrefixWriter", "PAGE_CRC_ARTIFACT", "Lease", "PrefixUsage", "EvictionResult", "LeaseHandle"]
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class PrefixWriter:
-    """Writes one prefix into a private temp dir; ``commit`` makes it visible atomically."""
-
-    def __init__(self, store: KVStore, key: PrefixKey, *, model_name: str, n_tokens: int, tenant: str):
-        self.store, self.key, self.model_name, self.n_tokens, self.tenant = store, key, model_name, n_tokens, tenant
-        self.prefix_id = key.prefix_id
-        self.layout: KVLayout = key.layout
-        self.tmp_dir = store.prefixes_dir / f"{TMP_PREFIX}{self.prefix_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.tmp_dir.mkdir(parents=True)
-        self._files: dict[int, FileInfo] = {}
-        self._artifacts: dict[str, bytes] = {}
-        n_pages = self.layout.n_pages(n_tokens)
-        self._crc = np.zeros((self.layout.n_layers, self.layout.n_kv_heads, n_pages), dtype=np.uint32)
-        threads = store.config.write_threads
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvstash-write") if threads > 0 else None
-        self._pending: list[tuple[int, str, int, Future, list[Future]]] = []
-
-    def write_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store one layer's K and V, each ``[kv_heads, n_tokens, head_dim]``."""
-        lay = self.layout
-        expect = (lay.n_kv_heads, self.n_tokens, lay.head_dim)
-        if tuple(k.shape) != expect or tuple(v.shape) != expect:
-            raise InvalidInput(f"layer {layer}: K/V must be {expect}, got {tuple(k.shape)}, {tuple(v.shape)}")
-        self.write_layer_pages(layer, pack_layer(lay, k.detach().cpu(), v.detach().cpu()).numpy())
-
-    def write_layer_pages(self, layer: int, arr: np.ndarray) -> None:
-        """Store one layer already laid out as page-file bytes ``uint8 [kv_heads, n_pages, page_bytes]``.
-
-        Checksums and the durable write may run in the background until ``commit``: ``arr`` must not
-        change until then; a failure raises from a later ``write_layer_pages`` or from ``commit``."""
-        lay = self.layout
-        expect = (lay.n_kv_heads, lay.n_pages(self.n_tokens), lay.page_bytes)
-        if arr.dtype != np.uint8 or tuple(arr.shape) != expect:
-            raise InvalidInput(f"layer {layer}: pages must be uint8 {expect}, got {arr.dtype} {tuple(arr.shape)}")
-        if not 0 <= layer < lay.n_layers:
-            raise InvalidInput(f"layer {layer} out of range [0, {lay.n_layers})")
-        name = layer_file_name(layer)
-        # Bounded pipeline: at most MAX_PENDING_LAYERS layers' bytes are held while being written.
-        self._drain(MAX_PENDING_LAYERS - 1)
-        digest_job = self._run(functools.partial(bytes_digest, arr))
-        other_jobs = [self._run(functools.partial(write_bytes_durably, self.tmp_dir / name, arr,
-                                                  self.store.config.fsync)),
-                      *(self._run(functools.partial(self._page_crcs, layer, arr, h)) for h in range(lay.n_kv_heads))]
-        self._pending.append((layer, name, arr.nbytes, digest_job, other_jobs))
-
-    def _run(self, job: Callable[[], object]) -> Future:
-        """``job`` on the writer's threads, or now on this one when it has none."""
-        if self._pool is not None:
-            return self._pool.submit(job)
-        done: Future = Future()
-        done.set_result(job())
-        return done
-
-    def _page_crcs(self, layer: int, arr: np.ndarray, head: int) -> None:
-        for p in range(arr.shape[1]):
-            self._crc[layer, head, p] = page_crc(self.prefix_id, layer, head, p, memoryview(arr[head, p]))
-
-    def _drain(self, keep: int) -> None:
-        """Wait for pending layer writes until at most ``keep`` remain; the first failure raises."""
-        while len(self._pending) > keep:
-            layer, name, size, digest_job, other_jobs = self._pending.pop(0)
-            for f in other_jobs:
-                f.result()
-            self._files[layer] = FileInfo(name=name, size=size, blake2b=str(digest_job.result()))
-
-    def put_artifact(self, name: str, data: bytes) -> None:
-        """Stage a small artifact (committed together with the manifest)."""
-        if not name or name == PAGE_CRC_ARTIFACT:
-            raise InvalidInput(f"invalid artifact name {name!r}")
-        self._artifacts[name] = data
-
-    def commit(self) -> Manifest:
-        """Make the prefix durable and visible: pages renamed into place, then the manifest."""
-        self._drain(0)
-        self._shutdown()
-        missing = sorted(set(range(self.layout.n_layers)) - set(self._files))
-        if missing:
-            raise InvalidInput(f"cannot commit: layers {missing} were not written")
-        arts = dict(self._artifacts)
-        arts[PAGE_CRC_ARTIFACT] = self._crc.tobytes()
-        final = self.store.prefix_dir(self.prefix_id)
-        if final.exists():  # left over by a crash before its manifest was committed
-            shutil.rmtree(final)
-        os.rename(self.tmp_dir, final)
-        if self.store.config.fsync:
-            _fsync_dir(self.store.prefixes_dir)
-        manifest = Manifest(
-            prefix_id=self.prefix_id, key=self.key, model_name=self.model_name, n_tokens=self.n_tokens,
-            files=tuple(self._files[i] for i in range(self.layout.n_layers)),
-            artifacts=tuple(ArtifactInfo(name=n, size=len(b), blake2b=digest(b)) for n, b in sorted(arts.items())),
-            created_at=time.time(), tenant=self.tenant,
-        )
-        self.store.meta.commit(manifest, arts)
-        return manifest
-
-    def abort(self) -> None:
-        """Discard everything written so far."""
-        for *_, digest_job, other_jobs in self._pending:
-            for f in (digest_job, *other_jobs):
-                f.cancel()
-        self._shutdown()  # running writes finish before their files are removed
-        self._pending.clear()
-        shutil.rmtree(self.tmp_dir, ignore_errors=True)
-
-    def _shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+def _owned(m: Manifest, tenant: str, secret: str | None) -> bool:
+    """The tenant-visibility rule: the prefix was committed for ``tenant`` (and, when the caller's salt
+    secret is given, its key carries the salt that secret gives ``tenant``)."""
+    return m.tenant == tenant and (secret is None or m.key.tenant_salt == tenant_salt(tenant, secret))
 
 
 class KVStore:
@@ -176,35 +55,38 @@ class KVStore:
             probe.unlink()
         except OSError as e:
             raise StoreUnavailable(f"data directory {home} is not usable: {e.strerror or e}") from e
-        self.meta = meta or open_metadata(self.config.metadata_url, home, lmdb_map_size=self.config.lmdb_map_size,
-                                          namespace=self.config.metadata_namespace)
+        self._meta = meta or open_metadata(self.config.metadata_url, home, lmdb_map_size=self.config.lmdb_map_size,
+                                           namespace=self.config.metadata_namespace)
         self.collect_garbage()
 
     # -- paths and locks ---------------------------------------------------------------------
     def prefix_dir(self, prefix_id: str) -> Path:
         """Directory of a prefix's page files."""
-        return self.prefixes_dir / prefix_id
+        return self.prefixes_dir / check_prefix_id(prefix_id)
 
     @contextlib.contextmanager
     def prefix_lock(self, prefix_id: str, blocking: bool = True) -> Iterator[bool]:
         """Exclusive per-prefix lock across processes of this host; yields whether it was taken."""
-        fd = os.open(self.locks_dir / f"{prefix_id}.lock", os.O_CREAT | os.O_RDWR, 0o644)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-            except BlockingIOError:
-                yield False
-                return
+        with self._host_lock(check_prefix_id(prefix_id), blocking) as taken:
+            yield taken
+
+    @contextlib.contextmanager
+    def _host_lock(self, name: str, blocking: bool) -> Iterator[bool]:
+        path = self.locks_dir / f"{name}.lock"
+        if not blocking:
+            with try_file_lock(path) as taken:
+                yield taken
+            return
+        with file_lock(path):
             yield True
-        finally:
-            os.close(fd)
 
     @contextlib.contextmanager
     def prefill_lock(self, prefix_id: str, ttl_s: float = 30.0, *, wait_s: float | None = None) -> Iterator[None]:
         """Single flight for writing or removing a prefix: the metadata backend's lock (across hosts with
         Redis), then this host's ``prefix_lock`` (which garbage collection respects). LockTimeout after
         ``wait_s``."""
-        with self.meta.prefill_lock(prefix_id, ttl_s, wait_s=wait_s), self.prefix_lock(prefix_id):
+        check_prefix_id(prefix_id)
+        with self._meta.prefill_lock(prefix_id, ttl_s, wait_s=wait_s), self.prefix_lock(prefix_id):
             yield
 
     def collect_garbage(self) -> list[str]:
@@ -212,10 +94,10 @@ class KVStore:
         removed = []
         for entry in self.prefixes_dir.iterdir():
             pid = entry.name[len(TMP_PREFIX):].split("-")[0] if entry.name.startswith(TMP_PREFIX) else entry.name
-            with self.prefix_lock(pid, blocking=False) as taken:
+            with self._host_lock(pid, blocking=False) as taken:
                 if not taken:
                     continue  # a live writer owns it
-                if entry.name.startswith(TMP_PREFIX) or self.meta.manifest(pid) is None:
+                if entry.name.startswith(TMP_PREFIX) or self._meta.manifest(pid) is None:
                     shutil.rmtree(entry, ignore_errors=True)
                     removed.append(entry.name)
         return removed
@@ -233,41 +115,94 @@ class KVStore:
         finally:
             writer.abort()  # no-op after a commit: the temp dir was renamed away
 
-    # -- reads ---------------------------------------------------------------------------------
+    def _commit(self, manifest: Manifest, artifacts: Mapping[str, bytes]) -> None:
+        """Make a written prefix visible (``PrefixWriter.commit``, once its page files are in place)."""
+        self._meta.commit(manifest, artifacts)
+
+    # -- manifests and tenancy -----------------------------------------------------------------
+    def find(self, prefix_id: str) -> Manifest | None:
+        """The committed manifest of ``prefix_id``, or None."""
+        return self._meta.manifest(check_prefix_id(prefix_id))
+
     def manifest(self, prefix_id: str) -> Manifest:
         """The committed manifest of ``prefix_id``; PrefixNotFound otherwise."""
-        m = self.meta.manifest(prefix_id)
+        m = self.find(prefix_id)
         if m is None:
+            raise PrefixNotFound(f"no prefix {prefix_id!r}")
+        return m
+
+    def visible(self, prefix_id: str, tenant: str, *, secret: str | None = None) -> Manifest:
+        """The manifest of a prefix ``tenant`` may use; PrefixNotFound otherwise.
+
+        Another tenant's prefix raises exactly what a missing one does. With ``secret`` (the caller's
+        tenant-salt secret), a prefix whose key was salted under another secret is not visible either.
+        """
+        m = self.find(prefix_id)
+        if m is None or not _owned(m, tenant, secret):
             raise PrefixNotFound(f"no prefix {prefix_id!r}")
         return m
 
     def exists(self, prefix_id: str) -> bool:
         """Whether a committed prefix with that id exists."""
-        return self.meta.manifest(prefix_id) is not None
+        return self.find(prefix_id) is not None
 
-    def list_prefixes(self) -> list[Manifest]:
-        """Committed prefixes, newest first."""
-        return sorted(self.meta.manifests(), key=lambda m: m.created_at, reverse=True)
+    def list_prefixes(self, tenant: str | None = None) -> list[Manifest]:
+        """Committed prefixes (only those ``tenant`` may use, when given), newest first."""
+        ms = self._meta.manifests()
+        if tenant is not None:
+            ms = [m for m in ms if _owned(m, tenant, None)]
+        return sorted(ms, key=lambda m: m.created_at, reverse=True)
 
     def remove(self, prefix_id: str) -> None:
         """Delete a prefix: manifest first (so it is never half-visible), then its files."""
         with self.prefill_lock(prefix_id):
-            if not self.meta.delete(prefix_id):
+            if not self._meta.delete(prefix_id):
                 raise PrefixNotFound(f"no prefix {prefix_id!r}")
             shutil.rmtree(self.prefix_dir(prefix_id), ignore_errors=True)
-        with contextlib.suppress(FileNotFoundError):
-            (self.locks_dir / f"{prefix_id}.lock").unlink()
 
-    # -- leases and eviction -----------------------------------------------------------------
+    # -- leases, pins and eviction ---------------------------------------------------------------
     @contextlib.contextmanager
     def lease(self, prefix_id: str, *, holder: str | None = None, ttl_s: float = 60.0) -> Iterator[LeaseHandle]:
         """Hold a lease (the prefix cannot be evicted) and mark it used; PrefixNotFound if not committed."""
-        handle = LeaseHandle(self.meta, prefix_id, holder or default_holder(), ttl_s)
+        handle = LeaseHandle(self._meta, check_prefix_id(prefix_id), holder or default_holder(), ttl_s)
         try:
-            self.meta.touch(prefix_id)
+            self._meta.touch(prefix_id)
             yield handle
         finally:
             handle.release()
+
+    def acquire_lease(self, prefix_id: str, holder: str, ttl_s: float) -> str:
+        """Lease a committed prefix for ``ttl_s`` seconds (renew by acquiring again); returns the lease id."""
+        return self._meta.acquire_lease(check_prefix_id(prefix_id), holder, ttl_s)
+
+    def release_lease(self, lease_id: str, *, prefix_id: str | None = None) -> bool:
+        """End a lease; False when it had already lapsed. InvalidInput for a malformed lease id, or one
+        that does not belong to ``prefix_id`` when that is given."""
+        owner = lease_prefix(lease_id)
+        if owner is None or (prefix_id is not None and owner != prefix_id):
+            raise InvalidInput("malformed lease_id" if prefix_id is None else "lease_id does not belong to prefix_id")
+        check_prefix_id(owner)
+        return self._meta.release_lease(lease_id)
+
+    def leases(self, prefix_id: str) -> list[Lease]:
+        """The live leases of a prefix."""
+        return self._meta.leases(check_prefix_id(prefix_id))
+
+    def pin(self, prefix_id: str) -> None:
+        """Exempt a committed prefix from eviction; PrefixNotFound otherwise."""
+        self._meta.pin(check_prefix_id(prefix_id))
+
+    def unpin(self, prefix_id: str) -> bool:
+        """Make a prefix evictable again; False when it was not pinned."""
+        return self._meta.unpin(check_prefix_id(prefix_id))
+
+    def usage_of(self, prefix_id: str) -> PrefixUsage | None:
+        """Accounting of one prefix (bytes, last use, pinned, live leases), or None when not committed."""
+        return self._meta.prefix_usage(check_prefix_id(prefix_id))
+
+    def usage(self) -> int:
+        """Total bytes of every committed prefix."""
+        return self._meta.usage()
 
     def evict_to(self, max_bytes: int) -> EvictionResult:
         """Remove least recently used prefixes, never pinned or leased ones, until usage <= ``max_bytes``."""
@@ -276,13 +211,13 @@ class KVStore:
         evicted: list[str] = []
         freed = 0
         for _ in range(3):  # candidates can vanish or get leased under us: retry a few rounds
-            need = self.meta.usage() - max_bytes
-            gone = [(pid, n) for pid in self.meta.eviction_candidates(need) if (n := self._evict_one(pid))]
+            need = self._meta.usage() - max_bytes
+            gone = [(pid, n) for pid in self._meta.eviction_candidates(need) if (n := self._evict_one(pid))]
             evicted += [pid for pid, _ in gone]
             freed += sum(n for _, n in gone)
             if need <= 0 or not gone:
                 break
-        usage = self.meta.usage()
+        usage = self._meta.usage()
         return EvictionResult(evicted=tuple(evicted), freed_bytes=freed, usage_bytes=usage,
                               satisfied=usage <= max_bytes)
 
@@ -290,20 +225,19 @@ class KVStore:
         """Evict one prefix (metadata, then page files); its bytes, or 0 when it is busy, pinned or leased."""
         try:
             with self.prefill_lock(prefix_id, wait_s=0):
-                info = self.meta.prefix_usage(prefix_id)
-                if info is None or not self.meta.evict(prefix_id):
+                info = self._meta.prefix_usage(prefix_id)
+                if info is None or not self._meta.evict(prefix_id):
                     return 0
                 shutil.rmtree(self.prefix_dir(prefix_id), ignore_errors=True)
         except LockTimeout:
             return 0
-        with contextlib.suppress(FileNotFoundError):
-            (self.locks_dir / f"{prefix_id}.lock").unlink()
         return info.bytes
 
+    # -- reads ---------------------------------------------------------------------------------
     def artifact(self, prefix_id: str, name: str) -> bytes:
         """An artifact's bytes, checked against the manifest's digest."""
         info = self.manifest(prefix_id).artifact(name)
-        data = self.meta.artifact(prefix_id, name)
+        data = self._meta.artifact(prefix_id, name)
         if info is None or data is None:
             raise PrefixNotFound(f"prefix {prefix_id!r} has no artifact {name!r}")
         if len(data) != info.size or digest(data) != info.blake2b:
@@ -322,36 +256,57 @@ class KVStore:
 
         ``crcs`` (from ``page_crcs``) saves re-reading the checksum artifact when one caller verifies many reads.
         """
-        m = manifest or self.manifest(prefix_id)
-        n_pages = m.layout.n_pages(m.n_tokens)
+        m = self._read_manifest(prefix_id, manifest)
+        lay = m.layout
+        n_pages = lay.n_pages(m.n_tokens)
+        if not (0 <= layer < lay.n_layers and 0 <= head < lay.n_kv_heads):
+            raise InvalidInput(f"layer {layer} / kv head {head} out of range [0, {lay.n_layers}) / "
+                               f"[0, {lay.n_kv_heads})")
         if pages and (pages[0] < 0 or pages[-1] >= n_pages):
             raise InvalidInput(f"page ids must be in [0, {n_pages}), got {pages[0]}..{pages[-1]}")
-        path = self.prefix_dir(prefix_id) / layer_file_name(layer)
-        try:
-            read_pages_into(path, m.layout, m.n_tokens, head, pages, out)
-        except FileNotFoundError as e:
-            raise CorruptData(f"page file {path.name} of prefix {prefix_id} is missing") from e
-        if verify:
-            expected = (crcs if crcs is not None else self.page_crcs(prefix_id, m))[layer, head]
-            arr = out.numpy()
-            for i, p in enumerate(pages):
-                if page_crc(prefix_id, layer, head, p, memoryview(arr[i])) != expected[p]:
-                    raise CorruptData(f"prefix {prefix_id}: layer {layer} head {head} page {p} failed its "
-                                      "checksum")
+        if out.dtype != torch.uint8 or tuple(out.shape) != (len(pages), lay.page_bytes) or not out.is_contiguous():
+            raise ValueError(f"out must be contiguous uint8 [{len(pages)}, {lay.page_bytes}], got {out.dtype} "
+                             f"{tuple(out.shape)}")
+        linear = head * n_pages + np.asarray(pages, dtype=np.int64)
+        self._read_layer_file(m, layer, linear, out.numpy(), crcs, verify)
 
     def read_layer(self, prefix_id: str, layer: int, *, verify: bool = False,
                    manifest: Manifest | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """All of one layer's K and V, each ``[kv_heads, n_tokens, head_dim]``."""
-        m = manifest or self.manifest(prefix_id)
+        m = self._read_manifest(prefix_id, manifest)
         lay = m.layout
+        if not 0 <= layer < lay.n_layers:
+            raise InvalidInput(f"layer {layer} out of range [0, {lay.n_layers})")
         n_pages = lay.n_pages(m.n_tokens)
         raw = torch.empty(lay.n_kv_heads, n_pages, lay.page_bytes, dtype=torch.uint8)
-        crcs = self.page_crcs(prefix_id, m) if verify else None
-        for h in range(lay.n_kv_heads):
-            self.read_pages(prefix_id, layer, h, list(range(n_pages)), raw[h], verify=verify, manifest=m, crcs=crcs)
+        linear = np.arange(lay.n_kv_heads * n_pages, dtype=np.int64)  # the whole file: one run
+        self._read_layer_file(m, layer, linear, raw.view(-1, lay.page_bytes).numpy(), None, verify)
         k, v = unpack_pages(lay, raw)  # [h, pages, P, d]
         n = m.n_tokens
         return k.reshape(lay.n_kv_heads, -1, lay.head_dim)[:, :n], v.reshape(lay.n_kv_heads, -1, lay.head_dim)[:, :n]
+
+    def _read_manifest(self, prefix_id: str, manifest: Manifest | None) -> Manifest:
+        check_prefix_id(prefix_id)
+        if manifest is not None and manifest.prefix_id != prefix_id:
+            raise InvalidInput("manifest is not the one of prefix_id")
+        return manifest or self.manifest(prefix_id)
+
+    def _read_layer_file(self, m: Manifest, layer: int, linear: np.ndarray, out: np.ndarray,
+                         crcs: np.ndarray | None, verify: bool) -> None:
+        """Pages ``linear`` (``head * n_pages + page``) of one layer file into ``out``, through the store's one
+        coalesced reader; checked against their keyed CRCs when ``verify``."""
+        check = None
+        if verify:
+            table = crcs if crcs is not None else self.page_crcs(m.prefix_id, m)
+            check = PageCheck(prefix_id=m.prefix_id, layer=layer, n_pages=m.layout.n_pages(m.n_tokens),
+                              crcs=table[layer])
+        f = m.files[layer]
+        reader = PosixPageReader()
+        try:
+            read_checked(reader, self.prefix_dir(m.prefix_id) / f.name, f.size, linear, m.layout.page_bytes, out,
+                         check)
+        finally:
+            reader.close()
 
     def verify(self, prefix_id: str) -> None:
         """Check every page file's size and digest and every artifact; raises CorruptData."""
@@ -367,4 +322,4 @@ class KVStore:
 
     def close(self) -> None:
         """Release the metadata backend."""
-        self.meta.close()
+        self._meta.close()

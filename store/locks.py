@@ -1,4 +1,4 @@
-"""Lock helpers shared by the metadata backends: a per-file flock and a TTL renewer thread."""
+"""Lock helpers of the store: the one per-file flock (prefix and prefill locks) and a TTL renewer thread."""
 
 from __future__ import annotations
 
@@ -42,29 +42,55 @@ def _same_file(fd: int, path: Path) -> bool:
     return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
 
 
-@contextlib.contextmanager
-def file_lock(path: Path, wait_s: float | None = None) -> Iterator[None]:
-    """Hold an exclusive flock on ``path`` (threads and processes of one host contend).
+def _acquire(path: Path, deadline: float | None) -> int | None:
+    """An fd holding an exclusive flock on the file now at ``path``, or None when ``deadline`` passed.
 
-    The file is unlinked on release, so lock files do not pile up; a waiter that took
-    the lock on an unlinked inode notices and retries on the new file. A crashed holder
-    releases the lock with its file descriptors. Raises ``LockTimeout`` after ``wait_s``.
+    A waiter that took the lock on an inode its holder unlinked meanwhile retries on the new file.
     """
-    deadline = None if wait_s is None else time.monotonic() + wait_s
     while True:
         fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
         if not _take(fd, deadline):
             os.close(fd)
-            raise LockTimeout(f"lock {path.name} is held by another writer (waited {wait_s} s)")
+            return None
         if _same_file(fd, path):
-            break
+            return fd
         os.close(fd)
+
+
+def _release(fd: int, path: Path) -> None:
+    """Unlink the lock file (so lock files do not pile up), then drop the lock."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    os.close(fd)
+
+
+@contextlib.contextmanager
+def file_lock(path: Path, wait_s: float | None = None) -> Iterator[None]:
+    """Hold an exclusive flock on ``path`` (threads and processes of one host contend).
+
+    The file is unlinked on release, so lock files do not pile up. A crashed holder releases
+    the lock with its file descriptors. Raises ``LockTimeout`` after ``wait_s`` (forever when None).
+    """
+    fd = _acquire(path, None if wait_s is None else time.monotonic() + wait_s)
+    if fd is None:
+        raise LockTimeout(f"lock {path.name} is held by another writer (waited {wait_s} s)")
     try:
         yield
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        os.close(fd)
+        _release(fd, path)
+
+
+@contextlib.contextmanager
+def try_file_lock(path: Path) -> Iterator[bool]:
+    """``file_lock`` without waiting: yields whether the lock was taken (held for the block if so)."""
+    fd = _acquire(path, time.monotonic())
+    if fd is None:
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        _release(fd, path)
 
 
 class Renewer:

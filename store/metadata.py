@@ -1,25 +1,20 @@
-"""Metadata backends: manifests, small artifacts, leases, pins and LRU accounting.
+"""The metadata backend base: manifests, small artifacts, leases, pins and LRU accounting.
 
-LMDB is the embedded default; ``store.redis_metadata`` shares metadata between hosts.
-``open_metadata`` picks one by URL scheme. Both run ``tests/test_metadata_contract.py``.
+LMDB (``store.lmdb_metadata``) is the embedded default; ``store.redis_metadata`` shares metadata
+between hosts; ``store.metadata_factory.open_metadata`` picks one by URL scheme. Backends import this
+module, never the reverse. Both run ``tests/test_metadata_contract.py``.
 """
 
 from __future__ import annotations
 
 import abc
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
-from urllib.parse import urlsplit
 
 from store.errors import InvalidInput
 from store.manifest import Manifest
-
-if TYPE_CHECKING:
-    from store.lmdb_metadata import LmdbMetadata  # noqa: F401 - re-exported, see __getattr__
 
 DEFAULT_NAMESPACE = "kvstash:"
 DEFAULT_LMDB_MAP_SIZE = 1 << 36
@@ -155,47 +150,3 @@ class MetadataBackend(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release the backend's resources."""
-
-
-# -- URL-scheme factory ----------------------------------------------------------------------
-Opener = Callable[[str, Path, int, str], MetadataBackend]
-
-
-def _open_lmdb(url: str, home: Path, map_size: int, namespace: str) -> MetadataBackend:
-    from store.lmdb_metadata import LmdbMetadata
-
-    path = urlsplit(url).path if url.startswith("lmdb://") else ""
-    return LmdbMetadata(Path(path) if path else home / "meta", map_size)
-
-
-def _open_redis(url: str, home: Path, map_size: int, namespace: str) -> MetadataBackend:
-    from store.redis_metadata import RedisMetadata  # redis is needed only when configured
-
-    return RedisMetadata(url, namespace=namespace)
-
-
-BACKENDS: dict[str, Opener] = {"lmdb": _open_lmdb, "redis": _open_redis, "rediss": _open_redis,
-                               "unix": _open_redis}
-"""Metadata backends by URL scheme."""
-
-
-def open_metadata(url: str | None, home: Path, *, lmdb_map_size: int = DEFAULT_LMDB_MAP_SIZE,
-                  namespace: str = DEFAULT_NAMESPACE) -> MetadataBackend:
-    """The backend a URL names: None/``lmdb`` (``home/meta``), ``lmdb:///path``, ``redis://host:port/db``,
-    ``rediss://`` (TLS) or ``unix:///path/redis.sock``."""
-    url = url or "lmdb"
-    scheme = "lmdb" if url == "lmdb" else urlsplit(url).scheme
-    opener = BACKENDS.get(scheme)
-    if opener is None:
-        raise ValueError(f"unknown metadata URL {url!r}: use lmdb, lmdb:///path, redis://host:port/db, "
-                         "rediss://… or unix:///path")
-    return opener(url, home, lmdb_map_size, namespace)
-
-
-def __getattr__(name: str) -> object:
-    """``from store.metadata import LmdbMetadata`` keeps working (it moved to ``store.lmdb_metadata``)."""
-    if name == "LmdbMetadata":
-        from store.lmdb_metadata import LmdbMetadata
-
-        return LmdbMetadata
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import abc
 import functools
 import os
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, wait
 from dataclasses import dataclass
@@ -128,7 +129,9 @@ class PageReader(abc.ABC):
 
 
 def _size_error(path: Path, size: int, file_bytes: int) -> CorruptData:
-    return CorruptData(f"page file {path.name} has {size} bytes, expected {file_bytes} (truncated or replaced)")
+    if size < file_bytes:
+        return CorruptData(f"short read: page file {path.name} has {size} of its {file_bytes} bytes (truncated)")
+    return CorruptData(f"page file {path.name} has {size} bytes, expected {file_bytes} (replaced)")
 
 
 class PosixPageReader(PageReader):
@@ -316,3 +319,43 @@ def verify_pages(prefix_id: str, layer: int, n_pages: int, linear: np.ndarray, o
         i = bad[0]
         raise CorruptData(f"prefix {prefix_id}: layer {layer} head {hs[i]} page {ps[i]} failed its checksum "
                           "(corrupt, or not the page asked for)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PageCheck:
+    """What the pages of one layer file are verified against: keyed CRCs of (prefix, layer, head, page)."""
+
+    prefix_id: str
+    layer: int
+    n_pages: int
+    """Pages per KV head (a linear page index is ``head * n_pages + page``)."""
+    crcs: np.ndarray
+    """``[kv_heads, n_pages]`` uint32 CRCs of this layer (a row of ``KVStore.page_crcs``)."""
+
+
+@dataclass(frozen=True)
+class ReadReport:
+    """What one ``read_checked`` call did."""
+
+    calls: int
+    """Read calls issued (one per coalesced run)."""
+    read_s: float
+    verify_s: float
+
+
+def read_checked(reader: PageReader, path: Path, file_bytes: int, linear: np.ndarray | Sequence[int],
+                 page_bytes: int, out: np.ndarray, check: PageCheck | None = None, *,
+                 pool: Executor | None = None, threads: int = 1) -> ReadReport:
+    """Read pages ``linear`` (strictly increasing ``head * n_pages + page``) of one layer file into rows
+    ``out[:n]`` in coalesced runs, then (with ``check``) verify each page's keyed CRC.
+
+    The one page-read path of the store and the workers: a wrongly sized or missing file, a short read,
+    an I/O error or a page that is not the one asked for raises CorruptData.
+    """
+    plan = plan_runs(linear)
+    t0 = time.perf_counter()
+    calls = reader.read(path, file_bytes, plan, page_bytes, out)
+    t1 = time.perf_counter()
+    if check is not None:
+        verify_pages(check.prefix_id, check.layer, check.n_pages, plan.linear, out, check.crcs, pool, threads)
+    return ReadReport(calls=calls, read_s=t1 - t0, verify_s=time.perf_counter() - t1)

@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from store.errors import CorruptData
 from store.layout import KVLayout
 
 HASH_CHUNK = 1 << 20
@@ -81,40 +80,3 @@ def file_digest(path: Path) -> str:
         while chunk := f.read(HASH_CHUNK):
             h.update(chunk)
     return h.hexdigest()
-
-
-def coalesce(pages: list[int]) -> list[tuple[int, int]]:
-    """Sorted unique page ids -> runs ``(first, count)`` of consecutive pages."""
-    runs: list[tuple[int, int]] = []
-    for p in pages:
-        if runs and runs[-1][0] + runs[-1][1] == p:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((p, 1))
-    return runs
-
-
-def read_pages_into(path: Path, layout: KVLayout, n_tokens: int, head: int, pages: list[int],
-                    out: torch.Tensor) -> None:
-    """Read ``pages`` (sorted, unique) of one head into ``out[i]`` (uint8 ``[len(pages), page_bytes]``).
-
-    Consecutive pages are read with one ``preadv`` each; a short read raises CorruptData.
-    """
-    if out.dtype != torch.uint8 or tuple(out.shape) != (len(pages), layout.page_bytes):
-        raise ValueError(f"out must be uint8 [{len(pages)}, {layout.page_bytes}], got {out.dtype} "
-                         f"{tuple(out.shape)}")
-    if not out.is_contiguous():
-        raise ValueError("out must be contiguous")
-    arr = out.numpy()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        i = 0
-        for first, count in coalesce(pages):
-            dst = arr[i : i + count].data.cast("B")
-            got = os.preadv(fd, [dst], layout.page_offset(head, first, n_tokens))
-            if got != count * layout.page_bytes:
-                raise CorruptData(f"short read in {path.name}: {got} of {count * layout.page_bytes} bytes "
-                                  f"at head {head} page {first}")
-            i += count
-    finally:
-        os.close(fd)

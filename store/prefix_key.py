@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from store.errors import InvalidInput
 from store.layout import KVLayout
 
 PREFIX_KEY_VERSION = 1
+PREFIX_ID_CHARS = 32
+"""Length of a prefix id: that many lowercase hex characters of a sha256."""
+_PREFIX_ID = re.compile(f"[0-9a-f]{{{PREFIX_ID_CHARS}}}")
 
 
 def token_hash(token_ids: list[int]) -> str:
@@ -19,6 +24,16 @@ def token_hash(token_ids: list[int]) -> str:
     for t in token_ids:
         h.update(int(t).to_bytes(4, "little"))
     return h.hexdigest()
+
+
+def check_prefix_id(prefix_id: object) -> str:
+    """``prefix_id`` when it has the form ``PrefixKey.prefix_id`` gives ids; InvalidInput otherwise.
+
+    Ids become file names and metadata keys: anything else (empty, ``../``, NUL bytes) stops here.
+    """
+    if not isinstance(prefix_id, str) or _PREFIX_ID.fullmatch(prefix_id) is None:
+        raise InvalidInput(f"prefix id must be {PREFIX_ID_CHARS} lowercase hex characters")
+    return prefix_id
 
 
 def tenant_salt(tenant: str, secret: str = "") -> str:
@@ -38,8 +53,8 @@ class PrefixKey:
 
     @property
     def prefix_id(self) -> str:
-        """The prefix id: 32 hex chars of a sha256 over the canonical JSON of this key."""
-        return hashlib.sha256(self.canonical().encode()).hexdigest()[:32]
+        """The prefix id: ``PREFIX_ID_CHARS`` hex chars of a sha256 over the canonical JSON of this key."""
+        return hashlib.sha256(self.canonical().encode()).hexdigest()[:PREFIX_ID_CHARS]
 
     def canonical(self) -> str:
         """Canonical JSON (sorted keys) of the key."""

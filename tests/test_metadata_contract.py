@@ -19,7 +19,8 @@ from store.artifacts import digest
 from store.errors import InvalidInput, LockTimeout, PrefixNotFound
 from store.layout import KVLayout
 from store.manifest import ArtifactInfo, FileInfo, Manifest
-from store.metadata import MetadataBackend, PrefixUsage, open_metadata
+from store.metadata import MetadataBackend, PrefixUsage
+from store.metadata_factory import open_metadata
 from store.prefix_key import PrefixKey
 
 REPO = Path(__file__).resolve().parents[1]
@@ -256,7 +257,7 @@ CHILD = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     from store.manifest import Manifest
-    from store.metadata import open_metadata
+    from store.metadata_factory import open_metadata
     mode, url, home, manifest_path, go = sys.argv[1:6]
     m = Manifest.from_json(Path(manifest_path).read_text())
     meta = open_metadata(url, Path(home))

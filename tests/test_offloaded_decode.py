@@ -155,7 +155,7 @@ def test_corrupt_page_fails_the_request(lm, tmp_path) -> None:
     path.write_bytes(bytes(data))
     with pytest.raises(CorruptData):
         _run(w, pid, "quest", 0.2)
-    assert store.meta.leases(pid) == []  # the failed request released its lease
+    assert store.leases(pid) == []  # the failed request released its lease
     store.close()
 
 

@@ -199,7 +199,7 @@ def test_corrupt_page_fails_the_request_with_prefetch(lm, tmp_path: Path) -> Non
     with pytest.raises(CorruptData):
         _run(w, pid, "quest")
     assert _hooks(lm) == 0  # removed after the error too
-    assert store.meta.leases(pid) == []
+    assert store.leases(pid) == []
     store.close()
 
 

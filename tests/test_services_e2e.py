@@ -198,13 +198,13 @@ def test_concurrent_prefill_is_single_flight_and_generations_complete(topo) -> N
         t.join()
     assert errors == [] and len(outs) == 16 and len(set(outs)) == 1
     store = KVStore(StoreConfig(home=topo.home, metadata_url=topo_redis_url(topo)))
-    assert store.meta.leases(pid) == []  # every generation released its lease
+    assert store.leases(pid) == []  # every generation released its lease
     lease = pb_grpc.KVStoreStub(grpc.insecure_channel(topo.store_addr)).AcquireLease(
         pb.AcquireLeaseRequest(prefix_id=pid, holder="test", ttl_s=30), metadata=[("x-api-key", KEYS["alice"])])
-    assert [x.lease_id for x in store.meta.leases(pid)] == [lease.lease_id]
+    assert [x.lease_id for x in store.leases(pid)] == [lease.lease_id]
     assert pb_grpc.KVStoreStub(grpc.insecure_channel(topo.store_addr)).ReleaseLease(
         lease, metadata=[("x-api-key", KEYS["alice"])]).released
-    assert store.meta.leases(pid) == []
+    assert store.leases(pid) == []
 
 
 def topo_redis_url(topo) -> str:

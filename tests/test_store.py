@@ -15,7 +15,8 @@ from store.config import StoreConfig
 from store.errors import CorruptData, InvalidInput, PrefixNotFound, StoreUnavailable
 from store.kvstore import KVStore
 from store.layout import KVLayout
-from store.pages import coalesce, layer_file_name, unpack_pages
+from store.page_io import plan_runs
+from store.pages import layer_file_name, unpack_pages
 from store.prefix_key import PrefixKey, tenant_salt, token_hash
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,9 +36,9 @@ def _kv(n: int, layers: int = 3, seed: int = 0) -> list[tuple[torch.Tensor, torc
     return [(torch.randn(2, n, 16, generator=g), torch.randn(2, n, 16, generator=g)) for _ in range(layers)]
 
 
-def _write(store: KVStore, n: int, seed: int = 0) -> tuple[str, list]:
+def _write(store: KVStore, n: int, seed: int = 0, tenant: str = "default") -> tuple[str, list]:
     key, kv = _key(n, seed, store.config.page_size), _kv(n, seed=seed)
-    with store.write_prefix(key, model_name="m", n_tokens=n) as w:
+    with store.write_prefix(key, model_name="m", n_tokens=n, tenant=tenant) as w:
         for layer, (k, v) in enumerate(kv):
             w.write_layer(layer, k, v)
         w.put_artifact("extra", b"hello")
@@ -69,8 +70,9 @@ def test_read_arbitrary_pages_into_buffer(store: KVStore) -> None:
 
 
 def test_coalesce_runs() -> None:
-    assert coalesce([0, 1, 2, 5, 7, 8]) == [(0, 3), (5, 1), (7, 2)]
-    assert coalesce([]) == []
+    plan = plan_runs([0, 1, 2, 5, 7, 8])
+    assert [(int(plan.linear[s]), int(c)) for s, c in zip(plan.starts, plan.counts)] == [(0, 3), (5, 1), (7, 2)]
+    assert plan_runs([]).n_runs == 0
 
 
 def test_artifacts_and_manifest(store: KVStore) -> None:
@@ -117,7 +119,7 @@ def test_rm_removes_every_file(store: KVStore) -> None:
     assert not store.prefix_dir(pid).exists()
     assert not (store.locks_dir / f"{pid}.lock").exists()
     assert store.list_prefixes() == []
-    assert store.meta.artifact(pid, "extra") is None
+    assert store._meta.artifact(pid, "extra") is None  # the backend dropped it too
     with pytest.raises(PrefixNotFound):
         store.manifest(pid)
     with pytest.raises(PrefixNotFound):
@@ -151,7 +153,7 @@ def test_crash_mid_write_leaves_no_visible_prefix(tmp_path: Path, crash_at: str)
         from store.kvstore import KVStore
         s = KVStore(StoreConfig(home={str(home)!r}))
         if {crash_at!r} == "before_manifest":
-            s.meta.commit = lambda *a, **k: os._exit(9)
+            s._meta.commit = lambda *a, **k: os._exit(9)
         with s.write_prefix(_key(20), model_name="m", n_tokens=20) as w:
             for layer, (k, v) in enumerate(_kv(20)):
                 w.write_layer(layer, k, v)
@@ -193,16 +195,16 @@ def test_pipelined_writer_stores_what_the_synchronous_one_does(tmp_path: Path, t
 
 
 def test_background_write_failure_fails_the_commit(store: KVStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    import store.kvstore as kvstore_mod
+    import store.writer as writer_mod
 
-    real = kvstore_mod.write_bytes_durably
+    real = writer_mod.write_bytes_durably
 
     def flaky(path: Path, data, fsync: bool = True) -> None:
         if path.name == layer_file_name(1):
             raise OSError(28, "No space left on device")
         real(path, data, fsync)
 
-    monkeypatch.setattr(kvstore_mod, "write_bytes_durably", flaky)
+    monkeypatch.setattr(writer_mod, "write_bytes_durably", flaky)
     key = _key(40)
     with pytest.raises(OSError, match="No space"), store.write_prefix(key, model_name="m", n_tokens=40) as w:
         for layer, (k, v) in enumerate(_kv(40)):
@@ -210,3 +212,75 @@ def test_background_write_failure_fails_the_commit(store: KVStore, monkeypatch: 
         w.commit()
     assert not store.exists(key.prefix_id)
     assert [p.name for p in store.prefixes_dir.iterdir()] == []  # the temp dir went with the abort
+
+
+HOSTILE_IDS = {
+    "empty": "",
+    "short": "a" * 31,
+    "long": "a" * 33,
+    "huge": "a" * 100_000,
+    "traversal": "../../etc",
+    "traversal_32": "../" + "a" * 29,
+    "uppercase": "A" * 32,
+    "nul": "a" * 31 + "\0",
+    "newline": "a" * 32 + "\n",
+    "unicode_digits": "\u0660" * 32,
+    "fullwidth": "\uff41" * 32,
+}
+"""Prefix ids no ``PrefixKey`` produces: each must stop at the store's boundary with InvalidInput."""
+
+STORE_CALLS = {
+    "find": lambda s, p: s.find(p),
+    "manifest": lambda s, p: s.manifest(p),
+    "visible": lambda s, p: s.visible(p, "default"),
+    "exists": lambda s, p: s.exists(p),
+    "remove": lambda s, p: s.remove(p),
+    "artifact": lambda s, p: s.artifact(p, "extra"),
+    "page_crcs": lambda s, p: s.page_crcs(p),
+    "read_pages": lambda s, p: s.read_pages(p, 0, 0, [], torch.empty(0, 1, dtype=torch.uint8)),
+    "read_layer": lambda s, p: s.read_layer(p, 0),
+    "verify": lambda s, p: s.verify(p),
+    "acquire_lease": lambda s, p: s.acquire_lease(p, "w", 10),
+    "release_lease": lambda s, p: s.release_lease(f"{p}.0123456789abcdef"),
+    "leases": lambda s, p: s.leases(p),
+    "pin": lambda s, p: s.pin(p),
+    "unpin": lambda s, p: s.unpin(p),
+    "usage_of": lambda s, p: s.usage_of(p),
+    "prefix_dir": lambda s, p: s.prefix_dir(p),
+}
+
+
+def _enter(cm_factory):  # noqa: ANN001, ANN202 - a context manager method under test
+    return lambda s, p: cm_factory(s, p).__enter__()
+
+
+STORE_CALLS |= {"lease": _enter(lambda s, p: s.lease(p)), "prefill_lock": _enter(lambda s, p: s.prefill_lock(p)),
+                "prefix_lock": _enter(lambda s, p: s.prefix_lock(p))}
+
+
+@pytest.mark.parametrize("call", sorted(STORE_CALLS))
+@pytest.mark.parametrize("bad", sorted(HOSTILE_IDS))
+def test_hostile_prefix_ids_are_invalid_input(store: KVStore, call: str, bad: str) -> None:
+    _write(store, 20)  # a real prefix beside, so a lookup is not trivially empty
+    with pytest.raises(InvalidInput, match="prefix id must be 32 lowercase hex characters|malformed lease_id") as e:
+        STORE_CALLS[call](store, HOSTILE_IDS[bad])
+    assert len(str(e.value)) < 100  # never echoes the input
+    assert sorted(p.name for p in store.locks_dir.iterdir()) == []  # no lock file named after it
+
+
+def test_another_tenants_prefix_looks_missing(store: KVStore) -> None:
+    pid, _ = _write(store, 20, tenant="alice")
+    assert store.visible(pid, "alice").prefix_id == pid
+    with pytest.raises(PrefixNotFound) as other:
+        store.visible(pid, "bob")
+    with pytest.raises(PrefixNotFound) as missing:
+        store.visible("0" * 32, "bob")
+    assert str(other.value).replace(pid, "<id>") == str(missing.value).replace("0" * 32, "<id>")
+    # With the caller's salt secret, the key's tenant salt must be the one that secret gives.
+    with pytest.raises(PrefixNotFound):
+        store.visible(pid, "alice", secret="")  # _key salts as tenant "default"
+    mine, _ = _write(store, 20, seed=1)
+    assert store.visible(mine, "default", secret="").prefix_id == mine
+    with pytest.raises(PrefixNotFound):
+        store.visible(mine, "default", secret="another")
+    assert [m.prefix_id for m in store.list_prefixes("alice")] == [pid] and store.list_prefixes("bob") == []

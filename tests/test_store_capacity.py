@@ -34,7 +34,7 @@ def store(store_config: StoreConfig) -> Iterator[KVStore]:
 
 def test_backend_is_chosen_by_url(store: KVStore, store_config: StoreConfig) -> None:
     expected = RedisMetadata if store_config.metadata_url else LmdbMetadata
-    assert isinstance(store.meta, expected)
+    assert isinstance(store._meta, expected)  # white box: which backend the URL opened
 
 
 def test_evict_to_skips_pinned_and_leased_and_removes_files(store: KVStore) -> None:
@@ -42,13 +42,13 @@ def test_evict_to_skips_pinned_and_leased_and_removes_files(store: KVStore) -> N
     for seed in range(4):
         ids.append(_write(store, 40, seed=seed)[0])
         time.sleep(0.01)
-    usage = store.meta.prefix_usage(ids[0])
+    usage = store.usage_of(ids[0])
     assert usage is not None
     size = usage.bytes
-    assert store.meta.usage() == 4 * size
-    store.meta.pin(ids[0])
+    assert store.usage() == 4 * size
+    store.pin(ids[0])
     with store.lease(ids[1]) as lease:
-        assert [x.lease_id for x in store.meta.leases(ids[1])] == [lease.lease_id]
+        assert [x.lease_id for x in store.leases(ids[1])] == [lease.lease_id]
         result = store.evict_to(0)
     assert result.evicted == (ids[2], ids[3]) and result.freed_bytes == 2 * size
     assert result.usage_bytes == 2 * size and result.satisfied is False
@@ -56,7 +56,7 @@ def test_evict_to_skips_pinned_and_leased_and_removes_files(store: KVStore) -> N
         assert not store.exists(pid) and not store.prefix_dir(pid).exists()
     for pid in ids[:2]:
         store.verify(pid)
-    assert store.meta.leases(ids[1]) == []  # released on exit
+    assert store.leases(ids[1]) == []  # released on exit
     result = store.evict_to(size)
     assert result.evicted == (ids[1],) and result.satisfied and result.usage_bytes == size
     assert store.evict_to(10**12).evicted == () and store.evict_to(10**12).satisfied
@@ -69,16 +69,16 @@ def test_lease_marks_use_and_keeps_itself_alive(store: KVStore) -> None:
     time.sleep(0.01)
     new, _ = _write(store, 20, seed=1)
     with store.lease(old, holder="gen-1", ttl_s=1.0) as h:
-        assert store.meta.eviction_candidates(1) == [new]  # ``old`` was just used and is leased
+        assert store._meta.eviction_candidates(1) == [new]  # ``old`` was just used and is leased (white box)
         first = h.lease_id
         time.sleep(0.4)
         h.keepalive()  # due (> ttl/3): renewed in place
-        assert h.lease_id == first and store.meta.leases(old)[0].expires_at > time.time() + 0.8
+        assert h.lease_id == first and store.leases(old)[0].expires_at > time.time() + 0.8
         time.sleep(1.1)
-        assert store.meta.leases(old) == []  # lapsed: nobody kept it alive
+        assert store.leases(old) == []  # lapsed: nobody kept it alive
         h.keepalive()  # re-acquired
-        assert h.lease_id != first and [x.holder for x in store.meta.leases(old)] == ["gen-1"]
-    assert store.meta.leases(old) == []
+        assert h.lease_id != first and [x.holder for x in store.leases(old)] == ["gen-1"]
+    assert store.leases(old) == []
     with pytest.raises(PrefixNotFound), store.lease("0" * 32):
         pass
 

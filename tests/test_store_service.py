@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -17,7 +16,7 @@ from services.grpc_common import ServerConfig, channel
 from services.store_server import build_store_server
 from store.kvstore import KVStore
 from tests.services_harness import free_port
-from tests.test_store import _write
+from tests.test_store import HOSTILE_IDS, _write
 
 KEYS = ApiKeys.parse("ka:alice,kb:bob")
 ALICE = [("x-api-key", "ka")]
@@ -32,12 +31,7 @@ def _self_signed(tmp: Path) -> tuple[Path, Path]:
 
 
 def _alice_prefix(store: KVStore) -> str:
-    pid, _ = _write(store, 70)
-    m = store.manifest(pid)
-    # _write commits as tenant "default"; re-commit the same manifest under alice for these tests.
-    arts = {a.name: store.meta.artifact(pid, a.name) or b"" for a in m.artifacts}
-    store.meta.commit(replace(m, tenant="alice"), arts)
-    return pid
+    return _write(store, 70, tenant="alice")[0]
 
 
 @pytest.fixture()
@@ -146,3 +140,44 @@ def test_write_prefix_stream(store: KVStore, tmp_path: Path) -> None:
     finally:
         server.stop(0)
         src.close()
+
+
+HOSTILE_RPCS = {
+    "GetManifest": lambda stub, p: stub.GetManifest(pb.PrefixRef(prefix_id=p), metadata=ALICE),
+    "DeletePrefix": lambda stub, p: stub.DeletePrefix(pb.PrefixRef(prefix_id=p), metadata=ALICE),
+    "AcquireLease": lambda stub, p: stub.AcquireLease(pb.AcquireLeaseRequest(prefix_id=p, ttl_s=5), metadata=ALICE),
+    "ReleaseLease": lambda stub, p: stub.ReleaseLease(pb.Lease(prefix_id=p, lease_id=f"{p}.0123456789abcdef"),
+                                                      metadata=ALICE),
+    "Pin": lambda stub, p: stub.Pin(pb.PinRequest(prefix_id=p, pinned=True), metadata=ALICE),
+    "ReadPages": lambda stub, p: list(stub.ReadPages(pb.ReadPagesRequest(prefix_id=p, layer=0, kv_head=0, pages=[0]),
+                                                     metadata=ALICE)),
+}
+
+
+@pytest.fixture()
+def plain_stub(store: KVStore):
+    cfg = ServerConfig(port=free_port())
+    server, _ = build_store_server(store, cfg, KEYS)
+    server.start()
+    yield pb_grpc.KVStoreStub(grpc.insecure_channel(cfg.address))
+    server.stop(0)
+
+
+@pytest.mark.parametrize("rpc", sorted(HOSTILE_RPCS))
+def test_hostile_prefix_ids_are_invalid_argument(plain_stub, store: KVStore, rpc: str) -> None:
+    _alice_prefix(store)
+    for name, bad in HOSTILE_IDS.items():
+        with pytest.raises(grpc.RpcError) as e:
+            HOSTILE_RPCS[rpc](plain_stub, bad)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, e.value.details())
+        assert len(e.value.details()) < 100, name  # the huge id is not echoed back
+
+
+def test_release_lease_of_another_prefix_is_invalid(plain_stub, store: KVStore) -> None:
+    pid = _alice_prefix(store)
+    lease = plain_stub.AcquireLease(pb.AcquireLeaseRequest(prefix_id=pid, ttl_s=5), metadata=ALICE)
+    for lease_id in ("", "nodot", f"{'0' * 32}.0123456789abcdef"):
+        with pytest.raises(grpc.RpcError) as e:
+            plain_stub.ReleaseLease(pb.Lease(prefix_id=pid, lease_id=lease_id), metadata=ALICE)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert plain_stub.ReleaseLease(lease, metadata=ALICE).released and store.leases(pid) == []

@@ -11,7 +11,7 @@ import torch
 from transformers import DynamicCache
 
 from store.artifacts import tensors_to_bytes
-from store.errors import ContextTooLong, InvalidInput, ModelMismatch, PrefixNotFound
+from store.errors import ContextTooLong, InvalidInput, ModelMismatch
 from store.kvstore import KVStore
 from store.manifest import Manifest
 from store.prefix_key import PrefixKey, tenant_salt, token_hash
@@ -118,10 +118,10 @@ class Worker:
         ids = self.tokenize_document(document)
         key = self.prefix_key(ids, tenant)
         pid = key.prefix_id
-        if (m := self.store.meta.manifest(pid)) is not None:
+        if (m := self.store.find(pid)) is not None:
             return PrefillResult(prefix_id=pid, n_tokens=m.n_tokens, cached=True, manifest=m)
         with self.store.prefill_lock(pid):  # single flight across processes and hosts sharing the metadata
-            if (m := self.store.meta.manifest(pid)) is not None:
+            if (m := self.store.find(pid)) is not None:
                 return PrefillResult(prefix_id=pid, n_tokens=m.n_tokens, cached=True, manifest=m)
             m = self._write_prefix(key, ids, tenant)
         return PrefillResult(prefix_id=pid, n_tokens=len(ids), cached=False, manifest=m)
@@ -142,9 +142,7 @@ class Worker:
     # -- generate --------------------------------------------------------------------------
     def open_prefix(self, prefix_id: str, tenant: str = DEFAULT_TENANT) -> Manifest:
         """The manifest of a prefix this tenant may decode with this model."""
-        m = self.store.meta.manifest(prefix_id)
-        if m is None or m.key.tenant_salt != tenant_salt(tenant, self.secret):
-            raise PrefixNotFound(f"no prefix {prefix_id!r}")
+        m = self.store.visible(prefix_id, tenant, secret=self.secret)
         if m.key.model_fingerprint != self.lm.fingerprint:
             raise ModelMismatch(f"prefix {prefix_id} was saved by model {m.model_name!r} "
                                 f"(fingerprint {m.key.model_fingerprint}); this worker runs {self.lm.name!r}")

@@ -32,7 +32,7 @@ import torch
 from store.errors import CorruptData, InvalidInput
 from store.kvstore import KVStore
 from store.manifest import Manifest
-from store.page_io import PageReader, open_page_reader, plan_runs, verify_pages
+from store.page_io import PageCheck, PageReader, open_page_reader, read_checked
 from workers.offload.config import OffloadConfig
 from workers.offload.gather import gather_pages
 from workers.offload.gpu_cache import FetchResult, LayerCache
@@ -348,13 +348,15 @@ class PageFetcher:
     def _read(self, layer: int, keys: np.ndarray) -> np.ndarray:
         """Read pages ``keys`` (sorted linear ids) of ``layer`` into staging rows ``[0, n)``, checked."""
         buf = self._staging_rows(keys.size)
-        with self.stats.timed("ssd_read"):
-            self.stats.read_calls += self.reader.read(self._paths[layer], self._sizes[layer], plan_runs(keys),
-                                                      self.layout.page_bytes, buf)
-        if self._crcs is not None:
-            with self.stats.timed("verify"):
-                verify_pages(self.prefix_id, layer, self.n_pages, keys, buf, self._crcs[layer], self._pool,
-                             self.config.io_threads)
+        check = None if self._crcs is None else PageCheck(prefix_id=self.prefix_id, layer=layer, n_pages=self.n_pages,
+                                                          crcs=self._crcs[layer])
+        done = read_checked(self.reader, self._paths[layer], self._sizes[layer], keys, self.layout.page_bytes, buf,
+                            check, pool=self._pool, threads=self.config.io_threads)
+        self.stats.read_calls += done.calls
+        sec = self.stats.seconds
+        sec["ssd_read"] = sec.get("ssd_read", 0.0) + done.read_s
+        if check is not None:
+            sec["verify"] = sec.get("verify", 0.0) + done.verify_s
         return buf
 
     def _staging_rows(self, n: int) -> np.ndarray:
