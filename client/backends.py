@@ -9,9 +9,7 @@ from urllib.parse import parse_qs, urlparse
 
 from store.errors import InvalidInput, KVStashError
 from store.manifest import Manifest
-from workers.engine import GenerationStats
-from workers.methods.base import DecodeConfig
-from workers.sampling import SamplingParams
+from workers.requests import DecodeConfig, GenerationStats, SamplingParams
 
 DEFAULT_STORE_PORT = 50051
 

@@ -13,9 +13,8 @@ from store.config import StoreConfig
 from store.errors import InvalidInput, PrefixNotFound
 from store.kvstore import KVStore
 from store.manifest import Manifest
-from workers.engine import GenerationStats, Worker
-from workers.methods.base import DecodeConfig
-from workers.sampling import SamplingParams
+from workers.engine import Worker
+from workers.requests import DecodeConfig, GenerationStats, SamplingParams
 
 
 class Generation:

@@ -8,7 +8,7 @@ import grpc
 
 from services.gen import kvstash_pb2 as pb
 from store.manifest import Manifest
-from workers.engine import GenerationStats
+from workers.requests import GenerationStats
 
 HTTP_OF_GRPC = {grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.UNAUTHENTICATED: 401,
                 grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 413,

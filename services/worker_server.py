@@ -21,12 +21,11 @@ from services.grpc_common import ServerConfig, build_server, mapped_errors, serv
 from store.config import StoreConfig
 from store.errors import InvalidInput, TooLarge
 from store.kvstore import KVStore
-from workers.engine import GenerationStats, Worker
-from workers.methods.base import DecodeConfig
+from workers.engine import Worker
 from workers.methods.registry import METHODS
 from workers.model import load_model
 from workers.offload.config import add_offload_args, offload_from_args
-from workers.sampling import SamplingParams
+from workers.requests import DecodeConfig, GenerationStats, SamplingParams
 
 DEFAULT_MAX_DOCUMENT_BYTES = 64 << 20
 DEFAULT_MAX_NEW_TOKENS = 64

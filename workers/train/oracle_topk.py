@@ -31,8 +31,9 @@ import torch
 from transformers import AttentionInterface, AutoTokenizer, DynamicCache, LlamaForCausalLM
 
 from workers.budget import k_topk, n_budget
-from workers.methods.base import DecodeConfig, mid_range
+from workers.methods.base import mid_range
 from workers.methods.selector import group_mass
+from workers.requests import DecodeConfig
 from workers.synth import PROMPT, Sample, SynthContext, generate
 
 ATTN_NAME = "oracle_topk"

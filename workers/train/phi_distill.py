@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers import AttentionInterface, AutoTokenizer, LlamaForCausalLM
 
-from workers.methods.base import DecodeConfig, mid_range
+from workers.methods.base import mid_range
 from workers.methods.phi_maps import (
     MAP_CONFIG,
     MAP_WEIGHTS,
@@ -36,6 +36,7 @@ from workers.methods.phi_maps import (
     ReZeroMLPFeatureMap,
     weights_digest,
 )
+from workers.requests import DecodeConfig
 from workers.synth import SynthContext, generate
 from workers.synth.corpus import Split
 
