@@ -160,9 +160,11 @@ def create_app(cfg: GatewayConfig, keys: ApiKeys) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     def _validation(request: Request, e: RequestValidationError) -> JSONResponse:
         bad_json = any(err.get("type") == "json_invalid" for err in e.errors())
+        # Each error without the offending input: it may be huge, or NaN (which a JSON response cannot carry).
+        details = [{k: v for k, v in err.items() if k != "input"} for err in e.errors()]
         return JSONResponse({"error": {"message": "malformed JSON body" if bad_json else "invalid request",
                                        "code": "INVALID_ARGUMENT", "details": json.loads(json.dumps(
-                                           e.errors(), default=str))}}, status_code=400 if bad_json else 422)
+                                           details, default=str))}}, status_code=400 if bad_json else 422)
 
     @app.middleware("http")
     async def _limits_and_metrics(request: Request, call_next):  # noqa: ANN001, ANN202

@@ -66,7 +66,10 @@ LIMITS = RequestLimits()
 
 def _show(value: object) -> str:
     """A value for an error message, cut short so hostile input is never echoed whole."""
-    r = repr(value)
+    try:
+        r = repr(value)
+    except ValueError:  # an int past Python's digit limit
+        return f"<{type(value).__name__}>"
     return r if len(r) <= 40 else r[:37] + "..."
 
 
