@@ -133,14 +133,15 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("generate", parents=[common], help="answer a query over a stored prefix")
     s.add_argument("query")
     s.add_argument("--prefix", required=True, help="prefix id from `kvstash prefill`")
-    s.add_argument("--method", default="full")
+    s.add_argument("--method", default=LIMITS.method_default, help=f"decode method (default {LIMITS.method_default})")
     s.add_argument("--budget", type=float, default=None,
                    help=f"read budget as a fraction of the prefix, in (0, {LIMITS.budget_max}]")
     s.add_argument("--max-new-tokens", type=int, default=LIMITS.max_new_tokens_default,
                    help=f"1 to {LIMITS.max_new_tokens_cap} (default {LIMITS.max_new_tokens_default})")
-    s.add_argument("--temperature", type=float, default=0.0,
-                   help=f"0 (greedy, the default) to {LIMITS.temperature_max}")
-    s.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (default 1)")
+    s.add_argument("--temperature", type=float, default=LIMITS.temperature_default,
+                   help=f"0 (greedy) to {LIMITS.temperature_max} (default {LIMITS.temperature_default})")
+    s.add_argument("--top-p", type=float, default=LIMITS.top_p_default,
+                   help=f"nucleus mass in (0, 1] (default {LIMITS.top_p_default})")
     s.add_argument("--seed", type=int, default=None, help=f"sampling seed, 0 to {LIMITS.seed_max}")
     s.add_argument("--stop", action="append",
                    help=f"stop string (repeatable, at most {LIMITS.stop_max_count} of {LIMITS.stop_max_chars} chars)")
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvstash`` command."""
     args = build_parser().parse_args(argv)
     if getattr(args, "command", "") == "eval" and args.method is None:
-        args.method = ["full"]
+        args.method = [LIMITS.method_default]
     func: Callable[[argparse.Namespace], Any] = args.func
     try:
         result = func(args)

@@ -160,8 +160,9 @@ class KVClient:
         return self.prefill(Path(path).read_text(encoding="utf-8"))
 
     def generate(self, query: str, prefix: PrefixHandle | str | None = None, *,
-                 max_new_tokens: int = LIMITS.max_new_tokens_default, method: str = "full",
-                 budget: float | None = None, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+                 max_new_tokens: int = LIMITS.max_new_tokens_default, method: str = LIMITS.method_default,
+                 budget: float | None = None, temperature: float = LIMITS.temperature_default,
+                 top_p: float = LIMITS.top_p_default, seed: int | None = None,
                  stop: tuple[str, ...] | list[str] = (), raw: bool = False,
                  gen_len: int = LIMITS.gen_len_default) -> Generation:
         """Answer ``query`` over a stored prefix (default: the one this client prefilled last).

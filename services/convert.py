@@ -49,11 +49,12 @@ def generate_request_to_pb(req: GenerateRequest) -> pb.GenerateRequest:
 def generate_request_from_pb(msg: pb.GenerateRequest) -> GenerateRequest:
     """The request a GenerateRequest message describes (zero or unset fields take their defaults)."""
     return GenerateRequest(
-        prefix_id=msg.prefix_id, query=msg.query, method=msg.method or "full", raw=msg.raw,
+        prefix_id=msg.prefix_id, query=msg.query, method=msg.method or LIMITS.method_default, raw=msg.raw,
         decode=DecodeConfig(budget=msg.budget if msg.HasField("budget") else None,
                             gen_len=msg.gen_len or LIMITS.gen_len_default),
         sampling=SamplingParams(max_new_tokens=msg.max_new_tokens or LIMITS.max_new_tokens_default,
-                                temperature=msg.temperature, top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+                                temperature=msg.temperature,
+                                top_p=msg.top_p if msg.HasField("top_p") else LIMITS.top_p_default,
                                 seed=msg.seed if msg.HasField("seed") else None, stop=tuple(msg.stop)))
 
 

@@ -62,10 +62,10 @@ MaxNewTokens = Annotated[int, Field(ge=1, le=LIMITS.max_new_tokens_cap)]
 class DecodeFields(BaseModel):
     """Method and sampling fields every generation endpoint takes."""
 
-    method: str = Field("full", min_length=1, max_length=LIMITS.method_max_chars)
+    method: str = Field(LIMITS.method_default, min_length=1, max_length=LIMITS.method_max_chars)
     budget: float | None = Field(None, gt=0, le=LIMITS.budget_max, allow_inf_nan=False)
-    temperature: float = Field(0.0, ge=0, le=LIMITS.temperature_max, allow_inf_nan=False)
-    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    temperature: float = Field(LIMITS.temperature_default, ge=0, le=LIMITS.temperature_max, allow_inf_nan=False)
+    top_p: float = Field(LIMITS.top_p_default, gt=0, le=1, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, le=LIMITS.seed_max)
     stream: bool = False
     gen_len: int = Field(LIMITS.gen_len_default, ge=1, le=LIMITS.gen_len_max)

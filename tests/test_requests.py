@@ -104,6 +104,7 @@ def test_wire_defaults_and_errors() -> None:
     assert generate_request_from_pb(pb.GenerateRequest(prefix_id="c" * 32, query="q")) == bare
     assert GenerateRequest.from_json("c" * 32, {"query": "q", "seed": None, "budget": None}) == bare
     _short_error(GenerateRequest.from_json, prefix_id="c" * 32, body={"query": "q", "temprature": 1})
+    _short_error(GenerateRequest.from_json, prefix_id="c" * 32, body={"method": "full"})
     # The wires carry no sink/tail, so a request that sets them cannot be sent remotely by mistake.
     custom = GenerateRequest(prefix_id="c" * 32, query="q", decode=DecodeConfig(sink=0))
     _short_error(custom.to_json)

@@ -24,6 +24,8 @@ INT64_MAX = 2**63 - 1
 class RequestLimits:
     """Bounds and defaults of every request field, declared once for the CLI, gateway, servers and worker."""
 
+    method_default: str = "full"
+    """Exact attention over the whole prefix."""
     budget_max: float = 1.0
     """A read budget is a fraction of the prefix in (0, budget_max]."""
     sink_default: int = 4
@@ -39,9 +41,13 @@ class RequestLimits:
     max_new_tokens_default: int = 64
     max_new_tokens_cap: int = 1 << 16
     """Most tokens one request may ask for (a worker may be configured with a lower cap)."""
+    temperature_default: float = 0.0
+    """Greedy."""
     temperature_max: float = 100.0
     temperature_floor: float = 1e-6
     """Temperatures under this are greedy: dividing logits by a denormal overflows to inf."""
+    top_p_default: float = 1.0
+    """No nucleus cut."""
     seed_max: int = INT64_MAX
     """Seeds are in [0, seed_max] (the wire carries them as int64)."""
     stop_max_count: int = 16
@@ -117,9 +123,9 @@ class SamplingParams:
     """How to pick tokens and when to stop."""
 
     max_new_tokens: int = LIMITS.max_new_tokens_default
-    temperature: float = 0.0
+    temperature: float = LIMITS.temperature_default
     """0 means greedy."""
-    top_p: float = 1.0
+    top_p: float = LIMITS.top_p_default
     seed: int | None = None
     stop: tuple[str, ...] = ()
 
@@ -218,7 +224,7 @@ class GenerateRequest:
 
     prefix_id: str
     query: str
-    method: str = "full"
+    method: str = LIMITS.method_default
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     raw: bool = False
@@ -247,10 +253,13 @@ class GenerateRequest:
         """The request a REST body describes: absent or null fields take their defaults, unknown ones are errors."""
         _known_keys(body, GENERATE_JSON_FIELDS)
         b = {k: v for k, v in body.items() if v is not None}
-        return cls(prefix_id=prefix_id, query=b.get("query"), method=b.get("method", "full"),  # type: ignore[arg-type]
+        if "query" not in b:
+            raise InvalidInput("query is required")
+        return cls(prefix_id=prefix_id, query=b["query"], method=b.get("method", LIMITS.method_default),
                    decode=DecodeConfig(budget=b.get("budget"), gen_len=b.get("gen_len", LIMITS.gen_len_default)),
                    sampling=SamplingParams(max_new_tokens=b.get("max_new_tokens", LIMITS.max_new_tokens_default),
-                                           temperature=b.get("temperature", 0.0), top_p=b.get("top_p", 1.0),
+                                           temperature=b.get("temperature", LIMITS.temperature_default),
+                                           top_p=b.get("top_p", LIMITS.top_p_default),
                                            seed=b.get("seed"), stop=b.get("stop", ())),
                    raw=b.get("raw", False))
 
