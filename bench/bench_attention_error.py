@@ -26,11 +26,12 @@ import torch
 
 from workers.attention import PREFIX_KWARG, dense_attention
 from workers.budget import plan_budget
-from workers.methods.base import DecodeConfig, mid_range
+from workers.methods.base import mid_range
 from workers.methods.memory import MemorySource
 from workers.methods.phi import PhiSummarizer
 from workers.methods.phi_maps import FeatureMap
 from workers.methods.registry import METHODS, get_method
+from workers.requests import DecodeConfig
 
 METHODS_SHOWN = ["topk", "topk+phi", "quest", "quest+phi", "doublep", "doublep+phi"]
 

@@ -32,12 +32,11 @@ sys.path.insert(0, str(REPO))
 from lab.synth import SynthContext, generate  # noqa: E402
 from store.config import StoreConfig  # noqa: E402
 from store.kvstore import KVStore  # noqa: E402
-from workers.engine import GenerationStats, Worker  # noqa: E402
-from workers.methods.base import DecodeConfig  # noqa: E402
+from workers.engine import Worker  # noqa: E402
 from workers.methods.registry import METHODS  # noqa: E402
 from workers.model import LoadedModel, load_model  # noqa: E402
 from workers.offload import OffloadConfig  # noqa: E402
-from workers.sampling import SamplingParams  # noqa: E402
+from workers.requests import DecodeConfig, GenerationStats, SamplingParams  # noqa: E402
 
 MODES = ("off", "same_pages", "speculative")
 COUNTERS = ("prefetch_predicted_pages", "prefetch_selected_pages", "prefetch_matched_pages", "prefetch_pages",

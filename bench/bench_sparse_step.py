@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from workers.attention import dense_attention
-from workers.methods.base import DecodeConfig
 from workers.methods.memory import MemorySource
 from workers.methods.registry import METHODS, get_method
+from workers.requests import DecodeConfig
 
 
 def timed(fn, reps: int, device: torch.device) -> float:  # noqa: ANN001 - any callable

@@ -40,11 +40,10 @@ sys.path.insert(0, str(REPO))
 from lab.tiny_random import TinyLlamaSpec, build_tiny_llama  # noqa: E402
 from store.config import StoreConfig  # noqa: E402
 from store.kvstore import KVStore  # noqa: E402
-from workers.engine import GenerationStats, Worker  # noqa: E402
-from workers.methods.base import DecodeConfig  # noqa: E402
+from workers.engine import Worker  # noqa: E402
 from workers.model import LoadedModel, load_model  # noqa: E402
 from workers.offload import OffloadConfig  # noqa: E402
-from workers.sampling import SamplingParams  # noqa: E402
+from workers.requests import DecodeConfig, GenerationStats, SamplingParams  # noqa: E402
 
 QUERY = " What does the text say about the river?"
 

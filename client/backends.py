@@ -1,4 +1,7 @@
-"""Where a KVClient's calls go: in-process (embedded), a gRPC worker + store, or the REST gateway."""
+"""Where a KVClient's calls go: in-process (embedded), a gRPC worker + store, or the REST gateway.
+
+Imports neither torch nor grpc: a backend imports its transport when it is made.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +12,7 @@ from urllib.parse import parse_qs, urlparse
 
 from store.errors import InvalidInput, KVStashError
 from store.manifest import Manifest
-from workers.engine import GenerationStats
-from workers.methods.base import DecodeConfig
-from workers.sampling import SamplingParams
+from workers.requests import GenerateRequest, GenerationStats, PrefillRequest
 
 DEFAULT_STORE_PORT = 50051
 
@@ -19,12 +20,11 @@ DEFAULT_STORE_PORT = 50051
 class Backend(Protocol):
     """The operations a KVClient needs, whatever is behind them."""
 
-    def prefill(self, document: str) -> tuple[str, int, bool]:
+    def prefill(self, req: PrefillRequest) -> tuple[str, int, bool]:
         """(prefix_id, n_tokens, cached)."""
         ...
 
-    def generate(self, prefix_id: str, query: str, params: SamplingParams, method: str, decode: DecodeConfig,
-                 raw: bool, stats: GenerationStats) -> Iterator[str]:
+    def generate(self, req: GenerateRequest, stats: GenerationStats) -> Iterator[str]:
         """Text pieces of the answer; fills ``stats`` when done."""
         ...
 
@@ -47,15 +47,6 @@ class RemoteError(KVStashError):
     def __init__(self, message: str, grpc_code: str, http_status: int):
         super().__init__(message)
         self.grpc_code, self.http_status = grpc_code, http_status
-
-
-def _fill_stats(stats: GenerationStats, d: dict[str, Any]) -> None:
-    for name in ("steps", "prompt_tokens", "new_tokens", "bytes_fetched", "bytes_full"):
-        setattr(stats, name, int(d.get(name, 0)))
-    stats.seconds = float(d.get("seconds", 0.0))
-    stats.finish_reason = str(d.get("finish_reason", ""))
-    known = {"steps", "prompt_tokens", "new_tokens", "bytes_fetched", "bytes_full", "seconds", "finish_reason"}
-    stats.extra.update({k: float(v) for k, v in d.items() if k not in known})
 
 
 def _remote_error(e: Any) -> RemoteError:
@@ -90,26 +81,24 @@ class GrpcBackend:
         except grpc.RpcError as e:
             raise _remote_error(e) from None
 
-    def prefill(self, document: str) -> tuple[str, int, bool]:
+    def prefill(self, req: PrefillRequest) -> tuple[str, int, bool]:
         """Stream the document to the worker in chunks."""
-        from services.convert import document_chunks
+        from services.convert import prefill_chunks
 
-        r = self._call(self.worker.Prefill, document_chunks(document))
+        r = self._call(self.worker.Prefill, prefill_chunks(req))
         return r.prefix_id, r.n_tokens, r.cached
 
-    def generate(self, prefix_id: str, query: str, params: SamplingParams, method: str, decode: DecodeConfig,
-                 raw: bool, stats: GenerationStats) -> Iterator[str]:
+    def generate(self, req: GenerateRequest, stats: GenerationStats) -> Iterator[str]:
         """Server-streamed pieces."""
         import grpc
 
-        from services.convert import generate_request, stats_to_dict
+        from services.convert import generate_request_to_pb, stats_from_pb
 
-        req = generate_request(prefix_id, query, method, decode.budget, params.max_new_tokens, params.temperature,
-                               params.top_p, params.seed, list(params.stop), raw, decode.gen_len)
+        msg = generate_request_to_pb(req)
         try:
-            for ev in self.worker.Generate(req, metadata=self._md):
+            for ev in self.worker.Generate(msg, metadata=self._md):
                 if ev.HasField("done"):
-                    _fill_stats(stats, stats_to_dict(ev.done))
+                    stats.copy_from(stats_from_pb(ev.done))
                 else:
                     yield ev.text
         except grpc.RpcError as e:
@@ -154,19 +143,15 @@ class HttpBackend:
             raise RemoteError(err.get("message", ""), err.get("code", "UNKNOWN"), r.status_code)
         return r.json()
 
-    def prefill(self, document: str) -> tuple[str, int, bool]:
+    def prefill(self, req: PrefillRequest) -> tuple[str, int, bool]:
         """POST /v1/prefixes."""
-        d = self._check(self.http.post("/v1/prefixes", json={"document": document}))
+        d = self._check(self.http.post("/v1/prefixes", json=req.to_json()))
         return d["prefix_id"], d["n_tokens"], d["cached"]
 
-    def generate(self, prefix_id: str, query: str, params: SamplingParams, method: str, decode: DecodeConfig,
-                 raw: bool, stats: GenerationStats) -> Iterator[str]:
+    def generate(self, req: GenerateRequest, stats: GenerationStats) -> Iterator[str]:
         """POST /v1/prefixes/{id}/generate with SSE streaming."""
-        body = {"query": query, "method": method, "budget": decode.budget, "gen_len": decode.gen_len,
-                "max_new_tokens": params.max_new_tokens,
-                "temperature": params.temperature, "top_p": params.top_p, "seed": params.seed,
-                "stop": list(params.stop), "raw": raw, "stream": True}
-        with self.http.stream("POST", f"/v1/prefixes/{prefix_id}/generate", json=body) as r:
+        body = {**req.to_json(), "stream": True}
+        with self.http.stream("POST", f"/v1/prefixes/{req.prefix_id}/generate", json=body) as r:
             if r.status_code >= 400:
                 r.read()
                 self._check(r)
@@ -177,7 +162,7 @@ class HttpBackend:
                 elif line.startswith("data:"):
                     data = json.loads(line[5:])
                     if event == "done":
-                        _fill_stats(stats, data)
+                        stats.copy_from(GenerationStats.from_json(data))
                     elif event == "error":
                         raise RemoteError(data.get("message", ""), data.get("code", "UNKNOWN"), 500)
                     else:

@@ -15,6 +15,7 @@ from client.config import ClientConfig
 from client.kvclient import KVClient
 from store.errors import KVStashError
 from store.manifest import Manifest
+from workers.requests import LIMITS
 
 EXIT_ERROR = 2
 
@@ -59,9 +60,7 @@ def cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
         print()
         text = gen.text
     st = gen.stats
-    stats = {"steps": st.steps, "prompt_tokens": st.prompt_tokens, "new_tokens": st.new_tokens,
-             "bytes_fetched": st.bytes_fetched, "bytes_full": st.bytes_full, "seconds": round(st.seconds, 4),
-             "finish_reason": st.finish_reason, **st.extra}
+    stats = {**st.to_json(), "seconds": round(st.seconds, 4)}
     if args.stats and not args.json:
         print(json.dumps(stats, indent=2), file=sys.stderr)
     return {"text": text, "prefix_id": args.prefix, "method": args.method, "token_ids": st.token_ids,
@@ -134,14 +133,20 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("generate", parents=[common], help="answer a query over a stored prefix")
     s.add_argument("query")
     s.add_argument("--prefix", required=True, help="prefix id from `kvstash prefill`")
-    s.add_argument("--method", default="full")
-    s.add_argument("--budget", type=float, default=None, help="read budget as a fraction of the prefix")
-    s.add_argument("--max-new-tokens", type=int, default=64)
-    s.add_argument("--temperature", type=float, default=0.0)
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--seed", type=int, default=None)
-    s.add_argument("--stop", action="append", help="stop string (repeatable)")
-    s.add_argument("--gen-len", type=int, default=1, help="steps to amortize one-time summary reads over")
+    s.add_argument("--method", default=LIMITS.method_default, help=f"decode method (default {LIMITS.method_default})")
+    s.add_argument("--budget", type=float, default=None,
+                   help=f"read budget as a fraction of the prefix, in (0, {LIMITS.budget_max}]")
+    s.add_argument("--max-new-tokens", type=int, default=LIMITS.max_new_tokens_default,
+                   help=f"1 to {LIMITS.max_new_tokens_cap} (default {LIMITS.max_new_tokens_default})")
+    s.add_argument("--temperature", type=float, default=LIMITS.temperature_default,
+                   help=f"0 (greedy) to {LIMITS.temperature_max} (default {LIMITS.temperature_default})")
+    s.add_argument("--top-p", type=float, default=LIMITS.top_p_default,
+                   help=f"nucleus mass in (0, 1] (default {LIMITS.top_p_default})")
+    s.add_argument("--seed", type=int, default=None, help=f"sampling seed, 0 to {LIMITS.seed_max}")
+    s.add_argument("--stop", action="append",
+                   help=f"stop string (repeatable, at most {LIMITS.stop_max_count} of {LIMITS.stop_max_chars} chars)")
+    s.add_argument("--gen-len", type=int, default=LIMITS.gen_len_default,
+                   help=f"steps to amortize one-time summary reads over (default {LIMITS.gen_len_default})")
     s.add_argument("--stats", action="store_true", help="print per-generation statistics to stderr")
     s.set_defaults(func=cmd_generate)
     add_budget_command(sub, common)
@@ -151,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--method", action="append", default=None, help="decode method (repeatable; default full)")
     s.add_argument("--budget", action="append", type=float, default=None, help="read budget (repeatable)")
     s.add_argument("--samples", type=int, default=20)
-    s.add_argument("--gen-len", type=int, default=1, help="steps to amortize one-time summary reads over")
+    s.add_argument("--gen-len", type=int, default=LIMITS.gen_len_default,
+                   help="steps to amortize one-time summary reads over")
     s.add_argument("--max-new-tokens", type=int, default=48)
     s.add_argument("--output", help="also write the JSON result to this file")
     s.set_defaults(func=cmd_eval)
@@ -170,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvstash`` command."""
     args = build_parser().parse_args(argv)
     if getattr(args, "command", "") == "eval" and args.method is None:
-        args.method = ["full"]
+        args.method = [LIMITS.method_default]
     func: Callable[[argparse.Namespace], Any] = args.func
     try:
         result = func(args)

@@ -9,6 +9,7 @@ from typing import Any
 
 from store.errors import InvalidInput
 from workers.budget import plan_budget
+from workers.requests import LIMITS
 
 
 def cmd_budget(args: argparse.Namespace) -> dict[str, Any]:
@@ -33,9 +34,12 @@ def add_budget_command(subparsers: Any, common_parent: argparse.ArgumentParser) 
     s.add_argument("--fraction", type=float, required=True, help="per-step read budget as a fraction f of N")
     s.add_argument("--head-dim", type=int, required=True, help="per-head dimension d_h")
     s.add_argument("--phi-dim", type=int, default=None, help="feature dimension d_phi (default: d_h)")
-    s.add_argument("--sink", type=int, default=4, help="sink anchor tokens (default 4)")
-    s.add_argument("--tail", type=int, default=16, help="tail anchor tokens (default 16)")
-    s.add_argument("--gen-len", type=int, default=1,
-                   help="steps the one-time phi fetch is amortized over (default 1: worst case)")
+    s.add_argument("--sink", type=int, default=LIMITS.sink_default,
+                   help=f"sink anchor tokens (default {LIMITS.sink_default})")
+    s.add_argument("--tail", type=int, default=LIMITS.tail_default,
+                   help=f"tail anchor tokens (default {LIMITS.tail_default})")
+    s.add_argument("--gen-len", type=int, default=LIMITS.gen_len_default,
+                   help=f"steps the one-time phi fetch is amortized over (default {LIMITS.gen_len_default}: "
+                        "worst case)")
     s.set_defaults(func=cmd_budget)
     return s

@@ -1,21 +1,23 @@
-"""KVClient: prefill a document once, then ask it many questions (embedded mode)."""
+"""KVClient: prefill a document once, then ask it many questions (embedded, or through deployed services).
+
+Remote clients import no torch: the store and worker are imported when an embedded client is made.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from client.backends import Backend, remote_backend
 from client.config import ClientConfig
-from store.config import StoreConfig
 from store.errors import InvalidInput
-from store.kvstore import KVStore
 from store.manifest import Manifest
-from workers.engine import GenerationStats, Worker
-from workers.methods.base import DecodeConfig
-from workers.sampling import SamplingParams
+from workers.requests import LIMITS, DecodeConfig, GenerateRequest, GenerationStats, PrefillRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from workers.engine import Worker
 
 
 class Generation:
@@ -65,6 +67,9 @@ class EmbeddedBackend:
     """Store + worker in this process; no server to start."""
 
     def __init__(self, config: ClientConfig):
+        from store.config import StoreConfig
+        from store.kvstore import KVStore
+
         self.config = config
         self.store = KVStore(StoreConfig(home=config.home, page_size=config.page_size))
         self._worker: Worker | None = None
@@ -73,6 +78,7 @@ class EmbeddedBackend:
     def worker(self) -> Worker:
         """The in-process worker (loads the model on first use)."""
         if self._worker is None:
+            from workers.engine import Worker
             from workers.model import load_model
 
             lm = load_model(self.config.resolved_model(), device=self.config.device,
@@ -81,16 +87,16 @@ class EmbeddedBackend:
             self._worker = Worker(self.store, lm, progress=self.config.progress, offload=self.config.offload)
         return self._worker
 
-    def prefill(self, document: str) -> tuple[str, int, bool]:
+    def prefill(self, req: PrefillRequest) -> tuple[str, int, bool]:
         """Prefill in process."""
+        document = req.document if req.document is not None else Path(req.file_path or "").read_text("utf-8")
         r = self.worker.prefill(document, tenant=self.config.tenant)
         return r.prefix_id, r.n_tokens, r.cached
 
-    def generate(self, prefix_id: str, query: str, params: SamplingParams, method: str, decode: DecodeConfig,
-                 raw: bool, stats: GenerationStats) -> Iterator[str]:
+    def generate(self, req: GenerateRequest, stats: GenerationStats) -> Iterator[str]:
         """Generate in process."""
-        return self.worker.generate(prefix_id, query, params, method=method, decode=decode,
-                                    tenant=self.config.tenant, stats=stats, raw=raw)
+        return self.worker.generate(req.prefix_id, req.query, req.sampling, method=req.method, decode=req.decode,
+                                    tenant=self.config.tenant, stats=stats, raw=req.raw)
 
     def list(self) -> list[Manifest]:
         """This tenant's prefixes."""
@@ -115,13 +121,23 @@ class KVClient:
 
     def __init__(self, target: str | None = None, *, config: ClientConfig | None = None,
                  api_key: str | None = None, **overrides: Any):
-        self.config = replace(config or ClientConfig(), **overrides)
+        if unknown := set(overrides) - {f.name for f in fields(ClientConfig)}:
+            raise TypeError(f"unknown ClientConfig fields: {sorted(unknown)}")
+        self._given, self._overrides = config, overrides
+        self._config: ClientConfig | None = None
         self.backend: Backend
         if target in (None, "embedded"):
             self.backend = EmbeddedBackend(self.config)
         else:
             self.backend = remote_backend(target, api_key)
         self.last_prefix: PrefixHandle | None = None
+
+    @property
+    def config(self) -> ClientConfig:
+        """The embedded settings (built on first use, so a remote client never probes for a GPU)."""
+        if self._config is None:
+            self._config = replace(self._given or ClientConfig(), **self._overrides)
+        return self._config
 
     @property
     def worker(self) -> Worker:
@@ -132,7 +148,7 @@ class KVClient:
 
     def prefill(self, document: str) -> PrefixHandle:
         """Store a document's KV cache (a cache hit when it is already stored)."""
-        pid, n, cached = self.backend.prefill(document)
+        pid, n, cached = self.backend.prefill(PrefillRequest(document=document))
         self.last_prefix = PrefixHandle(pid, n, cached, self)
         return self.last_prefix
 
@@ -140,25 +156,24 @@ class KVClient:
         """Prefill the UTF-8 text of a file."""
         return self.prefill(Path(path).read_text(encoding="utf-8"))
 
-    def generate(self, query: str, prefix: PrefixHandle | str | None = None, *, max_new_tokens: int = 64,
-                 method: str = "full", budget: float | None = None, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int | None = None, stop: tuple[str, ...] | list[str] = (), raw: bool = False,
-                 gen_len: int = 1) -> Generation:
+    def generate(self, query: str, prefix: PrefixHandle | str | None = None, *,
+                 max_new_tokens: int = LIMITS.max_new_tokens_default, method: str = LIMITS.method_default,
+                 budget: float | None = None, temperature: float = LIMITS.temperature_default,
+                 top_p: float = LIMITS.top_p_default, seed: int | None = None,
+                 stop: tuple[str, ...] | list[str] = (), raw: bool = False,
+                 gen_len: int = LIMITS.gen_len_default) -> Generation:
         """Answer ``query`` over a stored prefix (default: the one this client prefilled last).
 
         ``raw`` sends the query text as-is instead of through the model's query template;
         ``gen_len`` is the number of steps a method's one-time summary fetch is amortized over
         when its budget is matched (1: the conservative worst case).
         """
-        pid = self._prefix_id(prefix)
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                                stop=tuple(stop))
-        try:
-            decode = DecodeConfig(budget=budget, gen_len=gen_len)
-        except ValueError as e:
-            raise InvalidInput(str(e)) from e
+        req = GenerateRequest(prefix_id=self._prefix_id(prefix), query=query, method=method, raw=raw,
+                              decode=DecodeConfig(budget=budget, gen_len=gen_len),
+                              sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                                                      top_p=top_p, seed=seed, stop=tuple(stop)))
         stats = GenerationStats()
-        return Generation(self.backend.generate(pid, query, params, method, decode, raw, stats), stats)
+        return Generation(self.backend.generate(req, stats), stats)
 
     def _prefix_id(self, prefix: PrefixHandle | str | None) -> str:
         if isinstance(prefix, PrefixHandle):

@@ -1,4 +1,4 @@
-"""Conversions between store dataclasses and protobuf messages."""
+"""Every conversion between kvstash values (manifests, requests, generation counters) and protobuf messages."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import grpc
 
 from services.gen import kvstash_pb2 as pb
 from store.manifest import Manifest
-from workers.engine import GenerationStats
+from workers.requests import LIMITS, DecodeConfig, GenerateRequest, GenerationStats, PrefillRequest, SamplingParams
 
 HTTP_OF_GRPC = {grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.UNAUTHENTICATED: 401,
                 grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 413,
@@ -25,17 +25,37 @@ def document_chunks(document: str) -> Iterator[pb.PrefillChunk]:
         yield pb.PrefillChunk(text=document[i:i + DOCUMENT_CHUNK_CHARS])
 
 
-def generate_request(prefix_id: str, query: str, method: str, budget: float | None, max_new: int,
-                     temperature: float, top_p: float, seed: int | None, stop: list[str], raw: bool,
-                     gen_len: int = 1) -> pb.GenerateRequest:
-    """A GenerateRequest with only the optional fields that were given set."""
-    req = pb.GenerateRequest(prefix_id=prefix_id, query=query, method=method, max_new_tokens=max_new,
-                             temperature=temperature, top_p=top_p, stop=stop, raw=raw, gen_len=gen_len)
-    if budget is not None:
-        req.budget = budget
-    if seed is not None:
-        req.seed = seed
-    return req
+def prefill_chunks(req: PrefillRequest) -> Iterator[pb.PrefillChunk]:
+    """A prefill request as the Prefill client stream."""
+    if req.file_path is not None:
+        return iter([pb.PrefillChunk(file_path=req.file_path)])
+    return document_chunks(req.document or "")
+
+
+def generate_request_to_pb(req: GenerateRequest) -> pb.GenerateRequest:
+    """A GenerateRequest message; optional fields left unset where the request leaves them to the default."""
+    d, s = req.decode, req.sampling
+    d.check_wire_anchors()
+    msg = pb.GenerateRequest(prefix_id=req.prefix_id, query=req.query, method=req.method,
+                             max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                             stop=list(s.stop), raw=req.raw, gen_len=d.gen_len)
+    if d.budget is not None:
+        msg.budget = d.budget
+    if s.seed is not None:
+        msg.seed = s.seed
+    return msg
+
+
+def generate_request_from_pb(msg: pb.GenerateRequest) -> GenerateRequest:
+    """The request a GenerateRequest message describes (zero or unset fields take their defaults)."""
+    return GenerateRequest(
+        prefix_id=msg.prefix_id, query=msg.query, method=msg.method or LIMITS.method_default, raw=msg.raw,
+        decode=DecodeConfig(budget=msg.budget if msg.HasField("budget") else None,
+                            gen_len=msg.gen_len or LIMITS.gen_len_default),
+        sampling=SamplingParams(max_new_tokens=msg.max_new_tokens or LIMITS.max_new_tokens_default,
+                                temperature=msg.temperature,
+                                top_p=msg.top_p if msg.HasField("top_p") else LIMITS.top_p_default,
+                                seed=msg.seed if msg.HasField("seed") else None, stop=tuple(msg.stop)))
 
 
 def manifest_to_pb(m: Manifest) -> pb.Manifest:
@@ -64,8 +84,8 @@ def stats_to_pb(st: GenerationStats) -> pb.GenerationStats:
                               finish_reason=st.finish_reason, extra=st.extra)
 
 
-def stats_to_dict(st: pb.GenerationStats) -> dict:
-    """Generation counters (protobuf) as a JSON-ready dict."""
-    return {"steps": st.steps, "prompt_tokens": st.prompt_tokens, "new_tokens": st.new_tokens,
-            "bytes_fetched": st.bytes_fetched, "bytes_full": st.bytes_full, "seconds": st.seconds,
-            "finish_reason": st.finish_reason, **dict(st.extra)}
+def stats_from_pb(msg: pb.GenerationStats) -> GenerationStats:
+    """Generation counters from a protobuf message."""
+    return GenerationStats(steps=msg.steps, prompt_tokens=msg.prompt_tokens, new_tokens=msg.new_tokens,
+                           bytes_fetched=msg.bytes_fetched, bytes_full=msg.bytes_full, seconds=msg.seconds,
+                           finish_reason=msg.finish_reason, extra=dict(msg.extra))

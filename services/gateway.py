@@ -8,21 +8,30 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import grpc
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from services.auth import API_KEY_HEADER, ApiKeys, bearer_key
-from services.convert import HTTP_OF_GRPC, document_chunks, generate_request, manifest_from_pb, stats_to_dict
+from services.convert import HTTP_OF_GRPC, generate_request_to_pb, manifest_from_pb, prefill_chunks, stats_from_pb
 from services.gen import kvstash_pb2 as pb
 from services.gen import kvstash_pb2_grpc as pb_grpc
 from services.grpc_common import channel
 from store.errors import InvalidInput, KVStashError, TooLarge
+from workers.requests import (
+    GENERATE_JSON_FIELDS,
+    LIMITS,
+    DecodeConfig,
+    GenerateRequest,
+    GenerationStats,
+    PrefillRequest,
+    SamplingParams,
+)
 
 DEFAULT_MAX_BODY_BYTES = 64 << 20
 
@@ -42,19 +51,24 @@ class PrefillBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     document: str | None = None
-    file_path: str | None = None
+    file_path: str | None = Field(None, max_length=LIMITS.file_path_max_chars)
+
+
+# Bounds and defaults below come from workers.requests.LIMITS; the request built from a body checks them again.
+StopString = Annotated[str, StringConstraints(min_length=1, max_length=LIMITS.stop_max_chars)]
+MaxNewTokens = Annotated[int, Field(ge=1, le=LIMITS.max_new_tokens_cap)]
 
 
 class DecodeFields(BaseModel):
     """Method and sampling fields every generation endpoint takes."""
 
-    method: str = "full"
-    budget: float | None = Field(None, gt=0, le=1)
-    temperature: float = Field(0.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = None
+    method: str = Field(LIMITS.method_default, min_length=1, max_length=LIMITS.method_max_chars)
+    budget: float | None = Field(None, gt=0, le=LIMITS.budget_max, allow_inf_nan=False)
+    temperature: float = Field(LIMITS.temperature_default, ge=0, le=LIMITS.temperature_max, allow_inf_nan=False)
+    top_p: float = Field(LIMITS.top_p_default, gt=0, le=1, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=0, le=LIMITS.seed_max)
     stream: bool = False
-    gen_len: int = Field(1, ge=1)
+    gen_len: int = Field(LIMITS.gen_len_default, ge=1, le=LIMITS.gen_len_max)
     """Steps the one-time φ fetch is amortized over when matching the budget (appendix D)."""
 
 
@@ -62,9 +76,9 @@ class GenerateBody(DecodeFields):
     """POST /v1/prefixes/{id}/generate."""
 
     model_config = ConfigDict(extra="forbid")
-    query: str
-    max_new_tokens: int = Field(64, ge=1)
-    stop: list[str] = []
+    query: str = Field(max_length=LIMITS.query_max_chars)
+    max_new_tokens: MaxNewTokens = LIMITS.max_new_tokens_default
+    stop: list[StopString] = Field(default_factory=list, max_length=LIMITS.stop_max_count)
     raw: bool = False
 
 
@@ -73,15 +87,15 @@ class OpenAIBody(DecodeFields):
 
     model_config = ConfigDict(extra="allow")
     model: str | None = None
-    prefix_id: str | None = None
-    max_tokens: int = Field(64, ge=1)
-    stop: str | list[str] | None = None
+    prefix_id: str | None = Field(None, max_length=LIMITS.prefix_id_max_chars)
+    max_tokens: MaxNewTokens = LIMITS.max_new_tokens_default
+    stop: StopString | Annotated[list[StopString], Field(max_length=LIMITS.stop_max_count)] | None = None
 
 
 class CompletionBody(OpenAIBody):
     """OpenAI /v1/completions; ``prompt`` is a query with ``prefix_id`` beside it, or JSON {prefix_id, query}."""
 
-    prompt: str
+    prompt: str = Field(max_length=LIMITS.query_max_chars)
 
 
 class ChatBody(OpenAIBody):
@@ -108,7 +122,7 @@ class Metrics:
         self.pages = Counter("kvstash_offload_pages", "Pages the decode steps asked for, by the tier that served "
                              "them", ["tier"], registry=self.registry)
 
-    def observe_generation(self, done: pb.GenerationStats) -> None:
+    def observe_generation(self, done: GenerationStats) -> None:
         """Count one finished generation's reads."""
         self.tokens.inc(done.new_tokens)
         self.prefix_bytes.labels("fetched").inc(done.bytes_fetched)
@@ -146,9 +160,11 @@ def create_app(cfg: GatewayConfig, keys: ApiKeys) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     def _validation(request: Request, e: RequestValidationError) -> JSONResponse:
         bad_json = any(err.get("type") == "json_invalid" for err in e.errors())
+        # Each error without the offending input: it may be huge, or NaN (which a JSON response cannot carry).
+        details = [{k: v for k, v in err.items() if k != "input"} for err in e.errors()]
         return JSONResponse({"error": {"message": "malformed JSON body" if bad_json else "invalid request",
                                        "code": "INVALID_ARGUMENT", "details": json.loads(json.dumps(
-                                           e.errors(), default=str))}}, status_code=400 if bad_json else 422)
+                                           details, default=str))}}, status_code=400 if bad_json else 422)
 
     @app.middleware("http")
     async def _limits_and_metrics(request: Request, call_next):  # noqa: ANN001, ANN202
@@ -174,13 +190,10 @@ def create_app(cfg: GatewayConfig, keys: ApiKeys) -> FastAPI:
     def prefill(body: PrefillBody, authorization: str | None = Header(None),
                 x_api_key: str | None = Header(None)) -> dict[str, Any]:
         meta = md(authorization, x_api_key)
-        if (body.document is None) == (body.file_path is None):
-            raise InvalidInput("give exactly one of document or file_path")
-        if body.document is not None and len(body.document.encode()) > cfg.max_body_bytes:
+        req = PrefillRequest.from_json(body.model_dump(exclude_none=True))
+        if req.document is not None and len(req.document.encode()) > cfg.max_body_bytes:
             raise TooLarge(f"document over {cfg.max_body_bytes} bytes")
-        chunks = (iter([pb.PrefillChunk(file_path=body.file_path)]) if body.file_path is not None else
-                  document_chunks(body.document or ""))
-        r = worker.Prefill(chunks, metadata=meta, timeout=cfg.request_timeout_s)
+        r = worker.Prefill(prefill_chunks(req), metadata=meta, timeout=cfg.request_timeout_s)
         metrics.prefills.labels(str(r.cached).lower()).inc()
         return {"prefix_id": r.prefix_id, "n_tokens": r.n_tokens, "cached": r.cached}
 
@@ -204,11 +217,11 @@ def create_app(cfg: GatewayConfig, keys: ApiKeys) -> FastAPI:
         store.DeletePrefix(pb.PrefixRef(prefix_id=prefix_id), metadata=md(authorization, x_api_key))
         return {"deleted": prefix_id}
 
-    def run(req: pb.GenerateRequest, meta: list[tuple[str, str]]) -> Iterator[pb.GenerateEvent]:
+    def run(req: GenerateRequest, meta: list[tuple[str, str]]) -> Iterator[pb.GenerateEvent]:
         t0 = time.perf_counter()
-        for ev in worker.Generate(req, metadata=meta, timeout=cfg.request_timeout_s):
+        for ev in worker.Generate(generate_request_to_pb(req), metadata=meta, timeout=cfg.request_timeout_s):
             if ev.HasField("done"):
-                metrics.observe_generation(ev.done)
+                metrics.observe_generation(stats_from_pb(ev.done))
                 metrics.latency.observe(time.perf_counter() - t0)
             yield ev
 
@@ -224,9 +237,9 @@ def create_app(cfg: GatewayConfig, keys: ApiKeys) -> FastAPI:
     @app.post("/v1/prefixes/{prefix_id}/generate", response_model=None)
     def generate(prefix_id: str, body: GenerateBody, authorization: str | None = Header(None),
                  x_api_key: str | None = Header(None)) -> Response | dict[str, Any]:
-        req = generate_request(prefix_id, body.query, body.method, body.budget, body.max_new_tokens,
-                               body.temperature, body.top_p, body.seed, body.stop, body.raw, body.gen_len)
-        events = first_then_rest(run(req, md(authorization, x_api_key)))
+        meta = md(authorization, x_api_key)
+        req = GenerateRequest.from_json(prefix_id, body.model_dump(include=set(GENERATE_JSON_FIELDS)))
+        events = first_then_rest(run(req, meta))
         if body.stream:
             return StreamingResponse(_sse(events), media_type="text/event-stream")
         text, stats = _collect(events)
@@ -234,8 +247,10 @@ def create_app(cfg: GatewayConfig, keys: ApiKeys) -> FastAPI:
 
     def openai(body: OpenAIBody, prompt: str, chat: bool, meta: list[tuple[str, str]]) -> Response | dict[str, Any]:
         prefix_id, query = _prefix_and_query(body.prefix_id, prompt)
-        req = generate_request(prefix_id, query, body.method, body.budget, body.max_tokens, body.temperature,
-                               body.top_p, body.seed, _stops(body.stop), False, body.gen_len)
+        req = GenerateRequest(prefix_id=prefix_id, query=query, method=body.method,
+                              decode=DecodeConfig(budget=body.budget, gen_len=body.gen_len),
+                              sampling=SamplingParams(max_new_tokens=body.max_tokens, temperature=body.temperature,
+                                                      top_p=body.top_p, seed=body.seed, stop=_stops(body.stop)))
         events = first_then_rest(run(req, meta))
         cid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
         model = body.model or "kvstash"
@@ -289,15 +304,15 @@ def _prefix_and_query(prefix_id: str | None, prompt: str) -> tuple[str, str]:
     raise InvalidInput('give prefix_id in the body, or a prompt that is JSON {"prefix_id": ..., "query": ...}')
 
 
-def _stops(stop: str | list[str] | None) -> list[str]:
-    return [stop] if isinstance(stop, str) else list(stop or [])
+def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
+    return (stop,) if isinstance(stop, str) else tuple(stop or ())
 
 
 def _collect(events: Iterator[pb.GenerateEvent]) -> tuple[str, dict[str, Any]]:
     parts, stats = [], {}
     for ev in events:
         if ev.HasField("done"):
-            stats = stats_to_dict(ev.done)
+            stats = stats_from_pb(ev.done).to_json()
         else:
             parts.append(ev.text)
     return "".join(parts), stats
@@ -307,7 +322,7 @@ def _sse(events: Iterator[pb.GenerateEvent]) -> Iterator[str]:
     try:
         for ev in events:
             if ev.HasField("done"):
-                yield f"event: done\ndata: {json.dumps(stats_to_dict(ev.done))}\n\n"
+                yield f"event: done\ndata: {json.dumps(stats_from_pb(ev.done).to_json())}\n\n"
             else:
                 yield f"data: {json.dumps({'text': ev.text, 'step': ev.token.step})}\n\n"
     except grpc.RpcError as e:
@@ -327,7 +342,7 @@ def _openai_stream(events: Iterator[pb.GenerateEvent], cid: str, created: int, m
     obj = "chat.completion.chunk" if chat else "text_completion"
     for ev in events:
         if ev.HasField("done"):
-            finish = _finish(stats_to_dict(ev.done))
+            finish = _finish(stats_from_pb(ev.done).to_json())
             choice: dict[str, Any] = {"index": 0, "finish_reason": finish, **({"delta": {}} if chat else {"text": ""})}
         else:
             choice = {"index": 0, "finish_reason": None}

@@ -12,31 +12,40 @@ from pathlib import Path
 
 import grpc
 
-from client.config import ClientConfig
 from services.auth import ApiKeys, tenant_secret
-from services.convert import stats_to_pb
+from services.convert import generate_request_from_pb, stats_to_pb
 from services.gen import kvstash_pb2 as pb
 from services.gen import kvstash_pb2_grpc as pb_grpc
 from services.grpc_common import ServerConfig, build_server, mapped_errors, serve_forever, tenant_of
-from store.config import StoreConfig
+from store.config import StoreConfig, default_home
 from store.errors import InvalidInput, TooLarge
 from store.kvstore import KVStore
-from workers.engine import GenerationStats, Worker
-from workers.methods.base import DecodeConfig
+from workers.engine import Worker
 from workers.methods.registry import METHODS
 from workers.model import load_model
+from workers.model_source import default_device, default_dtype, default_model
 from workers.offload.config import add_offload_args, offload_from_args
-from workers.sampling import SamplingParams
+from workers.requests import LIMITS, GenerateRequest, GenerationStats
 
 DEFAULT_MAX_DOCUMENT_BYTES = 64 << 20
-DEFAULT_MAX_NEW_TOKENS = 64
 
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerLimits:
-    """Request limits of a worker."""
+    """Request limits of a worker (the bounds every request meets are ``workers.requests.LIMITS``)."""
 
     max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES
+    max_new_tokens_cap: int = LIMITS.max_new_tokens_cap
+    """Most tokens one generation may ask for here (at most ``LIMITS.max_new_tokens_cap``)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_new_tokens_cap <= LIMITS.max_new_tokens_cap:
+            raise ValueError(f"max_new_tokens_cap must be in [1, {LIMITS.max_new_tokens_cap}]")
+
+    def admit(self, req: GenerateRequest) -> None:
+        """Refuse a generation over this worker's token cap."""
+        if req.sampling.max_new_tokens > self.max_new_tokens_cap:
+            raise InvalidInput(f"max_new_tokens must be at most {self.max_new_tokens_cap} on this worker")
 
 
 class WorkerService(pb_grpc.WorkerServicer):
@@ -78,17 +87,13 @@ class WorkerService(pb_grpc.WorkerServicer):
         """Stream the answer; stops when the client cancels or the deadline passes."""
         with mapped_errors(context):
             tenant = tenant_of(context, self.keys)
-            params = SamplingParams(
-                max_new_tokens=request.max_new_tokens or DEFAULT_MAX_NEW_TOKENS, temperature=request.temperature,
-                top_p=request.top_p if request.HasField("top_p") else 1.0,
-                seed=request.seed if request.HasField("seed") else None, stop=tuple(request.stop))
-            decode = DecodeConfig(budget=request.budget if request.HasField("budget") else None,
-                                  gen_len=request.gen_len or 1)
+            req = generate_request_from_pb(request)
+            self.limits.admit(req)
             stats = GenerationStats()
             t0 = time.perf_counter()
             with self._model_lock:
-                pieces = self.worker.generate(request.prefix_id, request.query, params, method=request.method or "full",
-                                              decode=decode, tenant=tenant, stats=stats, raw=request.raw)
+                pieces = self.worker.generate(req.prefix_id, req.query, req.sampling, method=req.method,
+                                              decode=req.decode, tenant=tenant, stats=stats, raw=req.raw)
                 try:
                     for piece in pieces:
                         if not context.is_active():  # cancelled or past its deadline: stop decoding
@@ -126,19 +131,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--max-document-bytes", type=int, default=DEFAULT_MAX_DOCUMENT_BYTES)
+    p.add_argument("--max-new-tokens-cap", type=int, default=LIMITS.max_new_tokens_cap,
+                   help=f"most tokens one generation may ask for (1 to {LIMITS.max_new_tokens_cap})")
     p.add_argument("--tls-cert", type=Path)
     p.add_argument("--tls-key", type=Path)
     add_offload_args(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    ccfg = ClientConfig(**{k: v for k, v in {"home": args.home, "model": args.model, "device": args.device}.items()
-                           if v is not None}, progress=False)
-    store = KVStore(StoreConfig(home=ccfg.home, metadata_url=args.metadata_url))
-    lm = load_model(ccfg.resolved_model(), device=ccfg.device, dtype=ccfg.resolved_dtype(), progress=False)
+    limits = WorkerLimits(max_document_bytes=args.max_document_bytes, max_new_tokens_cap=args.max_new_tokens_cap)
+    store = KVStore(StoreConfig(home=args.home or default_home(), metadata_url=args.metadata_url))
+    device = args.device or default_device()
+    lm = load_model(args.model or default_model(), device=device, dtype=default_dtype(device), progress=False)
     worker = Worker(store, lm, secret=tenant_secret(), progress=False, offload=offload_from_args(args))
     cfg = ServerConfig(host=args.host, port=args.port, tls_cert=args.tls_cert, tls_key=args.tls_key)
-    server, health = build_worker_server(worker, cfg, ApiKeys.from_env(),
-                                         WorkerLimits(max_document_bytes=args.max_document_bytes))
+    server, health = build_worker_server(worker, cfg, ApiKeys.from_env(), limits)
     serve_forever(server, health, "kvstash-worker", cfg.address)
 
 

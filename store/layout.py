@@ -3,18 +3,33 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # Page files are read with direct I/O on GDS machines, which needs 4 KiB alignment.
 PAGE_ALIGN = 4096
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes per element of each storable dtype (named as in torch); torch itself is imported only for tensors."""
+
+
+def torch_dtype_of(name: str) -> torch.dtype:
+    """The torch dtype of a storable dtype name."""
+    import torch
+
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {name!r}")
+    return getattr(torch, name)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The storable name of a torch dtype (inverse of ``torch_dtype_of``)."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype}")
+    return name
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,8 +48,8 @@ class KVLayout:
     page_size: int = 16
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
         for name in ("n_layers", "n_kv_heads", "head_dim", "page_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -42,12 +57,12 @@ class KVLayout:
     @property
     def torch_dtype(self) -> torch.dtype:
         """The torch dtype of stored K and V."""
-        return DTYPES[self.dtype]
+        return torch_dtype_of(self.dtype)
 
     @property
     def elem_bytes(self) -> int:
         """Bytes per stored element."""
-        return torch.empty((), dtype=self.torch_dtype).element_size()
+        return DTYPE_BYTES[self.dtype]
 
     @property
     def block_bytes(self) -> int:

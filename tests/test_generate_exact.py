@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from workers.engine import GenerationStats, Worker
+from workers.engine import Worker
 from workers.model import LoadedModel
-from workers.sampling import SamplingParams
+from workers.requests import GenerationStats, SamplingParams
 
 WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet",
          "kilo", "lima", "mike", "november"]

@@ -16,11 +16,11 @@ import torch
 
 from workers.attention import dense_attention
 from workers.budget import plan_budget
-from workers.engine import GenerationStats, Worker
-from workers.methods.base import DecodeConfig, ReportsReads
+from workers.engine import Worker
+from workers.methods.base import ReportsReads
 from workers.methods.memory import MemorySource
 from workers.methods.registry import METHODS, get_method
-from workers.sampling import SamplingParams
+from workers.requests import DecodeConfig, GenerationStats, SamplingParams
 
 ALL = sorted(METHODS)
 SPARSE = [m for m in ALL if m != "full"]

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from workers.attention import dense_attention
-from workers.methods.base import DecodeConfig
 from workers.methods.memory import MemorySource, summarize_layers
 from workers.methods.registry import METHODS, get_method
+from workers.requests import DecodeConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 SPARSE = sorted(m for m in METHODS if m != "full")

@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 
 from workers.attention import dense_attention
-from workers.methods.base import DecodeConfig
 from workers.methods.doublep import ClusterSummarizer, DoubleP
 from workers.methods.kmeans import kmeans
 from workers.methods.memory import MemorySource
 from workers.methods.quest import QuestBounds
 from workers.methods.selector import choose_units, mask_to_index
+from workers.requests import DecodeConfig
 
 
 def _gen(seed: int) -> torch.Generator:

@@ -20,11 +20,10 @@ from offload_helpers import stored_document
 
 from store.errors import CorruptData
 from store.kvstore import KVStore
-from workers.engine import GenerationStats, Worker
-from workers.methods.base import DecodeConfig
+from workers.engine import Worker
 from workers.methods.registry import METHODS
 from workers.offload import OffloadConfig
-from workers.sampling import SamplingParams
+from workers.requests import DecodeConfig, GenerationStats, SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = " ".join(f"item {i} is {chr(97 + i % 26)}{(i * 7919) % 1000}." for i in range(60)) + " The code is 4711."

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from workers.attention import dense_attention
-from workers.methods.base import DecodeConfig
 from workers.methods.layer_kv import ResidentKV
 from workers.methods.memory import MemorySource
 from workers.methods.phi import (
@@ -27,6 +26,7 @@ from workers.methods.phi import (
 from workers.methods.phi_maps import FavorFeatureMap, FeatureMap, ReZeroMLPFeatureMap
 from workers.methods.registry import get_method
 from workers.methods.selector import LayerContext
+from workers.requests import DecodeConfig
 
 
 def _gen(seed: int) -> torch.Generator:

@@ -26,12 +26,11 @@ from store.config import StoreConfig
 from store.errors import CorruptData
 from store.kvstore import KVStore
 from workers.attention import PREFIX_KWARG
-from workers.engine import GenerationStats, Worker
-from workers.methods.base import DecodeConfig
+from workers.engine import Worker
 from workers.methods.registry import METHODS
 from workers.model import LoadedModel, load_model
 from workers.offload import HostTier, OffloadConfig, PageFetcher
-from workers.sampling import SamplingParams
+from workers.requests import DecodeConfig, GenerationStats, SamplingParams
 from workers.speculate import open_lookahead, query_parts
 
 DOC = " ".join(f"item {i} is {chr(97 + i % 26)}{(i * 7919) % 1000}." for i in range(60)) + " The code is 4711."

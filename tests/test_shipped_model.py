@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from client import KVClient
-from client.config import SHIPPED_MODEL_NAME, SHIPPED_MODELS_DIR
 from lab.eval.accuracy import EvalSpec, run_eval
+from store.errors import InvalidInput
+from workers.model_source import SHIPPED_MODEL_NAME, SHIPPED_MODELS_DIR
 
 MODEL = SHIPPED_MODELS_DIR / SHIPPED_MODEL_NAME
 
@@ -19,11 +20,23 @@ def kv(tmp_path_factory: pytest.TempPathFactory) -> KVClient:
     return KVClient(home=tmp_path_factory.mktemp("shipped"), model=str(MODEL), device="cpu", progress=False)
 
 
-def test_default_model_is_the_shipped_one(monkeypatch, tmp_path: Path) -> None:
-    from client.config import default_model
+def test_default_model_is_the_shipped_one(monkeypatch) -> None:
+    from workers.model_source import default_model
 
     monkeypatch.delenv("KVSTASH_MODEL", raising=False)
-    assert default_model(tmp_path) == str(MODEL)
+    assert default_model() == str(MODEL)
+    monkeypatch.setenv("KVSTASH_MODEL", "some/hub-id")
+    assert default_model() == "some/hub-id"
+
+
+def test_no_model_is_a_clear_error_not_a_random_one(monkeypatch, tmp_path: Path) -> None:
+    import workers.model_source as source
+
+    monkeypatch.delenv("KVSTASH_MODEL", raising=False)
+    monkeypatch.setattr(source, "SHIPPED_MODELS_DIR", tmp_path)
+    with pytest.raises(InvalidInput, match="KVSTASH_MODEL or pass --model"):
+        source.default_model()
+    assert list(tmp_path.iterdir()) == []  # nothing was built in its place
 
 
 def test_shipped_model_retrieves_needles(kv: KVClient) -> None:

@@ -11,7 +11,7 @@ from store.errors import ContextTooLong, CorruptData, InvalidInput, ModelMismatc
 from store.kvstore import KVStore
 from workers.engine import Worker
 from workers.model import load_model
-from workers.sampling import SamplingParams
+from workers.requests import SamplingParams
 from workers.textstream import TextStream
 
 DOC = "The treaty was signed in Vienna by Ada Lovelace on a rainy Tuesday. " * 3

@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass
 from fractions import Fraction
 from typing import Any
 
+from workers.requests import LIMITS
+
 
 def _fraction(f: float) -> Fraction:
     """The decimal a user typed (0.07), not its binary float neighbour."""
@@ -117,8 +119,9 @@ class BudgetPlan:
         return asdict(self)
 
 
-def plan_budget(*, prefill_len: int, fraction: float, head_dim: int, phi_dim: int = 0, sink: int = 4,
-                tail: int = 16, gen_len: int = 1, elem_ratio: Fraction | float = 1) -> BudgetPlan:
+def plan_budget(*, prefill_len: int, fraction: float, head_dim: int, phi_dim: int = 0,
+                sink: int = LIMITS.sink_default, tail: int = LIMITS.tail_default, gen_len: int = LIMITS.gen_len_default,
+                elem_ratio: Fraction | float = 1) -> BudgetPlan:
     """Every budget quantity of appendix D for one prefix and fraction."""
     if sink < 0 or tail < 0:
         raise ValueError("sink and tail must be >= 0")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -16,13 +16,14 @@ from store.kvstore import KVStore
 from store.manifest import Manifest
 from store.prefix_key import PrefixKey, tenant_salt, token_hash
 from workers.attention import PREFIX_KWARG, PrefixAttention
-from workers.methods.base import DecodeConfig, PrefixSource, ReportsReads
+from workers.methods.base import PrefixSource, ReportsReads
 from workers.methods.registry import build_summarizers, get_method, prefill_summarizers
 from workers.model import LoadedModel
 from workers.offload import HostTier, OffloadConfig, PageFetcher
 from workers.offload.fast_path import open_device_cache, warm_if_it_fits
 from workers.prefill import DEFAULT_CHUNK, prefill_kv
-from workers.sampling import Sampler, SamplingParams
+from workers.requests import DecodeConfig, GenerationStats, SamplingParams
+from workers.sampling import Sampler
 from workers.speculate import Lookahead, installed, open_lookahead
 from workers.textstream import TextStream
 
@@ -38,29 +39,6 @@ class PrefillResult:
     n_tokens: int
     cached: bool
     manifest: Manifest
-
-
-@dataclass(kw_only=True)
-class GenerationStats:
-    """Counters of one generation."""
-
-    steps: int = 0
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    bytes_fetched: int = 0
-    """Prefix K/V bytes the steps read, all tiers together (GPU page cache, pinned host, SSD): whole
-    pages when offloaded, plus K/V a selector holds for the generation (Top-K's keys). Summaries
-    are not prefix K/V: ``extra["bytes_summaries"]``."""
-    bytes_full: int = 0
-    """What exact attention over the prefix would read over the same steps."""
-    seconds: float = 0.0
-    finish_reason: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    step_seconds: list[float] = field(default_factory=list)
-    """Wall time of each decode step (forward + sampling; the sampled token syncs the device)."""
-    prefix_tokens_per_step: list[int] = field(default_factory=list)
-    """Exact prefix tokens each step attended, summed over layers and KV heads (all of them for "full")."""
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 def _close_fetch(source: PrefixSource) -> None:

@@ -2,33 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-from store.errors import InvalidInput
-
-
-@dataclass(frozen=True, kw_only=True)
-class SamplingParams:
-    """How to pick tokens and when to stop."""
-
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    """0 means greedy."""
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = field(default=())
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise InvalidInput("max_new_tokens must be >= 1")
-        if self.temperature < 0:
-            raise InvalidInput("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise InvalidInput("top_p must be in (0, 1]")
-        if any(not s for s in self.stop):
-            raise InvalidInput("stop strings must be non-empty")
+from workers.requests import SamplingParams
 
 
 class Sampler:

@@ -32,8 +32,9 @@ from transformers import AttentionInterface, AutoTokenizer, DynamicCache, LlamaF
 
 from lab.synth import PROMPT, Sample, SynthContext, generate
 from workers.budget import k_topk, n_budget
-from workers.methods.base import DecodeConfig, mid_range
+from workers.methods.base import mid_range
 from workers.methods.selector import group_mass
+from workers.requests import DecodeConfig
 
 ATTN_NAME = "oracle_topk"
 ANSWER_SLACK_TOKENS = 8

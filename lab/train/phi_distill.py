@@ -29,7 +29,7 @@ from transformers import AttentionInterface, AutoTokenizer, LlamaForCausalLM
 
 from lab.synth import SynthContext, generate
 from lab.synth.corpus import Split
-from workers.methods.base import DecodeConfig, mid_range
+from workers.methods.base import mid_range
 from workers.methods.phi_maps import (
     MAP_CONFIG,
     MAP_WEIGHTS,
@@ -38,6 +38,7 @@ from workers.methods.phi_maps import (
     ReZeroMLPFeatureMap,
     weights_digest,
 )
+from workers.requests import DecodeConfig
 
 CAPTURE_ATTN = "phi_capture"
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe", "fwe", "compare")

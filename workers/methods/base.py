@@ -21,29 +21,7 @@ from workers.attention import PrefixAttention
 from workers.methods.layer_kv import FetchedKV, LayerKV, ResidentKV
 from workers.offload.device_plan import DevicePageCache
 from workers.offload.fetcher import PageFetcher
-
-
-@dataclass(frozen=True, kw_only=True)
-class DecodeConfig:
-    """Per-request decode settings shared by every method."""
-
-    budget: float | None = None
-    """Token-equivalent reads per step as a fraction of the prefix (None: the method's default)."""
-    sink: int = 4
-    """Leading prefix tokens always attended exactly."""
-    tail: int = 16
-    """Trailing prefix tokens always attended exactly."""
-    gen_len: int = 1
-    """L_gen: decode steps a one-time summary fetch (the φ cache) is amortized over when the budget
-    is matched (appendix D); 1 is the paper's conservative worst case."""
-
-    def __post_init__(self) -> None:
-        if self.budget is not None and not 0 < self.budget <= 1:
-            raise ValueError(f"budget must be in (0, 1], got {self.budget}")
-        if self.sink < 0 or self.tail < 0:
-            raise ValueError("sink and tail must be >= 0")
-        if self.gen_len < 1:
-            raise ValueError(f"gen_len must be >= 1, got {self.gen_len}")
+from workers.requests import DecodeConfig
 
 
 def mid_range(n_tokens: int, sink: int, tail: int) -> tuple[int, int]:

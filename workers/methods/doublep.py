@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.methods.base import DecodeConfig, PrefixSource, Summarizer, mid_range
+from workers.methods.base import PrefixSource, Summarizer, mid_range
 from workers.methods.kmeans import cluster_sums, kmeans
 from workers.methods.selector import (
     ExtraEntries,
@@ -35,6 +35,7 @@ from workers.methods.selector import (
     rank_units,
 )
 from workers.methods.sparse import SparseMethod
+from workers.requests import DecodeConfig
 
 
 class ClusterSummarizer(Summarizer):

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from store.layout import DTYPES, KVLayout
+from store.layout import KVLayout, dtype_name
 from workers.methods.base import PrefixSource, Summarizer
 
 
@@ -32,7 +32,7 @@ class MemorySource(PrefixSource):
     def __init__(self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
                  artifacts: dict[str, dict[str, torch.Tensor]], *, page_size: int = 16):
         k0 = kv[0][0]
-        dtype = next(name for name, dt in DTYPES.items() if dt == k0.dtype)
+        dtype = dtype_name(k0.dtype)
         self._layout = KVLayout(n_layers=len(kv), n_kv_heads=k0.shape[0], head_dim=k0.shape[-1], dtype=dtype,
                                 page_size=page_size)
         self._kv, self._artifacts = list(kv), artifacts

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.methods.base import DecodeConfig, PrefixSource, Summarizer
+from workers.methods.base import PrefixSource, Summarizer
 from workers.methods.selector import (
     LayerContext,
     Selection,
@@ -21,6 +21,7 @@ from workers.methods.selector import (
     top_tokens,
 )
 from workers.methods.sparse import SparseMethod
+from workers.requests import DecodeConfig
 
 QUEST_PAGE = 16
 

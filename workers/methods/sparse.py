@@ -23,7 +23,7 @@ import torch
 
 from workers.budget import plan_budget
 from workers.kernels.sparse_attention import sparse_decode_attention, sparse_decode_attention_ref
-from workers.methods.base import DecodeConfig, Method, PrefixSource, ReadReport, mid_range
+from workers.methods.base import Method, PrefixSource, ReadReport, mid_range
 from workers.methods.layer_kv import StepKV
 from workers.methods.page_step import PagePlan, entry_bias, entry_rows, entry_tokens, page_plan, step_pages
 from workers.methods.phi import PhiCompletion, PhiSummarizer
@@ -32,6 +32,7 @@ from workers.methods.reads import KV_ONCE, ReadCounter, mark_tokens
 from workers.methods.selector import LayerContext, Selection, Selector
 from workers.offload.device_plan import DevicePageCache
 from workers.offload.fetcher import PageFetcher
+from workers.requests import DecodeConfig
 
 if TYPE_CHECKING:
     from workers.speculate import Lookahead

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from workers.methods.base import DecodeConfig, PrefixSource
+from workers.methods.base import PrefixSource
 from workers.methods.selector import LayerContext, Selection, Selector, group_mass, top_tokens
 from workers.methods.sparse import SparseMethod
+from workers.requests import DecodeConfig
 
 
 class TopKSelector(Selector):

@@ -1,0 +1,318 @@
+"""What a prefill or a generation asks for, the bounds of every field, and what a generation reports.
+
+One vocabulary for every front door (CLI, ``KVClient``, gateway, gRPC servers, worker); it imports no
+torch. Values check themselves when built (``InvalidInput``, messages that never echo long input).
+JSON conversion for the REST wire is here; protobuf conversion is in ``services/convert.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from store.errors import InvalidInput
+
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class RequestLimits:
+    """Bounds and defaults of every request field, declared once for the CLI, gateway, servers and worker."""
+
+    method_default: str = "full"
+    """Exact attention over the whole prefix."""
+    budget_max: float = 1.0
+    """A read budget is a fraction of the prefix in (0, budget_max]."""
+    sink_default: int = 4
+    """Leading prefix tokens always attended exactly."""
+    tail_default: int = 16
+    """Trailing prefix tokens always attended exactly."""
+    anchor_max: int = 1 << 24
+    """Largest sink or tail (anchors longer than the prefix just cover all of it)."""
+    gen_len_default: int = 1
+    """1: a one-time summary fetch is charged to a single step (the conservative worst case)."""
+    gen_len_max: int = INT32_MAX
+    """The wire carries gen_len as int32."""
+    max_new_tokens_default: int = 64
+    max_new_tokens_cap: int = 1 << 16
+    """Most tokens one request may ask for (a worker may be configured with a lower cap)."""
+    temperature_default: float = 0.0
+    """Greedy."""
+    temperature_max: float = 100.0
+    temperature_floor: float = 1e-6
+    """Temperatures under this are greedy: dividing logits by a denormal overflows to inf."""
+    top_p_default: float = 1.0
+    """No nucleus cut."""
+    seed_max: int = INT64_MAX
+    """Seeds are in [0, seed_max] (the wire carries them as int64)."""
+    stop_max_count: int = 16
+    stop_max_chars: int = 256
+    query_max_chars: int = 1 << 20
+    method_max_chars: int = 64
+    prefix_id_max_chars: int = 128
+    file_path_max_chars: int = 4096
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_new_tokens_default <= self.max_new_tokens_cap <= INT32_MAX:
+            raise ValueError("need 1 <= max_new_tokens_default <= max_new_tokens_cap <= 2**31 - 1")
+        if not 1 <= self.gen_len_default <= self.gen_len_max <= INT32_MAX:
+            raise ValueError("need 1 <= gen_len_default <= gen_len_max <= 2**31 - 1")
+        if not 0 <= max(self.sink_default, self.tail_default) <= self.anchor_max:
+            raise ValueError("need 0 <= sink_default, tail_default <= anchor_max")
+
+
+LIMITS = RequestLimits()
+"""The bounds every request is checked against."""
+
+
+def _show(value: object) -> str:
+    """A value for an error message, cut short so hostile input is never echoed whole."""
+    try:
+        r = repr(value)
+    except ValueError:  # an int past Python's digit limit
+        return f"<{type(value).__name__}>"
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
+def _int(name: str, value: object, lo: int, hi: int) -> int:
+    """``value`` as an int in [lo, hi] (bools and floats are not ints)."""
+    if isinstance(value, bool):
+        raise InvalidInput(f"{name} must be an integer, got {_show(value)}")
+    try:
+        n = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidInput(f"{name} must be an integer, got {_show(value)}") from None
+    if not lo <= n <= hi:
+        raise InvalidInput(f"{name} must be in [{lo}, {hi}], got {_show(n)}")
+    return n
+
+
+def _real(name: str, value: object) -> float:
+    """``value`` as a finite float (NaN and infinities are errors)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidInput(f"{name} must be a number, got {_show(value)}")
+    try:
+        x = float(value)
+    except OverflowError:
+        raise InvalidInput(f"{name} must be finite") from None
+    if not math.isfinite(x):
+        raise InvalidInput(f"{name} must be finite, got {x}")
+    return x
+
+
+def _text(name: str, value: object, max_chars: int) -> str:
+    """``value`` as a string of at most ``max_chars`` characters."""
+    if not isinstance(value, str):
+        raise InvalidInput(f"{name} must be a string, got {type(value).__name__}")
+    if len(value) > max_chars:
+        raise InvalidInput(f"{name} is longer than {max_chars} characters")
+    return value
+
+
+def _set(obj: object, name: str, value: object) -> None:
+    object.__setattr__(obj, name, value)  # normalizing a frozen dataclass's own field in __post_init__
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How to pick tokens and when to stop."""
+
+    max_new_tokens: int = LIMITS.max_new_tokens_default
+    temperature: float = LIMITS.temperature_default
+    """0 means greedy."""
+    top_p: float = LIMITS.top_p_default
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _set(self, "max_new_tokens", _int("max_new_tokens", self.max_new_tokens, 1, LIMITS.max_new_tokens_cap))
+        t = _real("temperature", self.temperature)
+        if not 0 <= t <= LIMITS.temperature_max:
+            raise InvalidInput(f"temperature must be in [0, {LIMITS.temperature_max}], got {t}")
+        _set(self, "temperature", 0.0 if t < LIMITS.temperature_floor else t)
+        p = _real("top_p", self.top_p)
+        if not 0 < p <= 1:
+            raise InvalidInput(f"top_p must be in (0, 1], got {p}")
+        _set(self, "top_p", p)
+        if self.seed is not None:
+            _set(self, "seed", _int("seed", self.seed, 0, LIMITS.seed_max))
+        _set(self, "stop", _stops(self.stop))
+
+
+def _stops(stop: object) -> tuple[str, ...]:
+    """Stop strings as a tuple: a bounded number of non-empty, bounded strings."""
+    if isinstance(stop, str) or not isinstance(stop, (list, tuple)):
+        raise InvalidInput("stop must be a list of strings")
+    if len(stop) > LIMITS.stop_max_count:
+        raise InvalidInput(f"at most {LIMITS.stop_max_count} stop strings")
+    for s in stop:
+        if not _text("a stop string", s, LIMITS.stop_max_chars):
+            raise InvalidInput("stop strings must be non-empty")
+    return tuple(stop)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeConfig:
+    """Per-request decode settings shared by every method."""
+
+    budget: float | None = None
+    """Token-equivalent reads per step as a fraction of the prefix (None: the method's default)."""
+    sink: int = LIMITS.sink_default
+    """Leading prefix tokens always attended exactly."""
+    tail: int = LIMITS.tail_default
+    """Trailing prefix tokens always attended exactly."""
+    gen_len: int = LIMITS.gen_len_default
+    """L_gen: decode steps a one-time summary fetch (the φ cache) is amortized over when the budget
+    is matched (appendix D); 1 is the paper's conservative worst case."""
+
+    def __post_init__(self) -> None:
+        if self.budget is not None:
+            b = _real("budget", self.budget)
+            if not 0 < b <= LIMITS.budget_max:
+                raise InvalidInput(f"budget must be in (0, {LIMITS.budget_max}], got {b}")
+            _set(self, "budget", b)
+        _set(self, "sink", _int("sink", self.sink, 0, LIMITS.anchor_max))
+        _set(self, "tail", _int("tail", self.tail, 0, LIMITS.anchor_max))
+        _set(self, "gen_len", _int("gen_len", self.gen_len, 1, LIMITS.gen_len_max))
+
+    def check_wire_anchors(self) -> None:
+        """Refuse sink/tail other than the defaults: the wire does not carry them (remote decode uses those)."""
+        if (self.sink, self.tail) != (LIMITS.sink_default, LIMITS.tail_default):
+            raise InvalidInput(f"sink and tail are not sent to remote workers (they use {LIMITS.sink_default} "
+                               f"and {LIMITS.tail_default})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillRequest:
+    """A document to prefill: its text, or the path of a UTF-8 file the worker can read (exactly one)."""
+
+    document: str | None = None
+    file_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.document is None) == (self.file_path is None):
+            raise InvalidInput("give exactly one of document or file_path")
+        if self.document is not None and not isinstance(self.document, str):
+            raise InvalidInput("document must be a string")
+        if self.file_path is not None:
+            _text("file_path", self.file_path, LIMITS.file_path_max_chars)
+
+    def to_json(self) -> dict[str, Any]:
+        """The REST body (POST /v1/prefixes)."""
+        return {"document": self.document} if self.document is not None else {"file_path": self.file_path}
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> PrefillRequest:
+        """The request a REST body describes (unknown fields are errors)."""
+        _known_keys(body, ("document", "file_path"))
+        return cls(document=body.get("document"), file_path=body.get("file_path"))
+
+
+GENERATE_JSON_FIELDS = ("query", "method", "budget", "gen_len", "max_new_tokens", "temperature", "top_p", "seed",
+                        "stop", "raw")
+"""The fields of a generation's REST body (the prefix id travels in the URL)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateRequest:
+    """One question over a stored prefix: how to decode it and how to sample the answer."""
+
+    prefix_id: str
+    query: str
+    method: str = LIMITS.method_default
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    raw: bool = False
+    """Send the query as-is instead of through the model's query template."""
+
+    def __post_init__(self) -> None:
+        _text("prefix_id", self.prefix_id, LIMITS.prefix_id_max_chars)
+        _text("query", self.query, LIMITS.query_max_chars)
+        if not _text("method", self.method, LIMITS.method_max_chars):
+            raise InvalidInput("method is empty")
+        if not isinstance(self.decode, DecodeConfig) or not isinstance(self.sampling, SamplingParams):
+            raise InvalidInput("decode and sampling must be DecodeConfig and SamplingParams")
+        if not isinstance(self.raw, bool):
+            raise InvalidInput("raw must be true or false")
+
+    def to_json(self) -> dict[str, Any]:
+        """The REST body of this request (without the prefix id, which is in the URL)."""
+        d, s = self.decode, self.sampling
+        d.check_wire_anchors()
+        return {"query": self.query, "method": self.method, "budget": d.budget, "gen_len": d.gen_len,
+                "max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed,
+                "stop": list(s.stop), "raw": self.raw}
+
+    @classmethod
+    def from_json(cls, prefix_id: str, body: Mapping[str, Any]) -> GenerateRequest:
+        """The request a REST body describes: absent or null fields take their defaults, unknown ones are errors."""
+        _known_keys(body, GENERATE_JSON_FIELDS)
+        b = {k: v for k, v in body.items() if v is not None}
+        if "query" not in b:
+            raise InvalidInput("query is required")
+        return cls(prefix_id=prefix_id, query=b["query"], method=b.get("method", LIMITS.method_default),
+                   decode=DecodeConfig(budget=b.get("budget"), gen_len=b.get("gen_len", LIMITS.gen_len_default)),
+                   sampling=SamplingParams(max_new_tokens=b.get("max_new_tokens", LIMITS.max_new_tokens_default),
+                                           temperature=b.get("temperature", LIMITS.temperature_default),
+                                           top_p=b.get("top_p", LIMITS.top_p_default),
+                                           seed=b.get("seed"), stop=b.get("stop", ())),
+                   raw=b.get("raw", False))
+
+
+def _known_keys(body: Mapping[str, Any], known: tuple[str, ...]) -> None:
+    if not isinstance(body, Mapping):
+        raise InvalidInput("the body must be a JSON object")
+    if unknown := set(body) - set(known):
+        raise InvalidInput(f"unknown fields: {_show(sorted(unknown))}")
+
+
+STATS_WIRE_FIELDS = ("steps", "prompt_tokens", "new_tokens", "bytes_fetched", "bytes_full", "seconds", "finish_reason")
+"""The counters both wires carry; ``extra`` rides beside them (flattened into the JSON object)."""
+
+
+@dataclass(kw_only=True)
+class GenerationStats:
+    """Counters of one generation (filled in while it runs)."""
+
+    steps: int = 0
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    bytes_fetched: int = 0
+    """Prefix K/V bytes the steps read, all tiers together (GPU page cache, pinned host, SSD): whole
+    pages when offloaded, plus K/V a selector holds for the generation (Top-K's keys). Summaries
+    are not prefix K/V: ``extra["bytes_summaries"]``."""
+    bytes_full: int = 0
+    """What exact attention over the prefix would read over the same steps."""
+    seconds: float = 0.0
+    finish_reason: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    """Wall time of each decode step (forward + sampling; the sampled token syncs the device)."""
+    prefix_tokens_per_step: list[int] = field(default_factory=list)
+    """Exact prefix tokens each step attended, summed over layers and KV heads (all of them for "full")."""
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """The wire counters as one flat JSON object (``extra`` merged in)."""
+        return {"steps": self.steps, "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
+                "bytes_fetched": self.bytes_fetched, "bytes_full": self.bytes_full, "seconds": self.seconds,
+                "finish_reason": self.finish_reason, **self.extra}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> GenerationStats:
+        """Counters from ``to_json``'s object (keys it does not name go to ``extra``)."""
+        return cls(steps=int(d.get("steps", 0)), prompt_tokens=int(d.get("prompt_tokens", 0)),
+                   new_tokens=int(d.get("new_tokens", 0)), bytes_fetched=int(d.get("bytes_fetched", 0)),
+                   bytes_full=int(d.get("bytes_full", 0)), seconds=float(d.get("seconds", 0.0)),
+                   finish_reason=str(d.get("finish_reason", "")),
+                   extra={k: float(v) for k, v in d.items() if k not in STATS_WIRE_FIELDS})
+
+    def copy_from(self, other: GenerationStats) -> None:
+        """Take every counter of ``other`` (a remote generation fills the object its caller holds)."""
+        for f in fields(self):
+            setattr(self, f.name, getattr(other, f.name))
