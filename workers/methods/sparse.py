@@ -17,7 +17,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
@@ -32,9 +32,6 @@ from workers.methods.reads import KV_ONCE, ReadCounter, mark_tokens
 from workers.methods.selector import LayerContext, Selection, Selector
 from workers.offload.device_plan import DevicePageCache
 from workers.offload.fetcher import PageFetcher
-
-if TYPE_CHECKING:
-    from workers.speculate import Lookahead
 
 DEFAULT_FRACTION = 0.05
 """Budget of fixed-budget selectors when the request gives none."""
@@ -71,7 +68,6 @@ def _compact(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
 def offload_counters(fetcher: PageFetcher, device_cache: DevicePageCache | None, steps: int) -> dict[str, float]:
     """``offload_*`` counters of one generation: the fetcher's, plus the device-planned cache's fetches
     (its hits are GPU-cache hits, its misses host-tier pages). Raises if it was given bad page ids."""
-    fetcher.wait_prefetch()  # queued layer-ahead reads have run: their counters are final
     x = fetcher.stats.as_dict()
     if device_cache is not None:
         device_cache.check()
@@ -103,28 +99,15 @@ class SparsePrefixAttention:
         self._ctx: dict[int, tuple[LayerContext, torch.Tensor | None]] = {}
         self._plans: dict[int, PagePlan] = {}
         self._step = -1
-        self.lookahead: Lookahead | None = None
-        """Layer-ahead prefetch of this generation (``workers/speculate.py``), told each selection."""
 
     def read_report(self) -> ReadReport:
         """Reads made so far (per step and one-time)."""
         report = self.counter.report()
-        if self.lookahead is not None:
-            self.lookahead.flush()
         if (fetcher := self.source.fetcher) is not None:
             # What the tiers really moved: whole pages, GPU-cache hits included.
             report.extra.update(offload_counters(fetcher, self.source.device_cache, len(report.tokens_per_step)))
             report.step_bytes = int(report.extra["offload_pages_requested"]) * self.source.layout.page_payload_bytes
         return report
-
-    def layer_context(self, layer: int) -> LayerContext:
-        """Layer ``layer``'s prepared context (prepared on first use)."""
-        return self._layer(layer)[0]
-
-    def predict(self, layer: int, q: torch.Tensor, scale: float) -> Selection:
-        """The selection ``layer``'s selector makes for grouped rows ``q [T, Hkv, G, D]``, without fetching
-        or attending (layer-ahead speculation)."""
-        return self.selector.select(layer, self.layer_context(layer), q, scale, self.k)
 
     def _layer(self, layer: int) -> tuple[LayerContext, torch.Tensor | None]:
         if layer not in self._ctx:
@@ -182,8 +165,6 @@ class SparsePrefixAttention:
             return self._attend_pages(layer, ctx, plan, q, scale)
         with self._timed("select"):
             sel = self.selector.select(layer, ctx, qg, scale, self.k)
-        if self.lookahead is not None:
-            self.lookahead.selected(layer, sel)
         anchors = ctx.anchors.expand(t, hkv, -1)
         parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = [
             (anchors, torch.ones_like(anchors, dtype=torch.bool), None),
@@ -224,8 +205,6 @@ class SparsePrefixAttention:
         counts = torch.full((t, hkv), n_picked, device=q.device)
         # Out-of-mid ids become duplicates of their page's mid tokens: read counting sees distinct tokens.
         sel = Selection(tokens=tokens[..., :n_picked].clamp(ctx.lo, max(ctx.lo, ctx.hi - 1)), counts=counts)
-        if self.lookahead is not None:
-            self.lookahead.selected(layer, sel)
         if t == 1:
             k, v, first = ctx.kv.step_pages(step_pages(plan, picked[0]), self._step)
             step = StepKV(k=k, v=v, rows=entry_rows(plan, first)[None], extra_base=0, extra_stride=0)
