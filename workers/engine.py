@@ -16,8 +16,9 @@ from store.kvstore import KVStore
 from store.manifest import Manifest
 from store.prefix_key import PrefixKey, tenant_salt, token_hash
 from workers.attention import PREFIX_KWARG, PrefixAttention
-from workers.methods.base import DecodeConfig, PrefixSource, ReportsReads
+from workers.methods.base import DecodeConfig, ReportsReads
 from workers.methods.registry import build_summarizers, get_method, prefill_summarizers
+from workers.methods.source import PrefixSource
 from workers.model import LoadedModel
 from workers.offload import HostTier, OffloadConfig, PageFetcher
 from workers.offload.fast_path import open_device_cache, warm_if_it_fits

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.methods.base import DecodeConfig, PrefixSource, Summarizer, mid_range
+from workers.methods.base import DecodeConfig, Summarizer, mid_range
 from workers.methods.kmeans import cluster_sums, kmeans
 from workers.methods.selector import (
     ExtraEntries,
@@ -34,6 +34,7 @@ from workers.methods.selector import (
     mask_to_index,
     rank_units,
 )
+from workers.methods.source import PrefixSource
 from workers.methods.sparse import SparseMethod
 
 

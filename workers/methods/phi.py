@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.methods.base import DecodeConfig, PrefixSource, Summarizer, mid_range
+from workers.methods.base import DecodeConfig, Summarizer, mid_range
 from workers.methods.phi_maps import MAP_KINDS, FavorFeatureMap, FeatureMap
 from workers.methods.selector import LayerContext
+from workers.methods.source import PrefixSource
 
 U_FLOOR = 1e-30
 """``u_R`` of a feature with no remaining mass (its ``T_R`` is zeroed): ``log u_R`` ~ -69."""

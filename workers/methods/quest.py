@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.methods.base import DecodeConfig, PrefixSource, Summarizer
+from workers.methods.base import DecodeConfig, Summarizer
 from workers.methods.selector import (
     LayerContext,
     Selection,
@@ -20,6 +20,7 @@ from workers.methods.selector import (
     mask_to_index,
     top_tokens,
 )
+from workers.methods.source import PrefixSource
 from workers.methods.sparse import SparseMethod
 
 QUEST_PAGE = 16

@@ -23,13 +23,14 @@ import torch
 
 from workers.budget import plan_budget
 from workers.kernels.sparse_attention import sparse_decode_attention, sparse_decode_attention_ref
-from workers.methods.base import DecodeConfig, Method, PrefixSource, ReadReport, mid_range
+from workers.methods.base import DecodeConfig, Method, ReadReport, mid_range
 from workers.methods.layer_kv import StepKV
 from workers.methods.page_step import PagePlan, entry_bias, entry_rows, entry_tokens, page_plan, step_pages
 from workers.methods.phi import PhiCompletion, PhiSummarizer
 from workers.methods.phi_maps import FeatureMap
 from workers.methods.reads import KV_ONCE, ReadCounter, mark_tokens
 from workers.methods.selector import LayerContext, Selection, Selector
+from workers.methods.source import PrefixSource
 from workers.offload.device_plan import DevicePageCache
 from workers.offload.fetcher import PageFetcher
 

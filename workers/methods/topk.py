@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from workers.methods.base import DecodeConfig, PrefixSource
+from workers.methods.base import DecodeConfig
 from workers.methods.selector import LayerContext, Selection, Selector, group_mass, top_tokens
+from workers.methods.source import PrefixSource
 from workers.methods.sparse import SparseMethod
 
 
