@@ -8,9 +8,12 @@ the budget.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from workers.methods.base import DecodeConfig, Summarizer
+from workers.methods.phi import PhiSummarizer
 from workers.methods.selector import (
     LayerContext,
     Selection,
@@ -84,8 +87,17 @@ class Quest(SparseMethod):
     """Sink/tail anchors + Quest page selection over the mid region."""
 
     name = "quest"
-    summarizers = (QuestBounds,)
+    summarizers: ClassVar[tuple[type[Summarizer], ...]] = (QuestBounds,)
 
     def selector(self, source: PrefixSource, config: DecodeConfig) -> Selector:
         """A Quest selector over the stored page bounds."""
         return QuestSelector(source)
+
+
+class QuestPhi(Quest):
+    """Sink/tail anchors + Quest page selection over the mid region, plus φ completion of the unretrieved
+    mid remainder."""
+
+    name = "quest+phi"
+    summarizers = (*Quest.summarizers, PhiSummarizer)
+    completion = True

@@ -26,7 +26,7 @@ from workers.kernels.sparse_attention import sparse_decode_attention, sparse_dec
 from workers.methods.base import DecodeConfig, Method, ReadReport, mid_range
 from workers.methods.layer_kv import StepKV
 from workers.methods.page_step import PagePlan, entry_bias, entry_rows, entry_tokens, page_plan, step_pages
-from workers.methods.phi import PhiCompletion, PhiSummarizer
+from workers.methods.phi import PhiCompletion
 from workers.methods.phi_maps import FeatureMap
 from workers.methods.reads import KV_ONCE, ReadCounter, mark_tokens
 from workers.methods.selector import LayerContext, Selection, Selector
@@ -273,10 +273,3 @@ class SparseMethod(Method):
                 counter.info["phi_r_once"] = plan.r_phi_once
         counter.add_once("summaries", source.bytes_read - before)
         return SparsePrefixAttention(source, config, selector, completion, k, counter)
-
-
-def with_phi(base: type[SparseMethod]) -> type[SparseMethod]:
-    """``base`` + φ completion on the unretrieved mid remainder (method ``"<base>+phi"``)."""
-    attrs = {"name": f"{base.name}+phi", "summarizers": (*base.summarizers, PhiSummarizer), "completion": True,
-             "__doc__": f"{base.__doc__} Plus φ completion of the unretrieved mid remainder."}
-    return type(f"{base.__name__}Phi", (base,), attrs)
