@@ -1,8 +1,9 @@
 """Device-planned page cache: rows and exact LRU against a plain Python reference over several steps and
 layers, K/V equal to the store's and to ``PageFetcher``'s, device hit/miss counters, padding, the host-tier
-hold, the skip-negative gather; on CUDA, select + fetch + attend captured in a CUDA graph and replayed.
+hold; on CUDA, select + fetch + attend captured in a CUDA graph and replayed.
 
-CPU tests run the torch plan and (under ``TRITON_INTERPRET=1``) the Triton plan and gather.
+CPU tests run the torch plan and (under ``TRITON_INTERPRET=1``) the Triton plan and gather (the kernels
+themselves: ``test_kernel_gather_pages.py``, ``test_kernel_page_plan.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from offload_helpers import HEADS, LAYERS, PAGE, open_store, write_prefix
 from store.errors import InvalidInput
 from store.kvstore import KVStore
 from workers.offload import DevicePageCache, HostTier, OffloadConfig, PageFetcher, PrefixHeld
-from workers.offload.gather import TRITON_CONFIG, gather_pages
 
 N_TOKENS = 16 * 40 + 5  # 41 pages, the last one partial
 N_PAGES = -(-N_TOKENS // PAGE)
@@ -177,24 +177,6 @@ def test_triton_plan_equals_torch_plan(store: KVStore) -> None:
         assert all(torch.equal(x, y) for x, y in zip(a.k, b.k))
         a.close()
         b.close()
-
-
-@pytest.mark.parametrize("use_triton,whole_page", [(False, 0), pytest.param(True, 0, marks=needs_triton),
-                                                   pytest.param(True, 1, marks=needs_triton)])
-def test_gather_skips_negative_rows(use_triton: bool, whole_page: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(TRITON_CONFIG, "whole_page", whole_page)
-    page_bytes, block = 4096, 2 * 16 * 4  # D=2 float32 pools, page 16 -> 128 B blocks
-    src = torch.randint(0, 256, (10, page_bytes), dtype=torch.uint8)
-    rows = torch.tensor([3, -1, 7, -1, 0])
-    dst = torch.tensor([4, 0, 1, 2, 0])
-    k = torch.full((6 * 16, 2), float("nan"))
-    v = torch.full_like(k, float("nan"))
-    gather_pages(src, rows, k, v, dst, block_bytes=block, use_triton=use_triton, skip_negative=True)
-    for s, d in ((3, 4), (7, 1), (0, 0)):
-        assert torch.equal(k[d * 16 : (d + 1) * 16].view(torch.uint8).reshape(-1), src[s, :block])
-        assert torch.equal(v[d * 16 : (d + 1) * 16].view(torch.uint8).reshape(-1), src[s, block : 2 * block])
-    for d in (2, 3, 5):
-        assert k[d * 16 : (d + 1) * 16].isnan().all() and v[d * 16 : (d + 1) * 16].isnan().all()
 
 
 def test_precondition_falls_back_to_fetcher(store: KVStore) -> None:

@@ -46,10 +46,14 @@ class QuestBounds(Summarizer):
 
 
 class QuestSelector(Selector):
-    """Top pages by upper-bound score, within the token budget."""
+    """Top pages by upper-bound score, within the token budget.
 
-    def __init__(self, source: PrefixSource):
-        self.bounds = source.artifact(QuestBounds.name)
+    ``bounds``: the ``QuestBounds`` artifact (``"{layer}.kmin"``, ``"{layer}.kmax"``, ``"0.meta"``) on the
+    decode device.
+    """
+
+    def __init__(self, bounds: dict[str, torch.Tensor]):
+        self.bounds = bounds
         self.page = int(self.bounds["0.meta"][0])
         self.page_size = self.page
 
@@ -91,7 +95,7 @@ class Quest(SparseMethod):
 
     def selector(self, source: PrefixSource, config: DecodeConfig) -> Selector:
         """A Quest selector over the stored page bounds."""
-        return QuestSelector(source)
+        return QuestSelector(source.artifact(QuestBounds.name))
 
 
 class QuestPhi(Quest):

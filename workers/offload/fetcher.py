@@ -29,8 +29,8 @@ from store.errors import CorruptData, InvalidInput
 from store.kvstore import KVStore
 from store.manifest import Manifest
 from store.page_io import PageReader, open_page_reader, plan_runs, verify_pages
+from workers.kernels.gather_pages import GatherConfig, gather_pages
 from workers.offload.config import OffloadConfig
-from workers.offload.gather import gather_pages
 from workers.offload.gpu_cache import FetchResult, LayerCache
 from workers.offload.host_tier import HostTier
 from workers.offload.memory import HostBuffer, pin_default
@@ -48,7 +48,7 @@ class PageFetcher:
 
     def __init__(self, store: KVStore, manifest: Manifest, device: torch.device | str,
                  config: OffloadConfig | None = None, host: HostTier | None = None, *,
-                 reader: PageReader | None = None):
+                 reader: PageReader | None = None, gather: GatherConfig | None = None):
         self.config = cfg = config or OffloadConfig()
         self.device = torch.device(device)
         self.manifest, self.prefix_id, self.layout = manifest, manifest.prefix_id, manifest.layout
@@ -81,6 +81,8 @@ class PageFetcher:
         self._index: HostBuffer | None = None
         self._head_base = (np.arange(lay.n_kv_heads, dtype=np.int64) * self.n_pages)[:, None]
         self.gather_mode = "triton" if self.cuda else "torch"
+        self.gather = gather or GatherConfig()
+        """Tuning of the Triton gather (results do not depend on it)."""
         self.stats = OffloadStats(payload_bytes=lay.page_payload_bytes, page_bytes=lay.page_bytes)
 
     def _files(self, store: KVStore, m: Manifest) -> tuple[list[Path], list[int]]:
@@ -354,7 +356,7 @@ class PageFetcher:
         triton_ok = self.gather_mode == "triton" and pinned
         bb = self.layout.block_bytes
         try:
-            gather_pages(src, rows, cache.k, cache.v, dst, block_bytes=bb, use_triton=triton_ok)
+            gather_pages(src, rows, cache.k, cache.v, dst, block_bytes=bb, use_triton=triton_ok, config=self.gather)
         except ValueError as e:  # this GPU/driver cannot read the host buffer in place
             if not triton_ok or "cannot be accessed" not in str(e):
                 raise
