@@ -23,6 +23,7 @@ import torch
 from store.errors import InvalidInput
 from workers.offload.device_plan import DevicePageCache
 from workers.offload.fetcher import PageFetcher
+from workers.pages import page_mask
 
 
 @dataclass(frozen=True)
@@ -65,14 +66,8 @@ def pages_of_tokens(tokens: torch.Tensor, counts: torch.Tensor, n_tokens: int,
     Returns ``[Hkv, n_pages]`` page ids, each head's distinct pages first (ascending) then -1, and the
     largest per-head count (one device -> host sync). Ids outside ``[0, n_tokens)`` raise.
     """
-    t, h, n = tokens.shape
-    n_pages = -(-n_tokens // page_size)
-    valid = torch.arange(n, device=tokens.device) < counts.unsqueeze(-1)
-    outside = (valid & ((tokens < 0) | (tokens >= n_tokens))).sum()
-    col = torch.where(valid, torch.div(tokens, page_size, rounding_mode="floor").clamp(0, n_pages), n_pages)
-    mask = torch.zeros(h, n_pages + 1, dtype=torch.bool, device=tokens.device)
-    mask.scatter_(1, col.transpose(0, 1).reshape(h, -1).long(), True)
-    mask = mask[:, :n_pages]
+    mask, outside = page_mask(tokens, counts, n_tokens, page_size)
+    h, n_pages = mask.shape
     order = torch.sort((~mask).to(torch.uint8), dim=1, stable=True).indices
     per_head = mask.sum(1)
     pages = torch.where(torch.arange(n_pages, device=tokens.device) < per_head.unsqueeze(1), order, -1)

@@ -35,6 +35,7 @@ from workers.offload.gpu_cache import FetchResult, LayerCache
 from workers.offload.host_tier import HostTier
 from workers.offload.memory import HostBuffer, pin_default
 from workers.offload.stats import OffloadStats, StepCounts
+from workers.pages import page_mask
 
 WARM_CHUNK_BYTES = 64 << 20
 
@@ -171,17 +172,11 @@ class PageFetcher:
 
     def _token_keys(self, tokens: torch.Tensor, counts: torch.Tensor) -> np.ndarray:
         """Sorted linear keys of the pages of the first ``counts [..., Hkv]`` ids of ``tokens [..., Hkv, n]``."""
-        h, n, np_ = self.layout.n_kv_heads, tokens.shape[-1], self.n_pages
-        tok = tokens.reshape(-1, h, n)
-        valid = torch.arange(n, device=tok.device) < counts.reshape(-1, h, 1).to(tok.device)
-        col = torch.where(valid, torch.div(tok, self.layout.page_size, rounding_mode="floor"), np_)
-        col = torch.where(valid & ((tok < 0) | (tok >= self.n_tokens)), np_ + 1, col)
-        mask = torch.zeros(h, np_ + 2, dtype=torch.bool, device=tok.device)
-        mask.scatter_(1, col.transpose(0, 1).reshape(h, -1).long(), True)
-        m = mask.cpu().numpy()
-        if m[:, np_ + 1].any():
+        mask, outside = page_mask(tokens, counts, self.n_tokens, self.layout.page_size)
+        flat = torch.cat([mask.reshape(-1), (outside > 0).reshape(1)]).cpu().numpy()  # one copy
+        if flat[-1]:
             raise InvalidInput(f"token ids must lie in [0, {self.n_tokens})")
-        return np.flatnonzero(m[:, :np_])
+        return np.flatnonzero(flat[:-1])
 
     def _layer(self, layer: int) -> LayerCache:
         if not 0 <= layer < self.layout.n_layers:
