@@ -61,11 +61,6 @@ class ReadReport:
     extra: dict[str, float] = field(default_factory=dict)
     """Named counters for ``GenerationStats.extra`` (token equivalents, pseudo-entries, budgets)."""
 
-    @property
-    def bytes_total(self) -> int:
-        """Everything read: per-step KV plus one-time reads."""
-        return self.step_bytes + self.once_bytes
-
 
 @runtime_checkable
 class ReportsReads(Protocol):

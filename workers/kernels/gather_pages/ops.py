@@ -112,12 +112,10 @@ def _word_bytes(*sizes: int) -> int:
     return next(w for w in (8, 4, 2, 1) if all(s % w == 0 for s in sizes))
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
 def _launch(src: torch.Tensor, src_rows: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
             dst_slots: torch.Tensor, block_bytes: int, skip_negative: bool, config: GatherConfig) -> None:
+    import triton
+
     from .triton import _gather_pages_kernel, _gather_whole_pages_kernel
 
     page_bytes = src.shape[1]
@@ -127,9 +125,9 @@ def _launch(src: torch.Tensor, src_rows: torch.Tensor, k_pool: torch.Tensor, v_p
     args = (src.view(-1).view(word), src_rows, k_pool.view(-1).view(torch.uint8).view(word),
             v_pool.view(-1).view(torch.uint8).view(word), dst_slots, page_bytes // w, block_words)
     if config.whole_page:
-        _gather_whole_pages_kernel[(src_rows.shape[0],)](*args, BLOCK=_next_pow2(block_words),
+        _gather_whole_pages_kernel[(src_rows.shape[0],)](*args, BLOCK=triton.next_power_of_2(block_words),
                                                          SKIP_NEG=skip_negative, num_warps=config.num_warps)
         return
-    block = min(max(1, config.block_bytes // w), _next_pow2(block_words))
-    grid = (src_rows.shape[0], 2, -(-block_words // block))
+    block = min(max(1, config.block_bytes // w), triton.next_power_of_2(block_words))
+    grid = (src_rows.shape[0], 2, triton.cdiv(block_words, block))
     _gather_pages_kernel[grid](*args, BLOCK=block, SKIP_NEG=skip_negative, num_warps=config.num_warps)

@@ -72,9 +72,3 @@ class PlanState:
     def n_pages(self) -> int:
         """Pages per KV head and layer."""
         return self.host_rows.shape[2]
-
-    def reset(self) -> None:
-        """Forget every cached page (counters kept)."""
-        self.page_to_slot.fill_(-1)
-        self.slot_to_page.fill_(-1)
-        self.stamp.fill_(0)
