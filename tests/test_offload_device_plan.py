@@ -263,23 +263,26 @@ def _gpu_prefix(home: Path, n: int, layers: int, heads: int):
 @pytest.mark.parametrize("plan", ["triton", "torch"])
 def test_cuda_graph_step_equals_eager_and_resident(tmp_path: Path, plan: str) -> None:
     from workers.kernels.sparse_attention import sparse_decode_attention
+    from workers.methods.layer_kv import ResidentKV
+    from workers.methods.quest import QuestBounds, QuestSelector
+    from workers.methods.selector import LayerContext
 
     dev = torch.device("cuda")
     layers, heads, hq, n, sel = 3, 4, 16, 16 * 200, 12
     st, m = _gpu_prefix(tmp_path / "home", n, layers, heads)
     lay = m.layout
     kv = [tuple(x.to(dev, lay.torch_dtype) for x in st.read_layer(m.prefix_id, layer)) for layer in range(layers)]
-    pages4 = [k.view(heads, n // 16, 16, 128) for k, _ in kv]
-    bnd = [(p.amax(2).transpose(1, 2).contiguous(), p.amin(2).transpose(1, 2).contiguous()) for p in pages4]
+    bounds = {f"{layer}.{name}": t for layer, (k, v) in enumerate(kv)
+              for name, t in QuestBounds().summarize(layer, k, v).items()}
+    quest = QuestSelector(bounds)  # the product's whole-page selection, captured with the fetch
+    ctxs = [LayerContext(ResidentKV(k, v, 16), 0, n) for k, v in kv]
     tok = torch.arange(16, device=dev)
     g = torch.Generator(device=dev).manual_seed(1)
     qs = torch.randn(12, layers, hq, 128, device=dev, generator=g, dtype=torch.bfloat16)
     qs = qs.cumsum(0) * 0.3  # a random walk: consecutive steps overlap
 
     def select(q: torch.Tensor, layer: int) -> torch.Tensor:
-        qg = q.view(heads, -1, 128)
-        ub = torch.baddbmm(torch.bmm(qg.clamp_min(0), bnd[layer][0]), qg.clamp_max(0), bnd[layer][1]).amax(1)
-        return ub.topk(sel, dim=-1).indices
+        return quest.select_pages(layer, ctxs[layer], q.view(1, heads, -1, 128), 128**-0.5, sel)[0]
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         idx = (rows.unsqueeze(-1) + tok).view(1, heads, -1)
