@@ -16,9 +16,10 @@ decode token (attention part over all layers: select + fetch + attend), B=1:
   graph, replayed per token (layers strictly sequential in the graph); also eager, and with the
   torch-ops plan instead of the one-launch Triton plan.
 
-Selection: Quest-style page upper bounds (resident), top pages per KV head at the budget plus the
-first and last page; queries follow a random walk per layer (``--alpha``) so consecutive steps
-overlap (overlap and hit rate are reported). Also: fetch bandwidth vs the pinned host->GPU copy
+Selection: the product's whole-page Quest step (``QuestSelector.select_pages`` over the stored page
+bounds, ``page_step``): the top pages per KV head at the budget plus the anchor pages (the first and
+the last page: sink and tail are one page each); queries follow a random walk per layer (``--alpha``)
+so consecutive steps overlap (overlap and hit rate are reported). Also: fetch bandwidth vs the pinned host->GPU copy
 and raw disk read measured in this run, and a prefill write through the store writer vs raw disk
 write. Ratios are the result; absolute times are for reference.
 
@@ -58,10 +59,15 @@ from store.manifest import Manifest  # noqa: E402
 from store.page_io import PosixPageReader, kvikio_available, plan_runs  # noqa: E402
 from store.pages import unpack_pages  # noqa: E402
 from store.prefix_key import PrefixKey, tenant_salt, token_hash  # noqa: E402
+from workers.kernels.gather_pages import GatherConfig, gather_pages  # noqa: E402
+from workers.kernels.page_plan import plan_pages  # noqa: E402
+from workers.methods.base import mid_range  # noqa: E402
+from workers.methods.layer_kv import ResidentKV  # noqa: E402
+from workers.methods.page_step import page_plan, step_pages  # noqa: E402
+from workers.methods.quest import QuestBounds, QuestSelector  # noqa: E402
+from workers.methods.selector import LayerContext  # noqa: E402
 from workers.offload import DevicePageCache, HostTier, OffloadConfig, PageFetcher  # noqa: E402
-from workers.offload.gather import TRITON_CONFIG, gather_pages  # noqa: E402
 from workers.offload.memory import HostBuffer  # noqa: E402
-from workers.offload.plan_kernel import PLAN_CONFIG, plan_triton  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -157,24 +163,19 @@ def gen_layer(shape: Shape, ctx: int, layer: int) -> tuple[torch.Tensor, torch.T
     return k.to(shape.dtype).contiguous(), v.to(shape.dtype)
 
 
-def bounds(shape: Shape, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quest bounds transposed for a batched matmul: kmax, kmin ``[Hkv, D, n_pages]``."""
-    h, n, d = k.shape
-    pages = k.view(h, n // shape.page, shape.page, d)
-    return pages.amax(2).transpose(1, 2).contiguous(), pages.amin(2).transpose(1, 2).contiguous()
-
-
-def write_prefix(store: KVStore, shape: Shape, ctx: int) -> tuple[Manifest, float, dict]:
-    """Prefill write of random K/V through the store writer; (manifest, seconds in the writer, bounds)."""
+def write_prefix(store: KVStore, shape: Shape, ctx: int) -> tuple[Manifest, float, dict[str, torch.Tensor]]:
+    """Prefill write of random K/V through the store writer; (manifest, seconds in the writer, the
+    ``QuestBounds`` artifact of every layer, on the device)."""
     lay = KVLayout(n_layers=shape.layers, n_kv_heads=shape.hkv, head_dim=shape.d,
                    dtype=str(shape.dtype).removeprefix("torch."), page_size=shape.page)
     key = PrefixKey(model_fingerprint=f"bench-offload-{ctx}", tenant_salt=tenant_salt("bench"),
                     token_hash=token_hash([ctx]), layout=lay)
     secs, bnd = 0.0, {}
+    summarizer = QuestBounds()
     with store.write_prefix(key, model_name="bench", n_tokens=ctx) as w:
         for layer in range(shape.layers):
             k, v = gen_layer(shape, ctx, layer)
-            bnd[layer] = bounds(shape, k)
+            bnd.update({f"{layer}.{name}": t for name, t in summarizer.summarize(layer, k, v).items()})
             kc, vc = k.cpu(), v.cpu()
             del k, v
             t0 = time.perf_counter()
@@ -188,12 +189,20 @@ def write_prefix(store: KVStore, shape: Shape, ctx: int) -> tuple[Manifest, floa
 
 # -- decode steps --------------------------------------------------------------------------------
 class Workload:
-    """Per-layer queries (random walk over steps), bounds, and the Quest-style page selection."""
+    """Per-layer queries (random walk over steps) and the product's whole-page Quest selection."""
 
-    def __init__(self, shape: Shape, ctx: int, budget: float, bnd: dict, alpha: float, steps: int):
-        self.shape, self.ctx, self.bnd = shape, ctx, bnd
+    def __init__(self, shape: Shape, ctx: int, budget: float, bnd: dict[str, torch.Tensor], alpha: float,
+                 steps: int, kv: ResidentKV):
+        self.shape, self.ctx = shape, ctx
         self.n_pages = ctx // shape.page
         self.k_sel = max(1, round(budget * self.n_pages) - 2)
+        self.selector = QuestSelector(bnd)
+        assert self.selector.page_size == shape.page, "the stored Quest bounds are per store page"
+        lo, hi = mid_range(ctx, shape.page, shape.page)  # sink and tail: the first and the last page
+        self.layer_ctx = LayerContext(kv, lo, hi)
+        self.plan = page_plan(anchors=self.layer_ctx.anchors, lo=lo, hi=hi, page_size=shape.page,
+                              k=self.k_sel * shape.page, n_heads=shape.hkv)
+        assert self.plan.n_pages == self.k_sel
         g = torch.Generator(device=DEV).manual_seed(7)
         q = torch.randn(shape.layers, shape.hq, shape.d, device=DEV, generator=g)
         qs = []
@@ -201,25 +210,18 @@ class Workload:
             q = alpha * q + math.sqrt(1 - alpha**2) * torch.randn(q.shape, device=DEV, generator=g)
             qs.append(q.to(shape.dtype))
         self.q = torch.stack(qs)  # [steps, layers, Hq, D]
-        ends = torch.tensor([0, self.n_pages - 1], device=DEV)
-        self.anchors = ends.expand(shape.hkv, 2)
         self.scale = shape.d**-0.5
         self.tok = torch.arange(shape.page, device=DEV)
-        self.topk_fp32 = False
-        """Rank the bounds in float32 (same values: only torch's top-k kernel differs)."""
 
     def select(self, step: int, layer: int) -> torch.Tensor:
-        """Page ids ``[Hkv, k_sel + 2]``: first and last page, then the top pages by upper bound."""
+        """Page ids ``[Hkv, k_sel + 2]``: the top pages by Quest upper bound, then the first and last page."""
         return self.select_q(self.q[step, layer], layer)
 
     def select_q(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         """``select`` for a query ``[Hq, D]`` (a static buffer under CUDA-graph capture)."""
-        kmax, kmin = self.bnd[layer]
-        qg = q.view(self.shape.hkv, -1, self.shape.d)
-        ub = torch.baddbmm(torch.bmm(qg.clamp_min(0), kmax), qg.clamp_max(0), kmin).amax(1)
-        ub[:, 0] = ub[:, -1] = float("-inf")
-        top = (ub.float() if self.topk_fp32 else ub).topk(self.k_sel, dim=-1, sorted=False).indices
-        return torch.cat([self.anchors, top], dim=1)
+        qg = q.view(1, self.shape.hkv, -1, self.shape.d)
+        picked = self.selector.select_pages(layer, self.layer_ctx, qg, self.scale, self.plan.n_pages)
+        return step_pages(self.plan, picked[0])
 
     def attend(self, step: int, layer: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Sparse kernel over page rows ``[Hkv, n]`` (first row of each page) of buffers ``[Hkv, S, D]``."""
@@ -355,7 +357,7 @@ def full_ssd_layer_s(w: Workload, store: KVStore, manifest, n_layers: int) -> tu
     return per_layer, n_layers * n_layer * lay.page_bytes / read_s / 1e9
 
 
-def gather_bandwidth(tier: HostTier, lay: KVLayout, m: int, reps: int = 20) -> float:
+def gather_bandwidth(tier: HostTier, lay: KVLayout, m: int, config: GatherConfig, reps: int = 20) -> float:
     """Kernel-only GB/s (K+V payload) of one gather of ``m`` random host-tier pages into GPU slots."""
     if DEV.type != "cuda":
         return float("nan")
@@ -364,34 +366,38 @@ def gather_bandwidth(tier: HostTier, lay: KVLayout, m: int, reps: int = 20) -> f
     dst = torch.arange(m, device=DEV)
     kp = torch.empty(m * lay.page_size, lay.head_dim, dtype=lay.torch_dtype, device=DEV)
     vp = torch.empty_like(kp)
-    gather_pages(tier.pages, src, kp, vp, dst, block_bytes=lay.block_bytes)
+    gather_pages(tier.pages, src, kp, vp, dst, block_bytes=lay.block_bytes, config=config)
     times = []
     for _ in range(reps):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
-        gather_pages(tier.pages, src, kp, vp, dst, block_bytes=lay.block_bytes)
+        gather_pages(tier.pages, src, kp, vp, dst, block_bytes=lay.block_bytes, config=config)
         e.record()
         e.synchronize()
         times.append(s.elapsed_time(e) / 1e3)
     return m * lay.page_payload_bytes / statistics.median(times) / 1e9
 
 
-def gather_section(res: dict, tier: HostTier, lay: KVLayout, w: Workload, ceil: dict) -> None:
-    """Sweep the gather kernel's chunk size and warps on one step's pages; keep the best for this run."""
+def gather_name(cfg: GatherConfig) -> str:
+    return f"{'page' if cfg.whole_page else cfg.block_bytes}B/w{cfg.num_warps}"
+
+
+STEP_GATHER_CONFIGS = tuple(GatherConfig(block_bytes=b, num_warps=nw)
+                            for b, nw in ((4096, 4), (2048, 4), (1024, 4), (4096, 8), (2048, 2)))
+"""Gather kernel configs tried on one step's pages (the fetcher's launches)."""
+
+
+def gather_section(res: dict, tier: HostTier, lay: KVLayout, w: Workload, ceil: dict) -> GatherConfig:
+    """Sweep the gather kernel's chunk size and warps on one step's pages; the best, for this run's fetchers."""
     step = w.shape.hkv * (w.k_sel + 2)
-    sweep = {}
-    for cfg in ({"block_bytes": 4096, "num_warps": 4}, {"block_bytes": 2048, "num_warps": 4},
-                {"block_bytes": 1024, "num_warps": 4}, {"block_bytes": 4096, "num_warps": 8},
-                {"block_bytes": 2048, "num_warps": 2}):
-        TRITON_CONFIG.update(cfg, whole_page=0)
-        sweep[f"{cfg['block_bytes']}B/w{cfg['num_warps']}"] = gather_bandwidth(tier, lay, step)
-    best = max(sweep, key=lambda k: sweep[k] if not math.isnan(sweep[k]) else -1)
-    TRITON_CONFIG.update(block_bytes=int(best.split("B")[0]), num_warps=int(best.split("/w")[1]), whole_page=0)
-    res["gather_sweep_gbps"], res["gather_config"] = sweep, best
-    res["gather_gbps_step"] = sweep[best]
-    res["gather_gbps_big"] = gather_bandwidth(tier, lay, min(tier.n_slots, 65536))
+    sweep = {gather_name(cfg): (cfg, gather_bandwidth(tier, lay, step, cfg)) for cfg in STEP_GATHER_CONFIGS}
+    best = max(sweep, key=lambda k: sweep[k][1] if not math.isnan(sweep[k][1]) else -1)
+    res["gather_sweep_gbps"], res["gather_config"] = {k: v[1] for k, v in sweep.items()}, best
+    res["gather_gbps_step"] = sweep[best][1]
+    res["gather_gbps_big"] = gather_bandwidth(tier, lay, min(tier.n_slots, 65536), sweep[best][0])
     res["gather_frac"] = res["gather_gbps_step"] / ceil["h2d_gbps"]
-    log(f"  gather sweep (GB/s, {step} pages): {sweep}; 64k pages {res['gather_gbps_big']:.1f}")
+    log(f"  gather sweep (GB/s, {step} pages): {res['gather_sweep_gbps']}; 64k pages {res['gather_gbps_big']:.1f}")
+    return sweep[best][0]
 
 
 def check_equal(w: Workload, fetcher: PageFetcher, k0: torch.Tensor, v0: torch.Tensor) -> float:
@@ -468,9 +474,10 @@ def graph_ms(fn, reps: int = 20) -> float:
     return statistics.median(times)
 
 
-def graph_gather_gbps(cache: DevicePageCache) -> tuple[float, float, int]:
+def graph_gather_gbps(cache: DevicePageCache, config: GatherConfig | None = None) -> tuple[float, float, int]:
     """The last step's gathers of every layer (its src rows / slots, hits skipped) replayed alone in a CUDA
-    graph: (K+V GB/s, ms per token, pages). Rewrites the same pages into the same slots."""
+    graph with ``config`` (default: the cache's): (K+V GB/s, ms per token, pages). Rewrites the same pages
+    into the same slots."""
     st, lay = cache.state, cache.layout
     src, dst = st.src_rows.clone(), st.dst_slots.clone()
     pages = int((src >= 0).sum().item())
@@ -478,51 +485,42 @@ def graph_gather_gbps(cache: DevicePageCache) -> tuple[float, float, int]:
     def gathers() -> None:
         for layer in range(lay.n_layers):
             gather_pages(cache.host.pages, src[layer], cache.k[layer], cache.v[layer], dst[layer],
-                         block_bytes=lay.block_bytes, use_triton=True, skip_negative=True)
+                         block_bytes=lay.block_bytes, use_triton=True, skip_negative=True,
+                         config=config or cache.gather)
 
     ms = graph_ms(gathers)
     return pages * lay.page_payload_bytes / ms / 1e6, ms, pages
 
 
-GATHER_CONFIGS = tuple({"block_bytes": b, "num_warps": nw, "whole_page": wp}
-                       for b, nw, wp in ((4096, 4, 0), (2048, 4, 0), (1024, 4, 0), (1024, 2, 0), (512, 1, 0),
-                                         (8192, 4, 1), (8192, 8, 1)))
+GATHER_CONFIGS = tuple(GatherConfig(block_bytes=b, num_warps=nw, whole_page=wp)
+                       for b, nw, wp in ((4096, 4, False), (2048, 4, False), (1024, 4, False), (1024, 2, False),
+                                         (512, 1, False), (8192, 4, True), (8192, 8, True)))
 """Gather kernel configs tried on the graph path: chunk bytes and warps, or one program per page."""
 
 
-def tune_graph_path(args, res, w: Workload, fetcher: PageFetcher) -> None:
+def tune_graph_path(args, res, w: Workload, fetcher: PageFetcher) -> tuple[GatherConfig, int]:
     """Before (g) is timed: on a scratch cache at steady state (eager steps 0..3), replay the last step's
-    gathers (per gather config) and plans (per warps) of every layer in a CUDA graph; keep the fastest."""
+    gathers (per gather config) and plans (per warps) of every layer in a CUDA graph; the fastest gather
+    config and plan warps."""
     p = w.k_sel + 2
     cache = DevicePageCache.from_fetcher(fetcher, pages_per_call=p, slots_per_head=args.cache_factor * p)
     assert cache is not None
     gs = GraphStep(w, cache_fetch(cache))
     for t in range(4):
         gs.token(t)
-    gathers = {}
-    for cfg in GATHER_CONFIGS:
-        TRITON_CONFIG.update(cfg)
-        name = f"{'page' if cfg['whole_page'] else cfg['block_bytes']}B/w{cfg['num_warps']}"
-        gathers[name] = (cfg, graph_gather_gbps(cache)[0])
+    gathers = {gather_name(cfg): (cfg, graph_gather_gbps(cache, cfg)[0]) for cfg in GATHER_CONFIGS}
     best = max(gathers, key=lambda k: gathers[k][1])
-    TRITON_CONFIG.update(gathers[best][0])
     plans = {}
     for warps in (1, 2, 4, 8):
-        PLAN_CONFIG["num_warps"] = warps
-        plans[warps] = graph_ms(lambda: [plan_triton(cache.state, layer, gs.pages[layer])
-                                         for layer in range(w.shape.layers)])
-    PLAN_CONFIG["num_warps"] = min(plans, key=lambda k: plans[k])  # 0 (auto) is one of those
-    select = {}
-    for fp32 in (False, True):
-        w.topk_fp32 = fp32
-        select["fp32" if fp32 else "bf16"] = graph_ms(lambda: [w.select_q(gs.q[layer], layer)
-                                                             for layer in range(w.shape.layers)])
-    w.topk_fp32 = False
+        plans[warps] = graph_ms(lambda n=warps: [plan_pages(cache.state, layer, gs.pages[layer], use_triton=True,
+                                                            num_warps=n) for layer in range(w.shape.layers)])
+    plan_warps = min(plans, key=lambda k: plans[k])  # 0 (auto) is one of those
+    select = graph_ms(lambda: [w.select_q(gs.q[layer], layer) for layer in range(w.shape.layers)])
     res["g_tune"] = {"gather_gbps": {k: v[1] for k, v in gathers.items()}, "gather_best": best,
-                     "plan_ms_per_token": plans, "plan_warps": PLAN_CONFIG["num_warps"],
-                     "select_ms_per_token": select}
+                     "plan_ms_per_token": plans, "plan_warps": plan_warps, "select_ms_per_token": select}
     log(f"  graph-path tuning: {res['g_tune']}")
     cache.close()
+    return gathers[best][0], plan_warps
 
 
 def kernel_profile(gs: GraphStep, steps: range) -> dict:
@@ -553,14 +551,15 @@ def graph_section(args, res, w: Workload, fetcher: PageFetcher, k0, v0) -> None:
         rg.capture(range(0, 2))
         res["resident_graph_ms"] = med_ms(per_token(rg.token, steps))
         del rg
+    gather, plan_warps = fetcher.gather, 0
     if cuda:
         with guard(res, "g_tune"):
-            tune_graph_path(args, res, w, fetcher)
+            gather, plan_warps = tune_graph_path(args, res, w, fetcher)
     variants = [("triton", True), ("triton", False), ("torch", True)] if cuda else [("torch", False)]
     for plan, graphed in variants:
         name = f"g_{plan}_{'graph' if graphed else 'eager'}"
         cache = DevicePageCache.from_fetcher(fetcher, pages_per_call=p, slots_per_head=args.cache_factor * p,
-                                             plan=plan, allow_cpu=not cuda)
+                                             plan=plan, allow_cpu=not cuda, gather=gather, plan_warps=plan_warps)
         if cache is None:
             res["graph_error"] = "DevicePageCache precondition not met (host tier not warm / not mapped)"
             return
@@ -612,20 +611,20 @@ def run_ctx(args, shape: Shape, ctx: int, home: Path, ceil: dict) -> dict:
     res["write_s"], res["write_gbps"] = wsecs, kv_bytes / wsecs / 1e9
     res["write_frac"] = res["write_gbps"] / ceil["disk_write_gbps"]
     log(f"  wrote {kv_bytes / 1e9:.2f} GB of KV in {wsecs:.1f} s = {res['write_gbps']:.2f} GB/s")
-    w = Workload(shape, ctx, args.budget, bnd, args.alpha, args.steps + 8)
+    k0, v0 = gen_layer(shape, ctx, 0)
+    w = Workload(shape, ctx, args.budget, bnd, args.alpha, args.steps + 8, ResidentKV(k0, v0, shape.page))
     res["pages_per_head"] = w.k_sel + 2
     res["overlap"] = overlap(w, min(8, args.steps))
-    k0, v0 = gen_layer(shape, ctx, 0)
     res["dense_ms"] = med_ms(dense_tokens(w, k0, v0, args.reps))
     res["resident_sparse_ms"] = med_ms(resident_tokens(w, k0, v0, range(1, args.steps)))
     log(f"  (a) dense {res['dense_ms']:.2f} ms/token, (r) resident sparse {res['resident_sparse_ms']:.2f}")
     step_pages = shape.hkv * (w.k_sel + 2)
     gpu_bytes = args.cache_factor * step_pages * lay.page_payload_bytes * shape.layers
     res["gpu_cache_gb"] = gpu_bytes / 1e9
-    host_section(args, res, w, store, manifest, lay, gpu_bytes, k0, v0, ceil)
+    gather = host_section(args, res, w, store, manifest, lay, gpu_bytes, k0, v0, ceil)
     if not args.no_ssd:
         with guard(res, "ssd"):
-            ssd_section(args, res, w, store, manifest, gpu_bytes, k0, v0, ceil)
+            ssd_section(args, res, w, store, manifest, gpu_bytes, k0, v0, ceil, gather)
     store.close()
     shutil.rmtree(home / f"store-{ctx}", ignore_errors=True)
     return res
@@ -641,13 +640,14 @@ def guard(res: dict, name: str):
         res[f"{name}_error"] = f"{type(e).__name__}: {e}"
 
 
-def host_section(args, res, w, store, manifest, lay, gpu_bytes, k0, v0, ceil) -> None:
+def host_section(args, res, w, store, manifest, lay, gpu_bytes, k0, v0, ceil) -> GatherConfig:
+    """Rows (b) host, (i), (r-graph), (g); the gather config the sweep picked (for the SSD fetchers)."""
     n_all = lay.n_layers * lay.n_kv_heads * w.n_pages
     tier = HostTier(page_bytes=lay.page_bytes, budget_bytes=n_all * lay.page_bytes)
     cfg = OffloadConfig(gpu_cache_bytes=gpu_bytes, host_cache_bytes=tier.budget_bytes, io_threads=args.threads)
-    fetcher = PageFetcher(store, manifest, DEV, cfg, tier)
-    t0 = time.perf_counter()
-    warm = fetcher.warm_host()
+    with PageFetcher(store, manifest, DEV, cfg, tier) as warmer:
+        t0 = time.perf_counter()
+        warm = warmer.warm_host()
     res["host_warm_gbps"] = warm / (time.perf_counter() - t0) / 1e9
     res["host_pinned"] = tier.pinned
     log(f"  host tier warmed: {warm / 1e9:.2f} GB at {res['host_warm_gbps']:.2f} GB/s (verified), pinned={tier.pinned}")
@@ -655,7 +655,8 @@ def host_section(args, res, w, store, manifest, lay, gpu_bytes, k0, v0, ceil) ->
     slots = [tier.lookup(manifest.prefix_id, layer * n_layer + np.arange(n_layer)) for layer in range(lay.n_layers)]
     assert all((np.diff(s) == 1).all() for s in slots), "a fresh tier holds each layer contiguously"
     first = [int(s[0]) for s in slots]
-    gather_section(res, tier, lay, w, ceil)
+    gather = gather_section(res, tier, lay, w, ceil)
+    fetcher = PageFetcher(store, manifest, DEV, cfg, tier, gather=gather)
     res["full_host_ms"] = med_ms(full_host_tokens(w, tier, first, lay, args.full_reps))
     cold = sparse_tokens(w, fetcher, range(0, 1))
     steady = sparse_tokens(w, fetcher, range(1, args.steps))
@@ -679,15 +680,16 @@ def host_section(args, res, w, store, manifest, lay, gpu_bytes, k0, v0, ceil) ->
     tier.close()
     del fetcher, tier
     gc.collect()
+    return gather
 
 
-def ssd_section(args, res, w, store, manifest, gpu_bytes, k0, v0, ceil) -> None:
+def ssd_section(args, res, w, store, manifest, gpu_bytes, k0, v0, ceil, gather: GatherConfig) -> None:
     readers = ["posix"] + (["kvikio"] if kvikio_available() and DEV.type == "cuda" else [])
     for name in readers:
         cfg = OffloadConfig(gpu_cache_bytes=gpu_bytes, host_cache_bytes=0, reader=name, direct_io=True,
                             io_threads=args.threads)
         dropped = drop_caches()
-        fetcher = PageFetcher(store, manifest, DEV, cfg, None)
+        fetcher = PageFetcher(store, manifest, DEV, cfg, None, gather=gather)
         with guard(res, f"ssd_{name}"):
             cold = sparse_tokens(w, fetcher, range(0, 1))
             n = args.ssd_steps if name == "posix" else max(2, args.ssd_steps // 2)

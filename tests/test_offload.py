@@ -17,7 +17,6 @@ from store.kvstore import KVStore
 from store.page_io import PosixPageReader, open_page_reader, plan_runs
 from workers.kernels.sparse_attention import sparse_decode_attention_ref
 from workers.offload import CacheTooSmall, HostTier, OffloadConfig, PageFetcher
-from workers.offload.gather import gather_pages
 from workers.offload.lru import CapacityError, SlotLRU
 
 
@@ -271,23 +270,3 @@ def test_stats_as_dict_has_every_counter(store: KVStore) -> None:
         assert isinstance(d[f"offload_{k}"], float)
     assert d["offload_pages_requested"] == 4 and d["offload_bytes_ssd"] == 4 * f.layout.page_bytes
     assert d["offload_select_s"] >= d["offload_fetch_s"] > 0
-
-
-# -- the gather kernel ----------------------------------------------------------------------------
-@pytest.mark.parametrize("use_triton", [False, True])
-def test_gather_copies_k_and_v_blocks_into_slots(use_triton: bool) -> None:
-    if use_triton:
-        pytest.importorskip("triton")
-        if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
-            pytest.skip("needs the Triton interpreter or a GPU")
-    p, d, page_bytes = 4, 8, 4096
-    block = p * d * 4
-    src = torch.randint(0, 256, (6, page_bytes), dtype=torch.uint8)
-    kp = torch.full((5 * p, d), float("nan"))
-    vp = torch.full((5 * p, d), float("nan"))
-    gather_pages(src, torch.tensor([4, 0, 5]), kp, vp, torch.tensor([2, 0, 4]), block_bytes=block,
-                 use_triton=use_triton)
-    for s, dst in ((4, 2), (0, 0), (5, 4)):
-        assert torch.equal(kp[dst * p : (dst + 1) * p].view(torch.uint8).reshape(-1), src[s, :block])
-        assert torch.equal(vp[dst * p : (dst + 1) * p].view(torch.uint8).reshape(-1), src[s, block : 2 * block])
-    assert kp[p : 2 * p].isnan().all() and vp[3 * p : 4 * p].isnan().all()

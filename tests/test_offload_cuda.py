@@ -17,8 +17,8 @@ from store.kvstore import KVStore
 from store.layout import KVLayout
 from store.page_io import KvikioPageReader, PosixPageReader, kvikio_available, plan_runs
 from store.prefix_key import PrefixKey, tenant_salt, token_hash
+from workers.kernels.gather_pages import gather_pages
 from workers.offload import HostTier, OffloadConfig, PageFetcher
-from workers.offload.gather import gather_pages
 from workers.offload.memory import HostBuffer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

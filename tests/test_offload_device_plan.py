@@ -1,8 +1,9 @@
 """Device-planned page cache: rows and exact LRU against a plain Python reference over several steps and
 layers, K/V equal to the store's and to ``PageFetcher``'s, device hit/miss counters, padding, the host-tier
-hold, the skip-negative gather; on CUDA, select + fetch + attend captured in a CUDA graph and replayed.
+hold; on CUDA, select + fetch + attend captured in a CUDA graph and replayed.
 
-CPU tests run the torch plan and (under ``TRITON_INTERPRET=1``) the Triton plan and gather.
+CPU tests run the torch plan and (under ``TRITON_INTERPRET=1``) the Triton plan and gather (the kernels
+themselves: ``test_kernel_gather_pages.py``, ``test_kernel_page_plan.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from offload_helpers import HEADS, LAYERS, PAGE, open_store, write_prefix
 from store.errors import InvalidInput
 from store.kvstore import KVStore
 from workers.offload import DevicePageCache, HostTier, OffloadConfig, PageFetcher, PrefixHeld
-from workers.offload.gather import TRITON_CONFIG, gather_pages
 
 N_TOKENS = 16 * 40 + 5  # 41 pages, the last one partial
 N_PAGES = -(-N_TOKENS // PAGE)
@@ -179,24 +179,6 @@ def test_triton_plan_equals_torch_plan(store: KVStore) -> None:
         b.close()
 
 
-@pytest.mark.parametrize("use_triton,whole_page", [(False, 0), pytest.param(True, 0, marks=needs_triton),
-                                                   pytest.param(True, 1, marks=needs_triton)])
-def test_gather_skips_negative_rows(use_triton: bool, whole_page: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(TRITON_CONFIG, "whole_page", whole_page)
-    page_bytes, block = 4096, 2 * 16 * 4  # D=2 float32 pools, page 16 -> 128 B blocks
-    src = torch.randint(0, 256, (10, page_bytes), dtype=torch.uint8)
-    rows = torch.tensor([3, -1, 7, -1, 0])
-    dst = torch.tensor([4, 0, 1, 2, 0])
-    k = torch.full((6 * 16, 2), float("nan"))
-    v = torch.full_like(k, float("nan"))
-    gather_pages(src, rows, k, v, dst, block_bytes=block, use_triton=use_triton, skip_negative=True)
-    for s, d in ((3, 4), (7, 1), (0, 0)):
-        assert torch.equal(k[d * 16 : (d + 1) * 16].view(torch.uint8).reshape(-1), src[s, :block])
-        assert torch.equal(v[d * 16 : (d + 1) * 16].view(torch.uint8).reshape(-1), src[s, block : 2 * block])
-    for d in (2, 3, 5):
-        assert k[d * 16 : (d + 1) * 16].isnan().all() and v[d * 16 : (d + 1) * 16].isnan().all()
-
-
 def test_precondition_falls_back_to_fetcher(store: KVStore) -> None:
     m, _ = write_prefix(store, N_TOKENS, seed=5)
     with _fetcher(store, m, None) as f:
@@ -281,23 +263,26 @@ def _gpu_prefix(home: Path, n: int, layers: int, heads: int):
 @pytest.mark.parametrize("plan", ["triton", "torch"])
 def test_cuda_graph_step_equals_eager_and_resident(tmp_path: Path, plan: str) -> None:
     from workers.kernels.sparse_attention import sparse_decode_attention
+    from workers.methods.layer_kv import ResidentKV
+    from workers.methods.quest import QuestBounds, QuestSelector
+    from workers.methods.selector import LayerContext
 
     dev = torch.device("cuda")
     layers, heads, hq, n, sel = 3, 4, 16, 16 * 200, 12
     st, m = _gpu_prefix(tmp_path / "home", n, layers, heads)
     lay = m.layout
     kv = [tuple(x.to(dev, lay.torch_dtype) for x in st.read_layer(m.prefix_id, layer)) for layer in range(layers)]
-    pages4 = [k.view(heads, n // 16, 16, 128) for k, _ in kv]
-    bnd = [(p.amax(2).transpose(1, 2).contiguous(), p.amin(2).transpose(1, 2).contiguous()) for p in pages4]
+    bounds = {f"{layer}.{name}": t for layer, (k, v) in enumerate(kv)
+              for name, t in QuestBounds().summarize(layer, k, v).items()}
+    quest = QuestSelector(bounds)  # the product's whole-page selection, captured with the fetch
+    ctxs = [LayerContext(ResidentKV(k, v, 16), 0, n) for k, v in kv]
     tok = torch.arange(16, device=dev)
     g = torch.Generator(device=dev).manual_seed(1)
     qs = torch.randn(12, layers, hq, 128, device=dev, generator=g, dtype=torch.bfloat16)
     qs = qs.cumsum(0) * 0.3  # a random walk: consecutive steps overlap
 
     def select(q: torch.Tensor, layer: int) -> torch.Tensor:
-        qg = q.view(heads, -1, 128)
-        ub = torch.baddbmm(torch.bmm(qg.clamp_min(0), bnd[layer][0]), qg.clamp_max(0), bnd[layer][1]).amax(1)
-        return ub.topk(sel, dim=-1).indices
+        return quest.select_pages(layer, ctxs[layer], q.view(1, heads, -1, 128), 128**-0.5, sel)[0]
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         idx = (rows.unsqueeze(-1) + tok).view(1, heads, -1)

@@ -16,15 +16,15 @@ from store.kvstore import KVStore
 from store.manifest import Manifest
 from store.prefix_key import PrefixKey, tenant_salt, token_hash
 from workers.attention import PREFIX_KWARG, PrefixAttention
-from workers.methods.base import PrefixSource, ReportsReads
+from workers.methods.base import ReportsReads
 from workers.methods.registry import build_summarizers, get_method, prefill_summarizers
+from workers.methods.source import PrefixSource
 from workers.model import LoadedModel
 from workers.offload import HostTier, OffloadConfig, PageFetcher
 from workers.offload.fast_path import open_device_cache, warm_if_it_fits
 from workers.prefill import DEFAULT_CHUNK, prefill_kv
 from workers.requests import DecodeConfig, GenerationStats, SamplingParams
 from workers.sampling import Sampler
-from workers.speculate import Lookahead, installed, open_lookahead
 from workers.textstream import TextStream
 
 DEFAULT_TENANT = "default"
@@ -151,20 +151,18 @@ class Worker:
                 warm_if_it_fits(source.fetcher, self.offload)
                 source.device_cache = open_device_cache(source.fetcher, self.offload)
             attn = impl.open(source, decode or DecodeConfig())
-            ahead = open_lookahead(self.lm.model, attn, self.offload)  # layer-ahead prefetch, when configured
         except BaseException:
             _close_fetch(source)
             raise
         stop = params.stop or self.lm.prompt.stop
         return self._leased(attn, source, q_ids, params, stop, min(room, params.max_new_tokens),
-                            stats if stats is not None else GenerationStats(), ahead)
+                            stats if stats is not None else GenerationStats())
 
     def _leased(self, attn: PrefixAttention, source: PrefixSource, q_ids: list[int], params: SamplingParams,
-                stop: tuple[str, ...], max_new: int, stats: GenerationStats, ahead: Lookahead | None) -> Iterator[str]:
+                stop: tuple[str, ...], max_new: int, stats: GenerationStats) -> Iterator[str]:
         # A live lease keeps eviction away from the prefix while it is decoded; released however the stream ends.
-        # The prefetch's model hooks live exactly as long as the stream.
         try:
-            with self.store.lease(source.manifest.prefix_id) as lease, installed(ahead, self.lm.model):
+            with self.store.lease(source.manifest.prefix_id) as lease:
                 for piece in self._stream(attn, source, source.n_tokens, q_ids, params, stop, max_new, stats):
                     lease.keepalive()
                     yield piece

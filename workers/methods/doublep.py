@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from workers.methods.base import PrefixSource, Summarizer, mid_range
+from workers.methods.base import Summarizer, mid_range
 from workers.methods.kmeans import cluster_sums, kmeans
+from workers.methods.phi import PhiSummarizer
 from workers.methods.selector import (
     ExtraEntries,
     LayerContext,
@@ -34,6 +36,7 @@ from workers.methods.selector import (
     mask_to_index,
     rank_units,
 )
+from workers.methods.source import PrefixSource
 from workers.methods.sparse import SparseMethod
 from workers.requests import DecodeConfig
 
@@ -139,7 +142,7 @@ class DoubleP(SparseMethod):
     """Sink/tail anchors + Double-P hierarchical top-p (adaptive unless a budget is given)."""
 
     name = "doublep"
-    summarizers = (ClusterSummarizer,)
+    summarizers: ClassVar[tuple[type[Summarizer], ...]] = (ClusterSummarizer,)
     default_fraction = None
     p1: float = 0.95
     """Stage-1 mass: clusters beyond it are dropped."""
@@ -149,3 +152,12 @@ class DoubleP(SparseMethod):
     def selector(self, source: PrefixSource, config: DecodeConfig) -> Selector:
         """A Double-P selector over the stored clusters."""
         return DoublePSelector(source, p1=self.p1, p2=self.p2, centroid_fallback=not self.completion)
+
+
+class DoublePPhi(DoubleP):
+    """Sink/tail anchors + Double-P hierarchical top-p, plus φ completion of the unretrieved mid remainder
+    (in place of the centroid approximations)."""
+
+    name = "doublep+phi"
+    summarizers = (*DoubleP.summarizers, PhiSummarizer)
+    completion = True

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from workers.attention import PrefixAttention, dense_attention
-from workers.methods.base import Method, PrefixSource, ReadReport
+from workers.methods.base import Method, ReadReport
 from workers.methods.reads import ReadCounter
+from workers.methods.source import PrefixSource
 from workers.requests import DecodeConfig
 
 

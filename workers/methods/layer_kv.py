@@ -15,16 +15,15 @@ the path; the fetched path only moves less.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from store.errors import InvalidInput
-
-if TYPE_CHECKING:
-    from workers.methods.base import PrefixSource
-    from workers.offload.fetcher import PageFetcher
+from workers.offload.device_plan import DevicePageCache
+from workers.offload.fetcher import PageFetcher
+from workers.pages import page_mask
 
 
 @dataclass(frozen=True)
@@ -67,14 +66,8 @@ def pages_of_tokens(tokens: torch.Tensor, counts: torch.Tensor, n_tokens: int,
     Returns ``[Hkv, n_pages]`` page ids, each head's distinct pages first (ascending) then -1, and the
     largest per-head count (one device -> host sync). Ids outside ``[0, n_tokens)`` raise.
     """
-    t, h, n = tokens.shape
-    n_pages = -(-n_tokens // page_size)
-    valid = torch.arange(n, device=tokens.device) < counts.unsqueeze(-1)
-    outside = (valid & ((tokens < 0) | (tokens >= n_tokens))).sum()
-    col = torch.where(valid, torch.div(tokens, page_size, rounding_mode="floor").clamp(0, n_pages), n_pages)
-    mask = torch.zeros(h, n_pages + 1, dtype=torch.bool, device=tokens.device)
-    mask.scatter_(1, col.transpose(0, 1).reshape(h, -1).long(), True)
-    mask = mask[:, :n_pages]
+    mask, outside = page_mask(tokens, counts, n_tokens, page_size)
+    h, n_pages = mask.shape
     order = torch.sort((~mask).to(torch.uint8), dim=1, stable=True).indices
     per_head = mask.sum(1)
     pages = torch.where(torch.arange(n_pages, device=tokens.device) < per_head.unsqueeze(1), order, -1)
@@ -153,13 +146,20 @@ class ResidentKV(LayerKV):
 
 
 class FetchedKV(LayerKV):
-    """Pages fetched on demand through the generation's ``PageFetcher``."""
+    """Pages fetched on demand through the generation's ``PageFetcher`` (and its device-planned cache).
 
-    def __init__(self, source: PrefixSource, fetcher: PageFetcher, layer: int):
-        lay = source.layout
-        super().__init__(n_heads=lay.n_kv_heads, n_tokens=source.n_tokens, head_dim=lay.head_dim,
+    ``read_layer(layer)`` reads a whole layer (K, V ``[Hkv, N, D]`` on the device, counted by its owner):
+    the one-time read of the keys a selector holds resident.
+    """
+
+    def __init__(self, fetcher: PageFetcher, layer: int, *,
+                 read_layer: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+                 device_cache: DevicePageCache | None = None):
+        lay = fetcher.layout
+        super().__init__(n_heads=lay.n_kv_heads, n_tokens=fetcher.n_tokens, head_dim=lay.head_dim,
                          dtype=lay.torch_dtype, device=fetcher.device, page_size=lay.page_size)
-        self.source, self.fetcher, self.layer = source, fetcher, layer
+        self.fetcher, self.layer, self.device_cache = fetcher, layer, device_cache
+        self._read_layer = read_layer
         self._extra = False
 
     def tokens(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,7 +172,7 @@ class FetchedKV(LayerKV):
 
     def mid_keys(self, lo: int, hi: int) -> torch.Tensor:
         """Read the layer once from the store and keep only its mid keys."""
-        k, _ = self.source.layer_kv(self.layer)
+        k, _ = self._read_layer(self.layer)
         return k[:, lo:hi].contiguous()
 
     def set_extra(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -182,7 +182,7 @@ class FetchedKV(LayerKV):
 
     def step_pages(self, pages: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Through the device-planned cache when it can take them (no host work, no sync), else the fetcher."""
-        dc = self.source.device_cache
+        dc = self.device_cache
         if dc is not None and not self._extra and pages.shape[1] <= dc.pages_per_call:
             with self.fetcher.stats.timed("fetch", self.device):
                 res = dc.fetch(self.layer, pages)
@@ -196,10 +196,10 @@ class FetchedKV(LayerKV):
     def step(self, tokens: torch.Tensor, counts: torch.Tensor, step: int, *, overflow: bool = False) -> StepKV:
         """One tiered fetch of every page the rows touch; rows index the page cache.
 
-        With the source's device-planned cache (a warm prefix, no extra entries) the fetch is planned
+        With the device-planned cache (a warm prefix, no extra entries) the fetch is planned
         on the device when the step's pages fit one call of it; otherwise the ``PageFetcher`` serves.
         """
-        dc = self.source.device_cache
+        dc = self.device_cache
         if dc is not None and not self._extra:
             pages, n = pages_of_tokens(tokens, counts, self.n_tokens, self.fetcher.layout.page_size)
             if 0 < n <= dc.pages_per_call:

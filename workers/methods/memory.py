@@ -11,7 +11,8 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from store.layout import KVLayout, dtype_name
-from workers.methods.base import PrefixSource, Summarizer
+from workers.methods.base import Summarizer
+from workers.methods.source import PrefixSource
 
 
 def summarize_layers(kv: Sequence[tuple[torch.Tensor, torch.Tensor]],

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.methods.layer_kv import page_tokens
+from workers.pages import page_of, page_span
 
 
 @dataclass(frozen=True)
@@ -54,9 +55,10 @@ class PagePlan:
 def page_plan(*, anchors: torch.Tensor, lo: int, hi: int, page_size: int, k: int, n_heads: int) -> PagePlan:
     """The plan of a layer whose mid region is ``[lo, hi)`` and exact anchors ``anchors`` (ascending)."""
     p = page_size
-    first, end = lo // p, max(lo // p, -(-hi // p))
+    first, end = page_span(lo, hi, p)
+    end = max(first, end)
     n_pages = end - first if k >= hi - lo else max(0, min(k // p, end - first))
-    pages_of = torch.div(anchors, p, rounding_mode="floor")
+    pages_of = page_of(anchors, p)
     uniq, slot = torch.unique(pages_of, return_inverse=True)
     return PagePlan(page_size=p, lo=lo, hi=hi, first_page=first, end_page=end, n_pages=n_pages,
                     anchor_pages=uniq.expand(n_heads, -1).contiguous(), anchor_slot=slot,

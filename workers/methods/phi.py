@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.methods.base import PrefixSource, Summarizer, mid_range
+from workers.methods.base import Summarizer, mid_range
 from workers.methods.phi_maps import MAP_KINDS, FavorFeatureMap, FeatureMap
 from workers.methods.selector import LayerContext
+from workers.methods.source import PrefixSource
 from workers.requests import DecodeConfig
 
 U_FLOOR = 1e-30

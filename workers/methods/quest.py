@@ -8,9 +8,12 @@ the budget.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
-from workers.methods.base import PrefixSource, Summarizer
+from workers.methods.base import Summarizer
+from workers.methods.phi import PhiSummarizer
 from workers.methods.selector import (
     LayerContext,
     Selection,
@@ -20,7 +23,9 @@ from workers.methods.selector import (
     mask_to_index,
     top_tokens,
 )
+from workers.methods.source import PrefixSource
 from workers.methods.sparse import SparseMethod
+from workers.pages import page_count, page_of, page_span
 from workers.requests import DecodeConfig
 
 QUEST_PAGE = 16
@@ -37,16 +42,20 @@ class QuestBounds(Summarizer):
         """K ``[Hkv, N, D]`` -> ``kmin``, ``kmax`` ``[Hkv, pages, D]`` (K's dtype) and ``meta = [page_size]``."""
         h, n, d = k.shape
         p = self.page_size
-        pages = -(-n // p)
+        pages = page_count(n, p)
         padded = torch.cat([k, k[:, -1:].expand(h, pages * p - n, d)], dim=1).view(h, pages, p, d)
         return {"kmin": padded.amin(2), "kmax": padded.amax(2), "meta": torch.tensor([p], dtype=torch.int64)}
 
 
 class QuestSelector(Selector):
-    """Top pages by upper-bound score, within the token budget."""
+    """Top pages by upper-bound score, within the token budget.
 
-    def __init__(self, source: PrefixSource):
-        self.bounds = source.artifact(QuestBounds.name)
+    ``bounds``: the ``QuestBounds`` artifact (``"{layer}.kmin"``, ``"{layer}.kmax"``, ``"0.meta"``) on the
+    decode device.
+    """
+
+    def __init__(self, bounds: dict[str, torch.Tensor]):
+        self.bounds = bounds
         self.page = int(self.bounds["0.meta"][0])
         self.page_size = self.page
 
@@ -60,22 +69,21 @@ class QuestSelector(Selector):
 
     def select_pages(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, n: int) -> torch.Tensor:
         """The ``n`` pages overlapping ``[ctx.lo, ctx.hi)`` with the most upper-bound mass."""
-        p = self.page
-        p0, p1 = ctx.lo // p, -(-ctx.hi // p)
+        p0, p1 = page_span(ctx.lo, ctx.hi, self.page)
         return top_tokens(group_mass(self._upper_bounds(layer, q, scale, p0, p1)), n) + p0
 
     def select(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, k: int | None) -> Selection:
         """Pages overlapping the mid region, ranked by upper-bound mass; their mid tokens are attended."""
         t, hkv = q.shape[0], q.shape[1]
         p = self.page
-        p0, p1 = ctx.lo // p, -(-ctx.hi // p)
+        p0, p1 = page_span(ctx.lo, ctx.hi, p)
         ub = self._upper_bounds(layer, q, scale, p0, p1)
         starts = torch.arange(p0, p1, device=q.device) * p
         sizes = (torch.clamp(starts + p, max=ctx.hi) - torch.clamp(starts, min=ctx.lo)).clamp_min(0)
         ranked = choose_units(group_mass(ub).reshape(t * hkv, -1), sizes=sizes,
                               budget=ctx.n_mid if k is None else k)
-        page_of = torch.arange(ctx.lo, ctx.hi, device=q.device) // p - p0
-        token_mask = ranked.mask()[:, page_of]
+        mid_page = page_of(torch.arange(ctx.lo, ctx.hi, device=q.device), p) - p0
+        token_mask = ranked.mask()[:, mid_page]
         ids, counts = mask_to_index(token_mask, offset=ctx.lo)
         return Selection(tokens=ids.reshape(t, hkv, -1), counts=counts.reshape(t, hkv))
 
@@ -84,8 +92,17 @@ class Quest(SparseMethod):
     """Sink/tail anchors + Quest page selection over the mid region."""
 
     name = "quest"
-    summarizers = (QuestBounds,)
+    summarizers: ClassVar[tuple[type[Summarizer], ...]] = (QuestBounds,)
 
     def selector(self, source: PrefixSource, config: DecodeConfig) -> Selector:
         """A Quest selector over the stored page bounds."""
-        return QuestSelector(source)
+        return QuestSelector(source.artifact(QuestBounds.name))
+
+
+class QuestPhi(Quest):
+    """Sink/tail anchors + Quest page selection over the mid region, plus φ completion of the unretrieved
+    mid remainder."""
+
+    name = "quest+phi"
+    summarizers = (*Quest.summarizers, PhiSummarizer)
+    completion = True

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from store.errors import UnknownMethod
 from workers.methods.base import Method, Summarizer
-from workers.methods.doublep import DoubleP
+from workers.methods.doublep import DoubleP, DoublePPhi
 from workers.methods.full import FullAttention
 from workers.methods.phi import PhiSummarizer
 from workers.methods.phi_maps import FeatureMap
-from workers.methods.quest import Quest
-from workers.methods.sparse import SparseMethod, with_phi
-from workers.methods.topk import TopK
+from workers.methods.quest import Quest, QuestPhi
+from workers.methods.sparse import SparseMethod
+from workers.methods.topk import TopK, TopKPhi
 
 METHODS: dict[str, type[Method]] = {
     m.name: m
@@ -19,9 +19,9 @@ METHODS: dict[str, type[Method]] = {
         TopK,
         Quest,
         DoubleP,
-        with_phi(TopK),
-        with_phi(Quest),
-        with_phi(DoubleP),
+        TopKPhi,
+        QuestPhi,
+        DoublePPhi,
     )
 }
 

@@ -17,25 +17,23 @@ from __future__ import annotations
 import abc
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
 from workers.budget import plan_budget
 from workers.kernels.sparse_attention import sparse_decode_attention, sparse_decode_attention_ref
-from workers.methods.base import Method, PrefixSource, ReadReport, mid_range
+from workers.methods.base import Method, ReadReport, mid_range
 from workers.methods.layer_kv import StepKV
 from workers.methods.page_step import PagePlan, entry_bias, entry_rows, entry_tokens, page_plan, step_pages
-from workers.methods.phi import PhiCompletion, PhiSummarizer
+from workers.methods.phi import PhiCompletion
 from workers.methods.phi_maps import FeatureMap
 from workers.methods.reads import KV_ONCE, ReadCounter, mark_tokens
 from workers.methods.selector import LayerContext, Selection, Selector
+from workers.methods.source import PrefixSource
 from workers.offload.device_plan import DevicePageCache
 from workers.offload.fetcher import PageFetcher
 from workers.requests import DecodeConfig
-
-if TYPE_CHECKING:
-    from workers.speculate import Lookahead
 
 DEFAULT_FRACTION = 0.05
 """Budget of fixed-budget selectors when the request gives none."""
@@ -72,7 +70,6 @@ def _compact(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
 def offload_counters(fetcher: PageFetcher, device_cache: DevicePageCache | None, steps: int) -> dict[str, float]:
     """``offload_*`` counters of one generation: the fetcher's, plus the device-planned cache's fetches
     (its hits are GPU-cache hits, its misses host-tier pages). Raises if it was given bad page ids."""
-    fetcher.wait_prefetch()  # queued layer-ahead reads have run: their counters are final
     x = fetcher.stats.as_dict()
     if device_cache is not None:
         device_cache.check()
@@ -104,28 +101,15 @@ class SparsePrefixAttention:
         self._ctx: dict[int, tuple[LayerContext, torch.Tensor | None]] = {}
         self._plans: dict[int, PagePlan] = {}
         self._step = -1
-        self.lookahead: Lookahead | None = None
-        """Layer-ahead prefetch of this generation (``workers/speculate.py``), told each selection."""
 
     def read_report(self) -> ReadReport:
         """Reads made so far (per step and one-time)."""
         report = self.counter.report()
-        if self.lookahead is not None:
-            self.lookahead.flush()
         if (fetcher := self.source.fetcher) is not None:
             # What the tiers really moved: whole pages, GPU-cache hits included.
             report.extra.update(offload_counters(fetcher, self.source.device_cache, len(report.tokens_per_step)))
             report.step_bytes = int(report.extra["offload_pages_requested"]) * self.source.layout.page_payload_bytes
         return report
-
-    def layer_context(self, layer: int) -> LayerContext:
-        """Layer ``layer``'s prepared context (prepared on first use)."""
-        return self._layer(layer)[0]
-
-    def predict(self, layer: int, q: torch.Tensor, scale: float) -> Selection:
-        """The selection ``layer``'s selector makes for grouped rows ``q [T, Hkv, G, D]``, without fetching
-        or attending (layer-ahead speculation)."""
-        return self.selector.select(layer, self.layer_context(layer), q, scale, self.k)
 
     def _layer(self, layer: int) -> tuple[LayerContext, torch.Tensor | None]:
         if layer not in self._ctx:
@@ -183,8 +167,6 @@ class SparsePrefixAttention:
             return self._attend_pages(layer, ctx, plan, q, scale)
         with self._timed("select"):
             sel = self.selector.select(layer, ctx, qg, scale, self.k)
-        if self.lookahead is not None:
-            self.lookahead.selected(layer, sel)
         anchors = ctx.anchors.expand(t, hkv, -1)
         parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = [
             (anchors, torch.ones_like(anchors, dtype=torch.bool), None),
@@ -225,8 +207,6 @@ class SparsePrefixAttention:
         counts = torch.full((t, hkv), n_picked, device=q.device)
         # Out-of-mid ids become duplicates of their page's mid tokens: read counting sees distinct tokens.
         sel = Selection(tokens=tokens[..., :n_picked].clamp(ctx.lo, max(ctx.lo, ctx.hi - 1)), counts=counts)
-        if self.lookahead is not None:
-            self.lookahead.selected(layer, sel)
         if t == 1:
             k, v, first = ctx.kv.step_pages(step_pages(plan, picked[0]), self._step)
             step = StepKV(k=k, v=v, rows=entry_rows(plan, first)[None], extra_base=0, extra_stride=0)
@@ -294,10 +274,3 @@ class SparseMethod(Method):
                 counter.info["phi_r_once"] = plan.r_phi_once
         counter.add_once("summaries", source.bytes_read - before)
         return SparsePrefixAttention(source, config, selector, completion, k, counter)
-
-
-def with_phi(base: type[SparseMethod]) -> type[SparseMethod]:
-    """``base`` + φ completion on the unretrieved mid remainder (method ``"<base>+phi"``)."""
-    attrs = {"name": f"{base.name}+phi", "summarizers": (*base.summarizers, PhiSummarizer), "completion": True,
-             "__doc__": f"{base.__doc__} Plus φ completion of the unretrieved mid remainder."}
-    return type(f"{base.__name__}Phi", (base,), attrs)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from workers.methods.base import PrefixSource
+from workers.methods.phi import PhiSummarizer
 from workers.methods.selector import LayerContext, Selection, Selector, group_mass, top_tokens
+from workers.methods.source import PrefixSource
 from workers.methods.sparse import SparseMethod
 from workers.requests import DecodeConfig
 
@@ -41,3 +42,12 @@ class TopK(SparseMethod):
     def selector(self, source: PrefixSource, config: DecodeConfig) -> Selector:
         """A Top-K selector (needs no summary)."""
         return TopKSelector()
+
+
+class TopKPhi(TopK):
+    """Sink/tail anchors + exhaustive Top-K over the mid region, plus φ completion of the unretrieved mid
+    remainder."""
+
+    name = "topk+phi"
+    summarizers = (*TopK.summarizers, PhiSummarizer)
+    completion = True

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 READERS = ("auto", "posix", "kvikio")
 DEVICE_PLANS = ("auto", "on", "off")
-PREFETCH_MODES = ("off", "speculative", "same_pages")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,11 +36,6 @@ class OffloadConfig:
     device_plan: str = "auto"
     """Fetch through the device-planned GPU page cache (no host work per fetch) when the prefix is whole
     in the host tier: ``auto`` (CUDA only), ``on`` (also on a CPU: tests), ``off``."""
-    prefetch: str = "off"
-    """Layer-ahead prefetch of sparse decode (``workers/speculate.py``): while layer l runs, a background
-    thread reads from SSD into the host tier the pages layer l+1 is predicted to attend. ``speculative``:
-    layer l+1's selector on its query approximated from layer l's input hidden state; ``same_pages``:
-    layer l's own selection; ``off``. Needs a host tier; unused when the prefix is warm in it."""
 
     def __post_init__(self) -> None:
         if self.gpu_cache_bytes <= 0:
@@ -54,8 +48,6 @@ class OffloadConfig:
             raise ValueError(f"warm_host_fraction must be in [0, 1], got {self.warm_host_fraction}")
         if self.device_plan not in DEVICE_PLANS:
             raise ValueError(f"device_plan must be one of {DEVICE_PLANS}, got {self.device_plan!r}")
-        if self.prefetch not in PREFETCH_MODES:
-            raise ValueError(f"prefetch must be one of {PREFETCH_MODES}, got {self.prefetch!r}")
         if not 1 <= self.io_threads <= 64:
             raise ValueError(f"io_threads must be in [1, 64], got {self.io_threads}")
 
@@ -77,8 +69,6 @@ def add_offload_args(parser: argparse.ArgumentParser) -> None:
                    help="load a whole prefix into the host tier when it takes at most this fraction of it")
     g.add_argument("--device-plan", choices=DEVICE_PLANS, default=d.device_plan,
                    help="device-planned GPU page cache for prefixes whole in the host tier")
-    g.add_argument("--prefetch", choices=PREFETCH_MODES, default=d.prefetch,
-                   help="layer-ahead prefetch of SSD pages into the host tier (sparse methods)")
 
 
 def offload_from_args(args: argparse.Namespace) -> OffloadConfig | None:
@@ -87,5 +77,4 @@ def offload_from_args(args: argparse.Namespace) -> OffloadConfig | None:
         return None
     return OffloadConfig(gpu_cache_bytes=args.gpu_cache_mb << 20, host_cache_bytes=args.host_cache_mb << 20,
                          reader=args.page_reader, io_threads=args.io_threads, verify=not args.no_verify_pages,
-                         warm_host_fraction=args.warm_host_fraction, device_plan=args.device_plan,
-                         prefetch=args.prefetch)
+                         warm_host_fraction=args.warm_host_fraction, device_plan=args.device_plan)

@@ -2,14 +2,15 @@
 
 For a generation whose prefix lies whole in the pinned host tier (``PageFetcher.warm_host``),
 ``DevicePageCache`` keeps all of its state on the GPU (page -> slot map, slot -> page, last-use
-stamps, the host-tier row of every page: ``plan_kernel.PlanState``) and holds the prefix's host-tier
+stamps, the host-tier row of every page: ``kernels.page_plan.PlanState``) and holds the prefix's host-tier
 slots so they cannot be evicted while it reads them. ``fetch(layer, pages)`` issues two launches of
 fixed shape and never waits for the device:
 
-1. the plan (``plan_kernel``): lookup, hit stamps, exact-LRU victims per KV head (head ``h`` owns
+1. the plan (``kernels.page_plan``): lookup, hit stamps, exact-LRU victims per KV head (head ``h`` owns
    ``slots_per_head`` slots, at least twice the pages of one call), map updates, and per entry the
    host row to copy (-1 for hits and padding) and the pool row to read;
-2. one gather over all ``Hkv * P`` entries that skips the -1 rows, reading mapped pinned host memory.
+2. one gather (``kernels.gather_pages``) over all ``Hkv * P`` entries that skips the -1 rows, reading
+   mapped pinned host memory.
 
 So select + fetch + attend of every layer of a decode step can be captured in one CUDA graph and
 replayed per token. Hit / miss counters accumulate on the device; ``stats()`` reads them (a sync).
@@ -30,11 +31,11 @@ import torch
 
 from store.errors import InvalidInput
 from store.layout import KVLayout
+from workers.kernels.gather_pages import GatherConfig, gather_pages, triton_available
+from workers.kernels.page_plan import PlanState, plan_pages
 from workers.offload.fetcher import PageFetcher
-from workers.offload.gather import gather_pages, triton
 from workers.offload.gpu_cache import FetchResult
 from workers.offload.host_tier import HostTier
-from workers.offload.plan_kernel import PlanState, plan_torch, plan_triton
 
 PLANS = ("auto", "triton", "torch")
 
@@ -88,11 +89,15 @@ class DevicePageCache:
         Page slots per KV head and layer (>= 2P; default 4P).
     plan : str
         ``triton`` (one launch; default on CUDA), ``torch`` (~20 ops; default elsewhere), or ``auto``.
+    gather : GatherConfig, optional
+        Tuning of the Triton gather (default ``GatherConfig()``).
+    plan_warps : int
+        Warps of the Triton plan's program per head (0: chosen from the slot count).
     """
 
     def __init__(self, host: HostTier, prefix_id: str, layout: KVLayout, n_tokens: int,
                  device: torch.device | str, *, pages_per_call: int, slots_per_head: int | None = None,
-                 plan: str = "auto"):
+                 plan: str = "auto", gather: GatherConfig | None = None, plan_warps: int = 0):
         self.layout, self.prefix_id, self.n_tokens = layout, prefix_id, n_tokens
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -105,8 +110,10 @@ class DevicePageCache:
         if plan not in PLANS:
             raise ValueError(f"plan must be one of {PLANS}, got {plan!r}")
         cuda = self.device.type == "cuda"
-        self.plan = ("triton" if cuda and triton is not None else "torch") if plan == "auto" else plan
-        self.use_triton_gather = cuda and triton is not None
+        self.plan = ("triton" if cuda and triton_available() else "torch") if plan == "auto" else plan
+        self.use_triton_gather = cuda and triton_available()
+        self.gather = gather or GatherConfig()
+        self.plan_warps = plan_warps
         lay, heads = layout, layout.n_kv_heads
         keys = np.arange(lay.n_layers * heads * self.n_pages, dtype=np.int64)
         slots = host.hold(prefix_id, keys)
@@ -129,10 +136,12 @@ class DevicePageCache:
 
     @classmethod
     def from_fetcher(cls, fetcher: PageFetcher, *, pages_per_call: int, slots_per_head: int | None = None,
-                     plan: str = "auto", allow_cpu: bool = False) -> DevicePageCache | None:
+                     plan: str = "auto", allow_cpu: bool = False, gather: GatherConfig | None = None,
+                     plan_warps: int = 0) -> DevicePageCache | None:
         """A cache over ``fetcher``'s prefix and host tier, or None when the fast path's precondition does
-        not hold (then use ``fetcher``). ``slots_per_head`` defaults to the fetcher's GPU budget per head.
-        ``allow_cpu``: also on a CPU device (tests; no speed to gain)."""
+        not hold (then use ``fetcher``). ``slots_per_head`` defaults to the fetcher's GPU budget per head,
+        ``gather`` to the fetcher's gather tuning. ``allow_cpu``: also on a CPU device (tests; no speed to
+        gain)."""
         host = fetcher.host
         if host is None or (fetcher.device.type != "cuda" and not allow_cpu):
             return None
@@ -145,7 +154,8 @@ class DevicePageCache:
                                  f"device-planned cache needs >= {2 * pages_per_call}: raise gpu_cache_bytes")
         try:
             cache = cls(host, fetcher.prefix_id, fetcher.layout, fetcher.n_tokens, fetcher.device,
-                        pages_per_call=pages_per_call, slots_per_head=slots_per_head, plan=plan)
+                        pages_per_call=pages_per_call, slots_per_head=slots_per_head, plan=plan,
+                        gather=gather or fetcher.gather, plan_warps=plan_warps)
         except HostNotWarm:
             return None
         if not cache._probe_gather():
@@ -172,9 +182,10 @@ class DevicePageCache:
             raise InvalidInput(f"pages must be int32/int64 on {self.device}, got {pages.dtype} on {pages.device}")
         pages = pages.to(torch.int64).contiguous()
         st = self.state
-        (plan_triton if self.plan == "triton" else plan_torch)(st, layer, pages)
+        plan_pages(st, layer, pages, use_triton=self.plan == "triton", num_warps=self.plan_warps)
         gather_pages(self.host.pages, st.src_rows[layer], self.k[layer], self.v[layer], st.dst_slots[layer],
-                     block_bytes=self.layout.block_bytes, use_triton=self.use_triton_gather, skip_negative=True)
+                     block_bytes=self.layout.block_bytes, use_triton=self.use_triton_gather, skip_negative=True,
+                     config=self.gather)
         return self.result(layer, pages.shape[1])
 
     def result(self, layer: int, n: int | None = None) -> FetchResult:
@@ -230,7 +241,8 @@ class DevicePageCache:
         src = torch.full((1,), -1, dtype=torch.int64, device=self.device)
         try:
             gather_pages(self.host.pages, src, self.k[0], self.v[0], torch.zeros_like(src),
-                         block_bytes=self.layout.block_bytes, use_triton=True, skip_negative=True)
+                         block_bytes=self.layout.block_bytes, use_triton=True, skip_negative=True,
+                         config=self.gather)
         except ValueError as e:
             if "cannot be accessed" not in str(e):
                 raise

@@ -13,10 +13,6 @@ the sparse attention kernel reads through ``idx`` rows (``FetchResult.token_rows
 
 Any failure raises ``CorruptData`` (or ``InvalidInput``) and empties the layer's GPU cache, so
 nothing half-written is ever attended.
-
-``prefetch(layer, pages)`` (or ``prefetch_tokens``) queues a background read of the pages that are in
-neither the layer's GPU cache nor the host tier into the host tier (``prefetch.py``), so a later fetch
-finds them there; a fetch waits for (or cancels) a prefetch still reading pages it needs.
 """
 
 from __future__ import annotations
@@ -33,13 +29,13 @@ from store.errors import CorruptData, InvalidInput
 from store.kvstore import KVStore
 from store.manifest import Manifest
 from store.page_io import PageCheck, PageReader, open_page_reader, read_checked
+from workers.kernels.gather_pages import GatherConfig, gather_pages
 from workers.offload.config import OffloadConfig
-from workers.offload.gather import gather_pages
 from workers.offload.gpu_cache import FetchResult, LayerCache
 from workers.offload.host_tier import HostTier
 from workers.offload.memory import HostBuffer, pin_default
-from workers.offload.prefetch import PagePrefetcher, PrefixFiles
-from workers.offload.stats import OffloadStats, PrefetchCounts, StepCounts
+from workers.offload.stats import OffloadStats, StepCounts
+from workers.pages import page_mask
 
 WARM_CHUNK_BYTES = 64 << 20
 
@@ -53,7 +49,7 @@ class PageFetcher:
 
     def __init__(self, store: KVStore, manifest: Manifest, device: torch.device | str,
                  config: OffloadConfig | None = None, host: HostTier | None = None, *,
-                 reader: PageReader | None = None):
+                 reader: PageReader | None = None, gather: GatherConfig | None = None):
         self.config = cfg = config or OffloadConfig()
         self.device = torch.device(device)
         self.manifest, self.prefix_id, self.layout = manifest, manifest.prefix_id, manifest.layout
@@ -86,8 +82,9 @@ class PageFetcher:
         self._index: HostBuffer | None = None
         self._head_base = (np.arange(lay.n_kv_heads, dtype=np.int64) * self.n_pages)[:, None]
         self.gather_mode = "triton" if self.cuda else "torch"
+        self.gather = gather or GatherConfig()
+        """Tuning of the Triton gather (results do not depend on it)."""
         self.stats = OffloadStats(payload_bytes=lay.page_payload_bytes, page_bytes=lay.page_bytes)
-        self._prefetcher: PagePrefetcher | None = None
 
     def _files(self, store: KVStore, m: Manifest) -> tuple[list[Path], list[int]]:
         want = m.layout.layer_file_bytes(m.n_tokens)
@@ -116,37 +113,6 @@ class PageFetcher:
         with self.stats.timed("fetch", self.device):
             return self._fetch_keys(layer, self._token_keys(tokens, counts), step=step, overflow=overflow)
 
-    def prefetch(self, layer: int, pages: torch.Tensor) -> int:
-        """Queue a background read of pages ``[Hkv, n]`` of ``layer`` (as for ``fetch``) into the host tier;
-        only pages in neither the layer's GPU cache nor the host tier are read. Returns how many pages
-        the queued read takes (0: none missing, no host tier, or dropped: see ``PrefetchCounts``)."""
-        return self._prefetch_keys(layer, self._page_keys(pages)[0])
-
-    def prefetch_tokens(self, layer: int, tokens: torch.Tensor, counts: torch.Tensor) -> int:
-        """``prefetch`` of the pages of the first ``counts`` ids of each row of ``tokens`` (as ``fetch_tokens``)."""
-        return self._prefetch_keys(layer, self._token_keys(tokens, counts))
-
-    def enable_prefetch(self) -> PrefetchCounts | None:
-        """Start the prefetch thread (idempotent; also done by the first ``prefetch``); returns its counters
-        (also ``stats.prefetch``), or None without a host tier (nothing to prefetch into)."""
-        if self.host is None or self.host.n_slots == 0:
-            return None
-        if self._prefetcher is None:
-            self.stats.prefetch = PrefetchCounts()
-            files = PrefixFiles(prefix_id=self.prefix_id, paths=self._paths, sizes=self._sizes, n_pages=self.n_pages,
-                                n_keys=self.n_keys, page_bytes=self.layout.page_bytes, crcs=self._crcs)
-            cfg = self.config
-            reader = open_page_reader(cfg.reader, cuda=self.cuda, pool=self._pool, threads=cfg.io_threads,
-                                      direct=cfg.direct_io)
-            self._prefetcher = PagePrefetcher(files, self.host, reader, self.stats.prefetch,
-                                              verify_pool=self._pool, verify_threads=cfg.io_threads)
-        return self.stats.prefetch
-
-    def wait_prefetch(self) -> None:
-        """Block until queued prefetch reads have run (their counters final); re-raises an unexpected error."""
-        if self._prefetcher is not None:
-            self._prefetcher.wait()
-
     def set_extra_rows(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Per-head extra entries ``[Hkv, M, D]`` (e.g. Double-P centroids) in ``layer``'s pools."""
         self._wait_own()
@@ -173,8 +139,6 @@ class PageFetcher:
 
     def close(self) -> None:
         """Release files, threads, staging and GPU pools."""
-        if self._prefetcher is not None:
-            self._prefetcher.close()
         self._wait_own()
         if self.host is not None:
             self.host.forget_reader(id(self))
@@ -208,23 +172,11 @@ class PageFetcher:
 
     def _token_keys(self, tokens: torch.Tensor, counts: torch.Tensor) -> np.ndarray:
         """Sorted linear keys of the pages of the first ``counts [..., Hkv]`` ids of ``tokens [..., Hkv, n]``."""
-        h, n, np_ = self.layout.n_kv_heads, tokens.shape[-1], self.n_pages
-        tok = tokens.reshape(-1, h, n)
-        valid = torch.arange(n, device=tok.device) < counts.reshape(-1, h, 1).to(tok.device)
-        col = torch.where(valid, torch.div(tok, self.layout.page_size, rounding_mode="floor"), np_)
-        col = torch.where(valid & ((tok < 0) | (tok >= self.n_tokens)), np_ + 1, col)
-        mask = torch.zeros(h, np_ + 2, dtype=torch.bool, device=tok.device)
-        mask.scatter_(1, col.transpose(0, 1).reshape(h, -1).long(), True)
-        m = mask.cpu().numpy()
-        if m[:, np_ + 1].any():
+        mask, outside = page_mask(tokens, counts, self.n_tokens, self.layout.page_size)
+        flat = torch.cat([mask.reshape(-1), (outside > 0).reshape(1)]).cpu().numpy()  # one copy
+        if flat[-1]:
             raise InvalidInput(f"token ids must lie in [0, {self.n_tokens})")
-        return np.flatnonzero(m[:, :np_])
-
-    def _prefetch_keys(self, layer: int, keys: np.ndarray) -> int:
-        if self.enable_prefetch() is None or self._prefetcher is None:
-            return 0
-        keys = keys[self._layer(layer).lru.tables[0][keys] < 0]  # not in the layer's GPU cache
-        return self._prefetcher.submit(layer, keys)
+        return np.flatnonzero(flat[:-1])
 
     def _layer(self, layer: int) -> LayerCache:
         if not 0 <= layer < self.layout.n_layers:
@@ -249,8 +201,6 @@ class PageFetcher:
             raise CacheTooSmall(f"a step asked for {keys.size} pages of layer {layer} but its GPU page cache holds "
                                 f"{cache.n_slots}; raise OffloadConfig.gpu_cache_bytes to at least "
                                 f"{keys.size * self.layout.page_payload_bytes * self.layout.n_layers} bytes")
-        if self._prefetcher is not None:  # before the host lock: a prefetch may still read some of these
-            self._prefetcher.settle(layer, keys)
         if step is None:
             step = self._fetches.get(layer, 0)
         self._fetches[layer] = step + 1
@@ -327,8 +277,6 @@ class PageFetcher:
         hkeys = layer * self.n_keys + miss
         src = self.host.lookup(self.prefix_id, hkeys)
         cold = src < 0
-        if self._prefetcher is not None:
-            self._prefetcher.served(hkeys, cold)
         counts.ssd_pages = int(np.count_nonzero(cold))
         counts.host_pages = int(miss.size) - counts.ssd_pages
         groups = []
@@ -405,7 +353,7 @@ class PageFetcher:
         triton_ok = self.gather_mode == "triton" and pinned
         bb = self.layout.block_bytes
         try:
-            gather_pages(src, rows, cache.k, cache.v, dst, block_bytes=bb, use_triton=triton_ok)
+            gather_pages(src, rows, cache.k, cache.v, dst, block_bytes=bb, use_triton=triton_ok, config=self.gather)
         except ValueError as e:  # this GPU/driver cannot read the host buffer in place
             if not triton_ok or "cannot be accessed" not in str(e):
                 raise

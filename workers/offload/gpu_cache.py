@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.offload.lru import SlotLRU
+from workers.pages import page_of
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class FetchResult:
         """
         p = self.page_size
         ok = (tokens >= 0) & (tokens < self.n_tokens)
-        s = self._slots(torch.div(tokens, p, rounding_mode="floor"))
+        s = self._slots(page_of(tokens, p))
         return torch.where(ok & (s >= 0), s * p + tokens.remainder(p), -1)
 
     def extra_rows(self, ids: torch.Tensor) -> torch.Tensor:

@@ -34,45 +34,6 @@ class StepCounts:
 
 
 @dataclass(kw_only=True)
-class PrefetchCounts:
-    """Layer-ahead prefetch: SSD pages read into the host tier off the critical path, and how well the
-    predicted page sets matched the real ones. ``offload_ssd_pages`` stays what the real fetches read."""
-
-    jobs: int = 0
-    """Prefetch reads started (each one coalesced read + check of one layer's predicted pages)."""
-    pages: int = 0
-    """Pages a prefetch read from SSD, checked and put into the host tier."""
-    useful: int = 0
-    """Prefetched pages a real fetch then asked for and found in the host tier (SSD reads it did not make)."""
-    dropped: int = 0
-    """Prefetch requests not carried out: queue full, more pages than half the host tier, or cancelled
-    because the real fetch came first (it reads the pages itself)."""
-    no_room: int = 0
-    """Prefetch reads whose pages did not fit beside the host tier's current batch (not inserted)."""
-    errors: int = 0
-    """Prefetch reads that failed (I/O, size or CRC): nothing was inserted; the real fetch reads and checks."""
-    waits: int = 0
-    """Real fetches that waited for a prefetch still reading pages they needed."""
-    wait_s: float = 0.0
-    """Time real fetches spent waiting for those."""
-    read_s: float = 0.0
-    """Time the prefetch thread spent reading and checking (off the critical path)."""
-    predicted_pages: int = 0
-    """Mid-region (head, page) pairs predicted for the next layer (summed over predictions)."""
-    selected_pages: int = 0
-    """Mid-region (head, page) pairs the next layer's selector then really picked (same steps)."""
-    matched_pages: int = 0
-    """Pairs both predicted and picked: recall = matched / selected, precision = matched / predicted."""
-
-    def as_dict(self) -> dict[str, float]:
-        """Flat counters (``prefetch_*``), with the predictions' recall and precision."""
-        d = {f"prefetch_{k}": float(v) for k, v in vars(self).items()}
-        d["prefetch_recall"] = self.matched_pages / self.selected_pages if self.selected_pages else 0.0
-        d["prefetch_precision"] = self.matched_pages / self.predicted_pages if self.predicted_pages else 0.0
-        return d
-
-
-@dataclass(kw_only=True)
 class OffloadStats:
     """Counters of one generation's fetches; ``as_dict`` merges into ``GenerationStats.extra``.
 
@@ -93,9 +54,6 @@ class OffloadStats:
     gpu_evictions: int = 0
     overflow_fetches: int = 0
     """Fetches of more pages than a layer's GPU page cache holds (served from a one-off pool)."""
-    prefetch: PrefetchCounts | None = None
-    """Layer-ahead prefetch (``PageFetcher.prefetch``) and the predictions that fed it; None until the
-    fetcher's first prefetch (then ``offload_prefetch_*`` counters are reported)."""
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     """Wall time per phase (``select``, ``fetch``, ``attend``, and any other name timed)."""
     sync_timing: bool = False
@@ -157,9 +115,4 @@ class OffloadStats:
             "gpu_evictions": self.gpu_evictions, "overflow_fetches": self.overflow_fetches,
             **{f"{k}_s": v for k, v in self.seconds.items()},
         }
-        if self.prefetch is not None:
-            d.update(self.prefetch.as_dict())
-            # SSD page reads moved off the critical path, of all SSD page reads the steps needed
-            moved = self.prefetch.useful + self.total.ssd_pages
-            d["prefetch_moved_fraction"] = self.prefetch.useful / moved if moved else 0.0
         return {prefix + k: float(v) for k, v in d.items()}

@@ -1,0 +1,46 @@
+"""Torch reference of the page plan (~20 torch ops, fixed shapes, no sync): the CPU path and the oracle."""
+
+from __future__ import annotations
+
+import torch
+
+from .state import PlanState
+
+__all__ = ["plan_pages_ref"]
+
+
+def plan_pages_ref(st: PlanState, layer: int, pages: torch.Tensor) -> None:
+    """The plan of ``pages [Hkv, n]`` (int64) of ``layer`` into ``st`` (semantics: ``ops.plan_pages``)."""
+    heads, n = pages.shape
+    s, n_pages = st.slots_per_head, st.n_pages
+    p2s, s2p, stamp = st.page_to_slot[layer], st.slot_to_page[layer], st.stamp[layer]
+    pg = pages.to(torch.int64)
+    ok = (pg >= 0) & (pg < n_pages)
+    col = torch.where(ok, pg, n_pages)  # padding reads / writes the scratch column
+    slot = p2s.gather(1, col)
+    hit, miss = ok & (slot >= 0), ok & (slot < 0)
+    clock = st.clock[layer]
+    clock += 1
+    t = clock.unsqueeze(1).expand(heads, n)
+    base = torch.arange(heads, device=pg.device).unsqueeze(1) * s
+    stamp.scatter_(1, torch.where(hit, slot - base, s), t)
+    key = stamp[:, :s] * s + torch.arange(s, device=pg.device)
+    victims = key.topk(n, dim=1, largest=False, sorted=True).indices
+    vic = victims.gather(1, (miss.cumsum(1) - 1).clamp(min=0))
+    at = torch.where(miss, vic, s)
+    old = s2p.gather(1, at)
+    p2s.scatter_(1, torch.where(miss & (old >= 0), old, n_pages), -1)
+    p2s.scatter_(1, torch.where(miss, col, n_pages), vic + base)
+    s2p.scatter_(1, at, pg)
+    stamp.scatter_(1, at, t)
+    new = torch.where(miss, vic + base, slot)
+    src = torch.where(miss, st.host_rows[layer].gather(1, col.clamp(max=n_pages - 1)), -1)
+    p = st.pages_per_call
+    for buf, val, pad in ((st.src_rows, src, -1), (st.dst_slots, torch.where(miss, new, 0), 0),
+                          (st.rows, torch.where(ok, new * st.page_size, -1), -1)):
+        view = buf[layer].view(heads, p)
+        view[:, :n] = val
+        if n < p:
+            view[:, n:] = pad
+    bad = (pg >= n_pages).sum(1)
+    st.counters[layer] += torch.stack([hit.sum(1), miss.sum(1), bad], dim=1)
