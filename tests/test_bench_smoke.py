@@ -12,6 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["bench_offload.py", "bench_worker_decode.py"])
 def test_bench_quick_run(script: str, tmp_path: Path) -> None:
     out = tmp_path / "out.json"

@@ -58,6 +58,7 @@ def _cli(args: list[str], home: Path, model: Path, stdin: str | None = None) -> 
                           text=True, input=stdin, timeout=300)
 
 
+@pytest.mark.slow
 def test_cli_json_round_trip(tmp_path: Path, tiny_model_dir: Path) -> None:
     home = tmp_path / "home"
     docfile = tmp_path / "report.txt"
@@ -81,6 +82,7 @@ def test_cli_json_round_trip(tmp_path: Path, tiny_model_dir: Path) -> None:
     assert json.loads(_cli(["ls", "--json"], home, tiny_model_dir).stdout) == []
 
 
+@pytest.mark.slow
 def test_cli_errors_are_clear(tmp_path: Path, tiny_model_dir: Path) -> None:
     home = tmp_path / "home"
     r = _cli(["generate", "--prefix", "f" * 32, "Who?", "--json"], home, tiny_model_dir)

@@ -126,6 +126,7 @@ def test_commands_run_modules_of_this_repo(services: dict[str, Any]) -> None:
     assert module_file("services.healthcheck") is not None
 
 
+@pytest.mark.slow
 def test_commands_accept_their_flags(services: dict[str, Any]) -> None:
     """``python -m MODULE --help`` lists every flag the compose file passes."""
     procs = {name: subprocess.Popen([sys.executable, "-m", module, "--help"], cwd=REPO, text=True,

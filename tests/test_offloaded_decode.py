@@ -158,6 +158,7 @@ def test_corrupt_page_fails_the_request(lm, tmp_path) -> None:
     store.close()
 
 
+@pytest.mark.slow
 def test_cli_generate_stats_json(tmp_path: Path, tiny_model_dir: Path) -> None:
     env = {**os.environ, "KVSTASH_HOME": str(tmp_path / "home"), "KVSTASH_MODEL": str(tiny_model_dir)}
 

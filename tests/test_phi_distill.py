@@ -64,6 +64,7 @@ def teacher():
     return model.eval(), AutoTokenizer.from_pretrained(MODEL_DIR)
 
 
+@pytest.mark.slow
 def test_distillation_on_the_shipped_model_beats_favor_and_ships(teacher, tmp_path):
     model, tok = teacher
     train = capture(model, tok, "train", 4, (384,), seed=0)

@@ -21,6 +21,8 @@ from store.kvstore import KVStore
 from tests.redis_server import INSTALL_HINT, RedisServer
 from tests.services_harness import start, stop, topology, wait_grpc
 
+pytestmark = pytest.mark.slow  # real processes: redis, store, worker and gateway
+
 KEYS = {"alice": "key-alice", "bob": "key-bob"}
 ENV = {"KVSTASH_API_KEYS": ",".join(f"{k}:{t}" for t, k in KEYS.items()), "KVSTASH_TENANT_SECRET": "s3cret"}
 DOC = "Memo. The vault code is 7341. The courier is named Odile and leaves from Lyon at dawn. " * 6

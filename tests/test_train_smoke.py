@@ -48,6 +48,7 @@ def held_out_loss(model, cfg: TrainConfig, tok) -> float:
         return float(compute_loss(model, batch, cfg.lm_weight).loss)
 
 
+@pytest.mark.slow
 def test_loss_falls(tok, tmp_path):
     torch.set_num_threads(2)
     cfg = tiny_config(16)
@@ -59,6 +60,7 @@ def test_loss_falls(tok, tmp_path):
     assert len(log) == 16 and after < before - 1.0, (before, after)
 
 
+@pytest.mark.slow
 def test_resume_and_export(tok, tmp_path):
     cfg = tiny_config(4)
     out, export = tmp_path / "run", tmp_path / "export"
