@@ -58,14 +58,26 @@ class QuestSelector(Selector):
         self.bounds = bounds
         self.page = int(self.bounds["0.meta"][0])
         self.page_size = self.page
+        self._stacked: dict[tuple[int, int, int], torch.Tensor] = {}
+
+    def _bounds_t(self, layer: int, p0: int, p1: int) -> torch.Tensor:
+        """``[Hkv, 2D, p1 - p0]``: kmax over kmin of pages ``[p0, p1)``, in the bounds' dtype, built once per
+        layer so a step is one batched matmul (no per-step dtype conversion of the bounds)."""
+        key = (layer, p0, p1)
+        if key not in self._stacked:
+            kmax = self.bounds[f"{layer}.kmax"][:, p0:p1]
+            kmin = self.bounds[f"{layer}.kmin"][:, p0:p1]
+            self._stacked[key] = torch.cat([kmax, kmin], dim=-1).transpose(1, 2).contiguous()
+        return self._stacked[key]
 
     def _upper_bounds(self, layer: int, q: torch.Tensor, scale: float, p0: int, p1: int) -> torch.Tensor:
-        """Upper-bound logits ``[T, Hkv, G, p1 - p0]`` of pages ``[p0, p1)``."""
-        kmin = self.bounds[f"{layer}.kmin"][:, p0:p1].float()
-        kmax = self.bounds[f"{layer}.kmax"][:, p0:p1].float()
-        qf = q.float()
-        return (torch.einsum("thgd,hud->thgu", qf.clamp_min(0), kmax)
-                + torch.einsum("thgd,hud->thgu", qf.clamp_max(0), kmin)) * scale
+        """Upper-bound logits ``[T, Hkv, G, p1 - p0]`` (float32) of pages ``[p0, p1)``:
+        ``[q⁺, q⁻] . [kmax; kmin]`` in one matmul per KV head."""
+        kb = self._bounds_t(layer, p0, p1)
+        t, hkv, g, _ = q.shape
+        qq = torch.cat([q.clamp_min(0), q.clamp_max(0)], dim=-1).to(kb.dtype)  # [T, Hkv, G, 2D]
+        ub = torch.bmm(qq.permute(1, 0, 2, 3).reshape(hkv, t * g, -1), kb)  # [Hkv, T*G, U]
+        return ub.view(hkv, t, g, -1).permute(1, 0, 2, 3).float() * scale
 
     def select_pages(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, n: int) -> torch.Tensor:
         """The ``n`` pages overlapping ``[ctx.lo, ctx.hi)`` with the most upper-bound mass."""
