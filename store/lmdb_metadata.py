@@ -91,6 +91,11 @@ class LmdbMetadata(MetadataBackend):
         with self._txn() as txn:
             return [Manifest.from_json(bytes(v)) for _, v in txn.cursor(db=self._manifests)]
 
+    def prefix_ids(self) -> list[str]:
+        """The ids of every committed prefix."""
+        with self._txn() as txn:
+            return [bytes(k).decode() for k in txn.cursor(db=self._manifests).iternext(keys=True, values=False)]
+
     def artifact(self, prefix_id: str, name: str) -> bytes | None:
         """The bytes of one artifact, or None."""
         with self._txn() as txn:
