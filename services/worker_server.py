@@ -18,6 +18,7 @@ from services.convert import stats_to_pb
 from services.gen import kvstash_pb2 as pb
 from services.gen import kvstash_pb2_grpc as pb_grpc
 from services.grpc_common import ServerConfig, build_server, mapped_errors, serve_forever, tenant_of
+from services.store_flags import add_store_limit_args, store_limits
 from store.config import StoreConfig
 from store.errors import InvalidInput, TooLarge
 from store.kvstore import KVStore
@@ -129,11 +130,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tls-cert", type=Path)
     p.add_argument("--tls-key", type=Path)
     add_offload_args(p)
+    add_store_limit_args(p)  # prefills write through this process's store
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     ccfg = ClientConfig(**{k: v for k, v in {"home": args.home, "model": args.model, "device": args.device}.items()
                            if v is not None}, progress=False)
-    store = KVStore(StoreConfig(home=ccfg.home, metadata_url=args.metadata_url))
+    store = KVStore(StoreConfig(home=ccfg.home, metadata_url=args.metadata_url, **store_limits(args)))
     lm = load_model(ccfg.resolved_model(), device=ccfg.device, dtype=ccfg.resolved_dtype(), progress=False)
     worker = Worker(store, lm, secret=tenant_secret(), progress=False, offload=offload_from_args(args))
     cfg = ServerConfig(host=args.host, port=args.port, tls_cert=args.tls_cert, tls_key=args.tls_key)

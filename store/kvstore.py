@@ -61,7 +61,9 @@ class KVStore:
     """Embedded store: prefixes in ``home/prefixes/<id>/``; metadata in ``home/meta`` (LMDB) or the
     backend ``config.metadata_url`` names (e.g. Redis, shared by several hosts)."""
 
-    def __init__(self, config: StoreConfig | None = None, meta: MetadataBackend | None = None):
+    def __init__(self, config: StoreConfig | None = None, meta: MetadataBackend | None = None, *,
+                 recover: bool = True):
+        """Open the store; unless told not to, ``recover`` what its metadata lost from the prefix directories."""
         self.config = config or StoreConfig()
         home = self.config.home.expanduser()
         self.prefixes_dir = home / "prefixes"
@@ -76,7 +78,8 @@ class KVStore:
             raise StoreUnavailable(f"data directory {home} is not usable: {e.strerror or e}") from e
         self._meta = meta or open_metadata(self.config.metadata_url, home, lmdb_map_size=self.config.lmdb_map_size,
                                            namespace=self.config.metadata_namespace)
-        self.recover()
+        if recover:
+            self.recover()
 
     # -- paths and locks ---------------------------------------------------------------------
     def prefix_dir(self, prefix_id: str) -> Path:
