@@ -224,6 +224,8 @@ def _check_registered(store: KVStore, d: Path, m: Manifest, repair: bool, hash_p
     try:
         on_disk: Manifest | None = disk_record.read_manifest(d)
         disk_error = "on-disk manifest differs from the metadata's"
+        if on_disk == m:
+            disk_record.read_artifacts(d, m)
     except InvalidRecord as e:
         on_disk, disk_error = None, str(e)
     if (bad := _metadata_problem(store, m)) is not None:

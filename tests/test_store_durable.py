@@ -171,7 +171,7 @@ def test_redis_flushed_then_store_restarted_lists_and_answers(redis_server: Redi
 # -- check and repair --------------------------------------------------------------------------
 def _damage_every_way(store: KVStore) -> dict[str, str]:
     """One instance of each problem ``check`` knows; the names it should report by kind."""
-    ids = list(_fill(store, 6))
+    ids = list(_fill(store, 7))
     d = store.prefixes_dir
     (d / ids[0] / "layer_000.kv").unlink()  # dangling: a page file missing
     shutil.rmtree(d / ids[1])  # dangling: the directory missing
@@ -180,13 +180,14 @@ def _damage_every_way(store: KVStore) -> dict[str, str]:
         f.seek(100)
         f.write(b"\xff\xfe")
     (d / ids[4] / MANIFEST_FILE).unlink()  # unrecorded
+    (d / ids[6] / artifact_file_name(0)).write_bytes(b"hellO")  # unrecorded: the disk's artifact is bad
     m = store.manifest(ids[5])
     store._meta.commit(m, {a.name: b"x" * a.size for a in m.artifacts})  # bad metadata: artifacts fail
     (d / ("e" * 32)).mkdir()  # orphan: no manifest
     (d / "lost+found").mkdir()  # orphan: not a prefix directory
     (d / f".tmp-{ids[0]}-1-deadbeef").mkdir()  # a writer that died
     return {recovery.DANGLING: sorted([ids[0], ids[1]]), recovery.UNREGISTERED: [ids[2]],
-            recovery.CORRUPT: [ids[3]], recovery.UNRECORDED: [ids[4]], recovery.BAD_METADATA: [ids[5]],
+            recovery.CORRUPT: [ids[3]], recovery.UNRECORDED: sorted([ids[4], ids[6]]), recovery.BAD_METADATA: [ids[5]],
             recovery.ORPHAN: sorted(["e" * 32, "lost+found"]), recovery.STALE_TEMP: [f".tmp-{ids[0]}-1-deadbeef"],
             "ids": ids}  # type: ignore[dict-item]
 
@@ -202,14 +203,16 @@ def test_check_reports_every_problem_and_repair_fixes_them(tmp_path: Path) -> No
     assert sorted(p.name for p in store.prefixes_dir.iterdir()) == before  # a plain check changes nothing
 
     fixed = store.check(repair=True)
-    assert fixed.ok and all(p.fixed for p in fixed.problems) and fixed.prefixes == 3
+    assert fixed.ok and all(p.fixed for p in fixed.problems) and fixed.prefixes == 4
     after = store.check()
-    assert after.ok and after.problems == () and after.prefixes == 3
-    assert sorted(m.prefix_id for m in store.list_prefixes()) == sorted([ids[2], ids[4], ids[5]])
-    for pid in (ids[2], ids[4], ids[5]):
+    assert after.ok and after.problems == () and after.prefixes == 4
+    survivors = sorted([ids[2], ids[4], ids[5], ids[6]])
+    assert sorted(m.prefix_id for m in store.list_prefixes()) == survivors
+    for pid in survivors:
         store.verify(pid)
         assert read_manifest(store.prefix_dir(pid)) == store.manifest(pid)
-    assert sorted(p.name for p in store.prefixes_dir.iterdir()) == sorted([ids[2], ids[4], ids[5]])
+        assert (store.prefix_dir(pid) / artifact_file_name(0)).read_bytes() == b"hello"
+    assert sorted(p.name for p in store.prefixes_dir.iterdir()) == survivors
     store.close()
 
 
