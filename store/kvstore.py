@@ -116,7 +116,7 @@ class KVStore:
         the metadata does not know (after Redis lost its data, or LMDB was rebuilt); report the rest.
 
         Cheap for many prefixes: directories the metadata knows are not read, page files are only stat'ed.
-        Never deletes a directory with a valid manifest, nor one without (``check(repair=True)`` does that).
+        Deletes no prefix directory, valid or not (``check(repair=True)`` removes orphans): temp dirs only.
         """
         return recovery.recover(self)
 

@@ -2,8 +2,9 @@
 ``kvstash store check [--repair]`` (``check``), which compares the two in full.
 
 Both walk ``prefixes/``. A directory named like a prefix id with a valid manifest file
-(``store.disk_record``) is a committed prefix whatever the metadata says; neither function ever
-deletes one unless ``check`` finds its page files damaged and is told to repair.
+(``store.disk_record``) is a committed prefix whatever the metadata says; ``recover`` never deletes
+one (nor any other prefix directory: only temp dirs of dead writers), ``check`` only when told to repair
+a prefix it cannot serve (page files missing, the wrong size or failing their checksums).
 """
 
 from __future__ import annotations
