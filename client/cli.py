@@ -1,4 +1,4 @@
-"""The ``kvstash`` command line: prefill, generate, ls, rm, info."""
+"""The ``kvstash`` command line: prefill, generate, ls, rm, info, store check."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from store.manifest import Manifest
 from workers.requests import LIMITS
 
 EXIT_ERROR = 2
+EXIT_PROBLEMS = 1
+"""``kvstash store check``: problems remain (none were repaired, or some could not be)."""
 
 
 def _client(args: argparse.Namespace) -> KVClient:
@@ -117,6 +119,45 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def cmd_store_check(args: argparse.Namespace) -> dict[str, Any]:
+    """Compare the store's metadata with its prefix directories; fix what was found with --repair."""
+    from store.config import StoreConfig, default_home
+    from store.kvstore import KVStore
+
+    home = Path(args.home) if args.home else default_home()
+    # Opening does not recover here, so that a check without --repair changes nothing.
+    store = KVStore(StoreConfig(home=home, metadata_url=args.metadata_url), recover=False)
+    try:
+        report = store.check(repair=args.repair, hash_pages=not args.quick)
+    finally:
+        store.close()
+    if not args.json:
+        for pr in report.problems:
+            print(f"{'fixed' if pr.fixed else 'found'}  {pr.kind:<13} {pr.name}  {pr.detail}")
+        for name in report.busy:
+            print(f"busy   {name} (a writer holds it; check again later)")
+        state = "ok" if report.ok else "problems remain (run with --repair)" if not args.repair else "problems remain"
+        print(f"{report.prefixes} prefixes, {len(report.problems)} problems: {state}")
+    args.exit_code = 0 if report.ok else EXIT_PROBLEMS
+    return report.to_dict()
+
+
+def _add_store_commands(sub: argparse._SubParsersAction) -> None:
+    """``kvstash store check``: needs no model."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="machine-readable output")
+    common.add_argument("--home", help="data directory (default $KVSTASH_HOME or ~/.cache/kvstash)")
+    common.add_argument("--metadata-url", default=None, help="redis://host:port/db (default: LMDB in the data dir)")
+    store_sub = sub.add_parser("store", help="maintain the data directory").add_subparsers(dest="store_command",
+                                                                                           required=True)
+    s = store_sub.add_parser("check", parents=[common],
+                             help="report (and with --repair fix) metadata and prefix directories that disagree")
+    s.add_argument("--repair", action="store_true",
+                   help="register committed directories, drop dangling entries, remove orphans and damaged prefixes")
+    s.add_argument("--quick", action="store_true", help="do not re-hash page files (sizes are still checked)")
+    s.set_defaults(func=cmd_store_check)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     common = argparse.ArgumentParser(add_help=False)
@@ -169,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("info", parents=[common], help="show a prefix's manifest")
     s.add_argument("prefix_id")
     s.set_defaults(func=cmd_info)
+    _add_store_commands(sub)
     return p
 
 
@@ -192,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
     if args.json:
         print(json.dumps(result))
-    return 0
+    return int(getattr(args, "exit_code", 0))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
-import numpy as np
 import torch
 
 from services.auth import ApiKeys, tenant_secret
@@ -16,12 +15,15 @@ from services.convert import manifest_to_pb
 from services.gen import kvstash_pb2 as pb
 from services.gen import kvstash_pb2_grpc as pb_grpc
 from services.grpc_common import ServerConfig, build_server, mapped_errors, serve_forever, tenant_of
+from services.store_flags import add_store_limit_args, store_limits
 from store.config import StoreConfig, default_home
 from store.errors import InvalidInput
 from store.kvstore import KVStore, PrefixWriter
 from store.layout import KVLayout
+from store.limits import MAX_SUMMARIZERS, check_holder, check_write
 from store.manifest import Manifest
 from store.prefix_key import PrefixKey, tenant_salt
+from store.writer import LayerStream
 
 MAX_LEASE_TTL_S = 3600.0
 READ_CHUNK_BYTES = 4 << 20
@@ -46,6 +48,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             if first is None or first.WhichOneof("part") != "header":
                 raise InvalidInput("the first message of WritePrefix must be a header")
             key, n_tokens = self._key(first.header, tenant)
+            check_write(key, n_tokens, first.header.model_name)  # bounds before any lock, file or buffer
             with self.store.prefill_lock(key.prefix_id):
                 if (existing := self.store.find(key.prefix_id)) is not None:
                     return manifest_to_pb(existing)  # same bytes already stored: idempotent
@@ -56,6 +59,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     def _key(self, h: pb.WriteHeader, tenant: str) -> tuple[PrefixKey, int]:
         lay = h.layout
+        if len(h.summarizers) > MAX_SUMMARIZERS:
+            raise InvalidInput(f"at most {MAX_SUMMARIZERS} summarizers")
         layout = KVLayout(n_layers=lay.n_layers, n_kv_heads=lay.n_kv_heads, head_dim=lay.head_dim, dtype=lay.dtype,
                           page_size=lay.page_size)
         if not h.model_fingerprint or not h.token_hash or h.n_tokens <= 0:
@@ -96,7 +101,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             self._visible(context, request.prefix_id)
             if not 0 < request.ttl_s <= MAX_LEASE_TTL_S:
                 raise InvalidInput(f"ttl_s must be in (0, {MAX_LEASE_TTL_S}]")
-            lease_id = self.store.acquire_lease(request.prefix_id, request.holder or context.peer(), request.ttl_s)
+            holder = check_holder(request.holder or context.peer())
+            lease_id = self.store.acquire_lease(request.prefix_id, holder, request.ttl_s)
             return pb.Lease(prefix_id=request.prefix_id, lease_id=lease_id, ttl_s=request.ttl_s)
         raise AssertionError("unreachable")
 
@@ -150,26 +156,22 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
 
 def _fill(writer: PrefixWriter, chunks: Iterator[pb.WriteChunk]) -> Manifest:
-    """Feed a write stream into ``writer``: layers' bytes arrive in order, each layer completes before commit."""
-    lay = writer.layout
-    size = lay.layer_file_bytes(writer.n_tokens)
-    shape = (lay.n_kv_heads, lay.n_pages(writer.n_tokens), lay.page_bytes)
-    pending: dict[int, bytearray] = {}
-    done: set[int] = set()
+    """Feed a write stream into ``writer``: layers' bytes arrive in order and go to their page files as they
+    come (memory stays bounded whatever the layer size); each layer completes before commit."""
+    open_layers: dict[int, LayerStream] = {}
     for chunk in chunks:
         part = chunk.WhichOneof("part")
         if part == "layer":
             c = chunk.layer
-            if c.layer in done or not 0 <= c.layer < lay.n_layers:
-                raise InvalidInput(f"layer {c.layer} is out of range or already complete")
-            buf = pending.setdefault(c.layer, bytearray())
-            if c.offset != len(buf) or len(buf) + len(c.data) > size:
+            stream = open_layers.get(c.layer)
+            if stream is None:
+                stream = open_layers[c.layer] = writer.open_layer(c.layer)  # InvalidInput: out of range or done
+            if c.offset != stream.written or stream.written + len(c.data) > stream.size:
                 raise InvalidInput(f"layer {c.layer}: chunk at offset {c.offset} does not continue the "
-                                   f"{len(buf)} bytes received (layer file is {size} bytes)")
-            buf += c.data
-            if len(buf) == size:
-                writer.write_layer_pages(c.layer, np.frombuffer(pending.pop(c.layer), dtype=np.uint8).reshape(shape))
-                done.add(c.layer)
+                                   f"{stream.written} bytes received (layer file is {stream.size} bytes)")
+            stream.write(c.data)
+            if stream.written == stream.size:
+                open_layers.pop(c.layer).close()
         elif part == "artifact":
             writer.put_artifact(chunk.artifact.name, chunk.artifact.data)
         elif part == "commit" and chunk.commit:
@@ -196,9 +198,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--metadata-url", default=None, help="redis://host:port/db (default: LMDB in the data dir)")
     p.add_argument("--tls-cert", type=Path)
     p.add_argument("--tls-key", type=Path)
+    add_store_limit_args(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    store = KVStore(StoreConfig(home=args.home or default_home(), metadata_url=args.metadata_url))
+    store = KVStore(StoreConfig(home=args.home or default_home(), metadata_url=args.metadata_url,
+                                **store_limits(args)))
     cfg = ServerConfig(host=args.host, port=args.port, tls_cert=args.tls_cert, tls_key=args.tls_key)
     server, health = build_store_server(store, cfg, ApiKeys.from_env(), tenant_secret())
     serve_forever(server, health, "kvstash-store", cfg.address)

@@ -17,6 +17,7 @@ from services.convert import generate_request_from_pb, stats_to_pb
 from services.gen import kvstash_pb2 as pb
 from services.gen import kvstash_pb2_grpc as pb_grpc
 from services.grpc_common import ServerConfig, build_server, mapped_errors, serve_forever, tenant_of
+from services.store_flags import add_store_limit_args, store_limits
 from store.config import StoreConfig, default_home
 from store.errors import InvalidInput, TooLarge
 from store.kvstore import KVStore
@@ -136,10 +137,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tls-cert", type=Path)
     p.add_argument("--tls-key", type=Path)
     add_offload_args(p)
+    add_store_limit_args(p)  # prefills write through this process's store
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     limits = WorkerLimits(max_document_bytes=args.max_document_bytes, max_new_tokens_cap=args.max_new_tokens_cap)
-    store = KVStore(StoreConfig(home=args.home or default_home(), metadata_url=args.metadata_url))
+    store = KVStore(StoreConfig(home=args.home or default_home(), metadata_url=args.metadata_url, **store_limits(args)))
     device = args.device or default_device()
     lm = load_model(args.model or default_model(), device=device, dtype=default_dtype(device), progress=False)
     worker = Worker(store, lm, secret=tenant_secret(), progress=False, offload=offload_from_args(args))

@@ -33,6 +33,13 @@ class StoreConfig:
     """Metadata backend: None or ``lmdb`` -> LMDB in ``home/meta``; ``lmdb:///path``; ``redis://host:port/db``."""
     metadata_namespace: str = "kvstash:"
     """Prefix of every Redis key this store writes (several stores can share one Redis)."""
+    capacity_bytes: int | None = None
+    """Bytes the store keeps (page files and artifacts): after each commit, least recently used prefixes that
+    are neither pinned nor leased are evicted down to it. None: unlimited."""
+    max_bytes_per_tenant: int | None = None
+    """Bytes one tenant may store; a write that would exceed it is refused (QuotaExceeded). None: unlimited."""
+    max_prefixes_per_tenant: int | None = None
+    """Prefixes one tenant may store; a write beyond is refused (QuotaExceeded). None: unlimited."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "home", Path(self.home).expanduser())
@@ -42,3 +49,7 @@ class StoreConfig:
             raise ValueError("lmdb_map_size must be at least 1 MiB")
         if not self.metadata_namespace:
             raise ValueError("metadata_namespace must not be empty")
+        for name in ("capacity_bytes", "max_bytes_per_tenant", "max_prefixes_per_tenant"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0 or None, got {value}")

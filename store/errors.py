@@ -75,3 +75,16 @@ class LockTimeout(KVStashError):
 
     grpc_code = "ABORTED"
     http_status = 409
+
+
+class QuotaExceeded(KVStashError):
+    """A write would take a tenant over its quota (stored bytes or prefixes), or the store over its capacity."""
+
+    grpc_code = "RESOURCE_EXHAUSTED"
+    http_status = 429
+
+
+class StoreFull(QuotaExceeded):
+    """The data directory has too little free disk space for a write."""
+
+    http_status = 507

@@ -1,13 +1,17 @@
-"""The embedded KV store: page files on disk + manifests and artifacts in a metadata backend.
+"""The embedded KV store: self-describing prefix directories on disk, indexed by a metadata backend.
 
 ``KVStore`` is the one interface to stored prefixes: code outside ``store/`` never touches the
 metadata backend (``tests/test_store_boundary.py``). Every method that takes a prefix id from a
 caller checks its form first (``check_prefix_id``), so no id reaches a path or a metadata key unchecked.
+The disk is the truth: each committed directory holds its manifest and artifacts (``store.disk_record``),
+and opening a store registers the ones its metadata lost (``store.recovery``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import shutil
 import uuid
 from collections.abc import Iterator, Mapping
@@ -16,20 +20,35 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from store import disk_record, recovery
 from store.artifacts import digest
 from store.capacity import EvictionResult, LeaseHandle, default_holder
 from store.config import StoreConfig
-from store.errors import CorruptData, InvalidInput, LockTimeout, PrefixNotFound, StoreUnavailable
+from store.errors import (
+    CorruptData,
+    InvalidInput,
+    KVStashError,
+    LockTimeout,
+    PrefixNotFound,
+    QuotaExceeded,
+    StoreFull,
+    StoreUnavailable,
+)
+from store.limits import check_holder, check_write
 from store.locks import file_lock, try_file_lock
 from store.manifest import Manifest
-from store.metadata import Lease, MetadataBackend, PrefixUsage, lease_prefix
+from store.metadata import Lease, MetadataBackend, PrefixUsage, lease_prefix, prefix_bytes
 from store.metadata_factory import open_metadata
 from store.page_io import PageCheck, PosixPageReader, read_checked
 from store.pages import file_digest, unpack_pages
 from store.prefix_key import PrefixKey, check_prefix_id, tenant_salt
-from store.writer import PAGE_CRC_ARTIFACT, TMP_PREFIX, PrefixWriter
+from store.recovery import CheckReport, Problem
+from store.writer import PAGE_CRC_ARTIFACT, PrefixWriter, tmp_dir_name
 
-__all__ = ["KVStore", "PrefixWriter", "PAGE_CRC_ARTIFACT", "Lease", "PrefixUsage", "EvictionResult", "LeaseHandle"]
+__all__ = ["KVStore", "PrefixWriter", "PAGE_CRC_ARTIFACT", "Lease", "PrefixUsage", "EvictionResult", "LeaseHandle",
+           "CheckReport", "Problem"]
+
+log = logging.getLogger(__name__)
 
 
 def _owned(m: Manifest, tenant: str, secret: str | None) -> bool:
@@ -42,7 +61,9 @@ class KVStore:
     """Embedded store: prefixes in ``home/prefixes/<id>/``; metadata in ``home/meta`` (LMDB) or the
     backend ``config.metadata_url`` names (e.g. Redis, shared by several hosts)."""
 
-    def __init__(self, config: StoreConfig | None = None, meta: MetadataBackend | None = None):
+    def __init__(self, config: StoreConfig | None = None, meta: MetadataBackend | None = None, *,
+                 recover: bool = True):
+        """Open the store; unless told not to, ``recover`` what its metadata lost from the prefix directories."""
         self.config = config or StoreConfig()
         home = self.config.home.expanduser()
         self.prefixes_dir = home / "prefixes"
@@ -57,7 +78,8 @@ class KVStore:
             raise StoreUnavailable(f"data directory {home} is not usable: {e.strerror or e}") from e
         self._meta = meta or open_metadata(self.config.metadata_url, home, lmdb_map_size=self.config.lmdb_map_size,
                                            namespace=self.config.metadata_namespace)
-        self.collect_garbage()
+        if recover:
+            self.recover()
 
     # -- paths and locks ---------------------------------------------------------------------
     def prefix_dir(self, prefix_id: str) -> Path:
@@ -89,35 +111,74 @@ class KVStore:
         with self._meta.prefill_lock(prefix_id, ttl_s, wait_s=wait_s), self.prefix_lock(prefix_id):
             yield
 
-    def collect_garbage(self) -> list[str]:
-        """Remove temp dirs of dead writers and page dirs that have no manifest; returns what went."""
-        removed = []
-        for entry in self.prefixes_dir.iterdir():
-            pid = entry.name[len(TMP_PREFIX):].split("-")[0] if entry.name.startswith(TMP_PREFIX) else entry.name
-            with self._host_lock(pid, blocking=False) as taken:
-                if not taken:
-                    continue  # a live writer owns it
-                if entry.name.startswith(TMP_PREFIX) or self._meta.manifest(pid) is None:
-                    shutil.rmtree(entry, ignore_errors=True)
-                    removed.append(entry.name)
-        return removed
+    def recover(self) -> CheckReport:
+        """What opening the store does: remove temp dirs of dead writers and register every committed directory
+        the metadata does not know (after Redis lost its data, or LMDB was rebuilt); report the rest.
+
+        Cheap for many prefixes: directories the metadata knows are not read, page files are only stat'ed.
+        Deletes no prefix directory, valid or not (``check(repair=True)`` removes orphans): temp dirs only.
+        """
+        return recovery.recover(self)
+
+    def check(self, repair: bool = False, *, hash_pages: bool = True) -> CheckReport:
+        """Compare metadata and disk: entries whose files are missing, damaged or not self-describing,
+        directories that are no committed prefix (orphans), committed ones the metadata lacks. With
+        ``repair``, fix each (register, rewrite, or remove what cannot be used) and say so in the report."""
+        return recovery.check(self, repair=repair, hash_pages=hash_pages)
 
     # -- writes --------------------------------------------------------------------------------
     @contextlib.contextmanager
     def write_prefix(self, key: PrefixKey, *, model_name: str, n_tokens: int,
                      tenant: str = "default") -> Iterator[PrefixWriter]:
-        """A writer for ``key``; aborted (nothing visible) unless ``commit`` was called."""
+        """A writer for ``key``; aborted (nothing visible) unless ``commit`` was called. InvalidInput for
+        sizes out of the store's bounds, QuotaExceeded (or StoreFull) when it would not fit: both before
+        anything is allocated or created."""
         if n_tokens <= 0:
             raise InvalidInput("a prefix needs at least one token")
+        self._check_room(tenant, check_write(key, n_tokens, model_name))
         writer = PrefixWriter(self, key, model_name=model_name, n_tokens=n_tokens, tenant=tenant)
         try:
             yield writer
         finally:
             writer.abort()  # no-op after a commit: the temp dir was renamed away
 
+    def _check_room(self, tenant: str, page_bytes: int) -> None:
+        """QuotaExceeded when a new prefix of ``page_bytes`` would exceed the capacity or ``tenant``'s quotas;
+        StoreFull when the disk has less free space than that."""
+        cfg = self.config
+        if cfg.capacity_bytes is not None and page_bytes > cfg.capacity_bytes:
+            raise QuotaExceeded(f"a prefix of {page_bytes} bytes exceeds the store's capacity of "
+                                f"{cfg.capacity_bytes} bytes")
+        free = shutil.disk_usage(self.prefixes_dir).free
+        if page_bytes > free:
+            raise StoreFull(f"a prefix of {page_bytes} bytes does not fit in the {free} bytes free on disk")
+        if cfg.max_bytes_per_tenant is None and cfg.max_prefixes_per_tenant is None:
+            return
+        # A scan of the registry: quotas are checked once per write, which is far costlier anyway.
+        mine = [m for m in self._meta.manifests() if m.tenant == tenant]
+        if cfg.max_prefixes_per_tenant is not None and len(mine) >= cfg.max_prefixes_per_tenant:
+            raise QuotaExceeded(f"tenant {tenant!r} stores {len(mine)} prefixes, its quota is "
+                                f"{cfg.max_prefixes_per_tenant}")
+        used = sum(prefix_bytes(m) for m in mine)
+        if cfg.max_bytes_per_tenant is not None and used + page_bytes > cfg.max_bytes_per_tenant:
+            raise QuotaExceeded(f"tenant {tenant!r} stores {used} bytes; {page_bytes} more exceed its quota of "
+                                f"{cfg.max_bytes_per_tenant}")
+
     def _commit(self, manifest: Manifest, artifacts: Mapping[str, bytes]) -> None:
-        """Make a written prefix visible (``PrefixWriter.commit``, once its page files are in place)."""
+        """Register a written prefix (``PrefixWriter.commit``, once its directory is in place), then evict down
+        to the capacity, never the prefix just committed."""
         self._meta.commit(manifest, artifacts)
+        cap = self.config.capacity_bytes
+        if cap is None:
+            return
+        try:
+            result = self._evict_to(cap, keep=manifest.prefix_id)
+        except KVStashError as e:  # the commit stands; the next one evicts again
+            log.warning("eviction to the capacity of %d bytes failed: %s", cap, e)
+            return
+        if not result.satisfied:
+            log.warning("store holds %d bytes, over its capacity of %d: the rest is pinned, leased or busy",
+                        result.usage_bytes, cap)
 
     # -- manifests and tenancy -----------------------------------------------------------------
     def find(self, prefix_id: str) -> Manifest | None:
@@ -154,17 +215,42 @@ class KVStore:
         return sorted(ms, key=lambda m: m.created_at, reverse=True)
 
     def remove(self, prefix_id: str) -> None:
-        """Delete a prefix: manifest first (so it is never half-visible), then its files."""
+        """Delete a prefix: its on-disk manifest first (so it can never be registered again), then its
+        metadata (so it is never half-visible), then its files."""
         with self.prefill_lock(prefix_id):
-            if not self._meta.delete(prefix_id):
+            m = self._meta.manifest(prefix_id)
+            if m is None:
                 raise PrefixNotFound(f"no prefix {prefix_id!r}")
-            shutil.rmtree(self.prefix_dir(prefix_id), ignore_errors=True)
+            self._unregister(m)
+            self._drop_dir(prefix_id)
+
+    def _unregister(self, m: Manifest) -> None:
+        """Remove the on-disk manifest, then the metadata of a prefix (caller holds its prefill lock); the
+        on-disk manifest comes back when the metadata delete fails."""
+        d = self.prefix_dir(m.prefix_id)
+        disk_record.unpublish(d, fsync=self.config.fsync)
+        try:
+            self._meta.delete(m.prefix_id)
+        except BaseException:
+            if d.is_dir():  # its artifact files are still there
+                disk_record.publish(d, m, fsync=self.config.fsync)
+            raise
+
+    def _drop_dir(self, prefix_id: str) -> None:
+        """Remove a prefix's directory: renamed to a temp name first (atomic; start-up collects it if we die)."""
+        d = self.prefix_dir(prefix_id)
+        gone = self.prefixes_dir / tmp_dir_name(prefix_id)
+        try:
+            os.rename(d, gone)
+        except FileNotFoundError:
+            return
+        shutil.rmtree(gone, ignore_errors=True)
 
     # -- leases, pins and eviction ---------------------------------------------------------------
     @contextlib.contextmanager
     def lease(self, prefix_id: str, *, holder: str | None = None, ttl_s: float = 60.0) -> Iterator[LeaseHandle]:
         """Hold a lease (the prefix cannot be evicted) and mark it used; PrefixNotFound if not committed."""
-        handle = LeaseHandle(self._meta, check_prefix_id(prefix_id), holder or default_holder(), ttl_s)
+        handle = LeaseHandle(self._meta, check_prefix_id(prefix_id), check_holder(holder or default_holder()), ttl_s)
         try:
             self._meta.touch(prefix_id)
             yield handle
@@ -172,8 +258,9 @@ class KVStore:
             handle.release()
 
     def acquire_lease(self, prefix_id: str, holder: str, ttl_s: float) -> str:
-        """Lease a committed prefix for ``ttl_s`` seconds (renew by acquiring again); returns the lease id."""
-        return self._meta.acquire_lease(check_prefix_id(prefix_id), holder, ttl_s)
+        """Lease a committed prefix for ``ttl_s`` seconds (renew by acquiring again); returns the lease id.
+        InvalidInput for a holder name over ``store.limits.MAX_HOLDER_BYTES`` bytes."""
+        return self._meta.acquire_lease(check_prefix_id(prefix_id), check_holder(holder), ttl_s)
 
     def release_lease(self, lease_id: str, *, prefix_id: str | None = None) -> bool:
         """End a lease; False when it had already lapsed. InvalidInput for a malformed lease id, or one
@@ -206,13 +293,17 @@ class KVStore:
 
     def evict_to(self, max_bytes: int) -> EvictionResult:
         """Remove least recently used prefixes, never pinned or leased ones, until usage <= ``max_bytes``."""
+        return self._evict_to(max_bytes)
+
+    def _evict_to(self, max_bytes: int, keep: str | None = None) -> EvictionResult:
         if max_bytes < 0:
             raise InvalidInput(f"max_bytes must be >= 0, got {max_bytes}")
         evicted: list[str] = []
         freed = 0
         for _ in range(3):  # candidates can vanish or get leased under us: retry a few rounds
             need = self._meta.usage() - max_bytes
-            gone = [(pid, n) for pid in self._meta.eviction_candidates(need) if (n := self._evict_one(pid))]
+            gone = [(pid, n) for pid in self._meta.eviction_candidates(need)
+                    if pid != keep and (n := self._evict_one(pid))]
             evicted += [pid for pid, _ in gone]
             freed += sum(n for _, n in gone)
             if need <= 0 or not gone:
@@ -228,7 +319,8 @@ class KVStore:
                 info = self._meta.prefix_usage(prefix_id)
                 if info is None or not self._meta.evict(prefix_id):
                     return 0
-                shutil.rmtree(self.prefix_dir(prefix_id), ignore_errors=True)
+                # A crash right here brings the prefix back at the next start: harmless for a cache.
+                self._drop_dir(prefix_id)
         except LockTimeout:
             return 0
         return info.bytes

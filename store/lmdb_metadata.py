@@ -13,6 +13,7 @@ from pathlib import Path
 import lmdb
 
 from store.errors import PrefixNotFound, StoreUnavailable
+from store.lmdb_file import lmdb_damage, move_aside
 from store.locks import file_lock
 from store.manifest import Manifest
 from store.metadata import (
@@ -31,24 +32,49 @@ def _artifact_key(prefix_id: str, name: str) -> bytes:
 
 
 _LRU = struct.Struct("<dq")  # last_used (unix s), bytes
+_DAMAGE = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.VersionMismatchError,
+           lmdb.IncompatibleError, lmdb.PanicError)
+"""What opening, or first reading, a damaged environment raises."""
 
 
 class LmdbMetadata(MetadataBackend):
     """Everything in one LMDB environment; leases use wall-clock time, prefill locks are flocks."""
 
     def __init__(self, path: Path, map_size: int = DEFAULT_LMDB_MAP_SIZE, lock_dir: Path | None = None) -> None:
+        """Open (or create) the environment in directory ``path``. A damaged one (truncated, not LMDB, failing
+        its first reads) is moved aside and a new, empty one created: the store registers its prefixes again
+        from their directories."""
         self._lock_dir = lock_dir or path / "locks"
         try:
-            self._lock_dir.mkdir(parents=True, exist_ok=True)
-            self._env = lmdb.open(str(path), map_size=map_size, max_dbs=8, subdir=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # One process at a time decides whether the environment is damaged and moves it aside.
+            with file_lock(path.parent / f".{path.name}.open.lock"):
+                if (why := lmdb_damage(path)) is not None:
+                    move_aside(path, why)
+                try:
+                    self._open(path, map_size)
+                except _DAMAGE as e:
+                    with contextlib.suppress(lmdb.Error, AttributeError):
+                        self._env.close()
+                    move_aside(path, f"{type(e).__name__}: {e}")
+                    self._open(path, map_size)
         except (OSError, lmdb.Error) as e:
             raise StoreUnavailable(f"cannot open metadata store at {path}: {e}") from e
+        self._backfill_lru()
+
+    def _open(self, path: Path, map_size: int) -> None:
+        self._lock_dir.mkdir(parents=True, exist_ok=True)
+        self._env = lmdb.open(str(path), map_size=map_size, max_dbs=8, subdir=True)
         self._manifests = self._env.open_db(b"manifests")
         self._artifacts = self._env.open_db(b"artifacts")
         self._lru = self._env.open_db(b"lru")
         self._pins = self._env.open_db(b"pins")
         self._leases = self._env.open_db(b"leases")
-        self._backfill_lru()
+        with self._env.begin() as txn:  # walk the registry's keys once: a damaged tree fails here, not later
+            for db in (self._manifests, self._artifacts, self._lru, self._pins, self._leases):
+                txn.stat(db)
+            for _ in txn.cursor(db=self._manifests).iternext(keys=True, values=False):
+                pass
 
     @contextlib.contextmanager
     def _txn(self, write: bool = False) -> Iterator[lmdb.Transaction]:
@@ -90,6 +116,11 @@ class LmdbMetadata(MetadataBackend):
         """Every committed manifest."""
         with self._txn() as txn:
             return [Manifest.from_json(bytes(v)) for _, v in txn.cursor(db=self._manifests)]
+
+    def prefix_ids(self) -> list[str]:
+        """The ids of every committed prefix."""
+        with self._txn() as txn:
+            return [bytes(k).decode() for k in txn.cursor(db=self._manifests).iternext(keys=True, values=False)]
 
     def artifact(self, prefix_id: str, name: str) -> bytes | None:
         """The bytes of one artifact, or None."""

@@ -88,6 +88,10 @@ class MetadataBackend(abc.ABC):
         """Every committed manifest."""
 
     @abc.abstractmethod
+    def prefix_ids(self) -> list[str]:
+        """The ids of every committed prefix (cheaper than ``manifests``: no manifest is read)."""
+
+    @abc.abstractmethod
     def artifact(self, prefix_id: str, name: str) -> bytes | None:
         """The bytes of one artifact, or None."""
 

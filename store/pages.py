@@ -24,10 +24,14 @@ def layer_file_name(layer: int) -> str:
     return f"layer_{layer:03d}.kv"
 
 
+def page_crc_seed(prefix_id: str, layer: int, head: int, page: int) -> int:
+    """The CRC32 a page's payload CRC starts from: that of its identity."""
+    return zlib.crc32(f"{prefix_id}:{layer}:{head}:{page}".encode())
+
+
 def page_crc(prefix_id: str, layer: int, head: int, page: int, payload: memoryview | bytes) -> int:
     """CRC32 of a page's payload keyed by its identity."""
-    ident = f"{prefix_id}:{layer}:{head}:{page}".encode()
-    return zlib.crc32(payload, zlib.crc32(ident)) & 0xFFFFFFFF
+    return zlib.crc32(payload, page_crc_seed(prefix_id, layer, head, page)) & 0xFFFFFFFF
 
 
 def pack_layer(layout: KVLayout, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

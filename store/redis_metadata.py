@@ -197,6 +197,18 @@ class RedisMetadata(MetadataBackend):
         return out
 
     @_redis_errors
+    def prefix_ids(self) -> list[str]:
+        """The ids in the registry whose manifest exists (one EXISTS each, pipelined in batches)."""
+        ids = [_str(x) for x in self._r.zrange(self._prefixes, 0, -1)]
+        out = []
+        for i in range(0, len(ids), _BATCH):
+            pipe = self._r.pipeline(transaction=False)
+            for pid in ids[i:i + _BATCH]:
+                pipe.exists(self._k("manifest", pid))
+            out += [pid for pid, n in zip(ids[i:i + _BATCH], pipe.execute()) if n]
+        return out
+
+    @_redis_errors
     def artifact(self, prefix_id: str, name: str) -> bytes | None:
         """The bytes of one artifact, or None."""
         return cast(bytes | None, self._r.hget(self._k("artifacts", prefix_id), name))

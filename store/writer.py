@@ -1,25 +1,29 @@
-"""Writing one prefix: page files into a private temp dir, then an atomic rename and the manifest."""
+"""Writing one prefix: page files, artifacts and manifest into a private temp dir, an atomic rename, then
+the metadata commit (``store.disk_record`` describes the directory)."""
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import shutil
 import time
 import uuid
+import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from store.artifacts import digest
+from store.disk_record import fsync_dir, write_record
 from store.errors import InvalidInput
 from store.layout import KVLayout
+from store.limits import MAX_ARTIFACT_BYTES, MAX_ARTIFACTS, check_text
 from store.manifest import ArtifactInfo, FileInfo, Manifest
-from store.pages import bytes_digest, layer_file_name, pack_layer, page_crc, write_bytes_durably
+from store.pages import bytes_digest, layer_file_name, pack_layer, page_crc, page_crc_seed, write_bytes_durably
 from store.prefix_key import PrefixKey
 
 if TYPE_CHECKING:
@@ -31,15 +35,13 @@ MAX_PENDING_LAYERS = 2
 """Layers a prefix writer may hold in flight (memory bound: each is one layer's page-file bytes)."""
 TMP_PREFIX = ".tmp-"
 """Name prefix of writers' temp dirs (``.tmp-<prefix id>-<pid>-<random>``)."""
+MAX_OPEN_STREAMS = 8
+"""Layers a streamed write may have open at once (each holds a file and less than one page)."""
 
 
-def fsync_dir(path: Path) -> None:
-    """fsync a directory (makes renames inside it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def tmp_dir_name(prefix_id: str) -> str:
+    """A fresh temp dir name for ``prefix_id`` (garbage collection reads the id back from it)."""
+    return f"{TMP_PREFIX}{prefix_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 class PrefixWriter:
@@ -49,15 +51,16 @@ class PrefixWriter:
         self.store, self.key, self.model_name, self.n_tokens, self.tenant = store, key, model_name, n_tokens, tenant
         self.prefix_id = key.prefix_id
         self.layout: KVLayout = key.layout
-        self.tmp_dir = store.prefixes_dir / f"{TMP_PREFIX}{self.prefix_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.tmp_dir.mkdir(parents=True)
         self._files: dict[int, FileInfo] = {}
         self._artifacts: dict[str, bytes] = {}
+        self._streams: dict[int, LayerStream] = {}
         n_pages = self.layout.n_pages(n_tokens)
         self._crc = np.zeros((self.layout.n_layers, self.layout.n_kv_heads, n_pages), dtype=np.uint32)
+        self._pending: list[tuple[int, str, int, Future, list[Future]]] = []
+        self.tmp_dir = store.prefixes_dir / tmp_dir_name(self.prefix_id)
+        self.tmp_dir.mkdir(parents=True)  # last: a failure above leaves nothing on disk
         threads = store.config.write_threads
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvstash-write") if threads > 0 else None
-        self._pending: list[tuple[int, str, int, Future, list[Future]]] = []
 
     def write_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one layer's K and V, each ``[kv_heads, n_tokens, head_dim]``."""
@@ -76,8 +79,7 @@ class PrefixWriter:
         expect = (lay.n_kv_heads, lay.n_pages(self.n_tokens), lay.page_bytes)
         if arr.dtype != np.uint8 or tuple(arr.shape) != expect:
             raise InvalidInput(f"layer {layer}: pages must be uint8 {expect}, got {arr.dtype} {tuple(arr.shape)}")
-        if not 0 <= layer < lay.n_layers:
-            raise InvalidInput(f"layer {layer} out of range [0, {lay.n_layers})")
+        self._check_new_layer(layer)
         name = layer_file_name(layer)
         # Bounded pipeline: at most MAX_PENDING_LAYERS layers' bytes are held while being written.
         self._drain(MAX_PENDING_LAYERS - 1)
@@ -86,6 +88,27 @@ class PrefixWriter:
                                                   self.store.config.fsync)),
                       *(self._run(functools.partial(self._page_crcs, layer, arr, h)) for h in range(lay.n_kv_heads))]
         self._pending.append((layer, name, arr.nbytes, digest_job, other_jobs))
+
+    def _check_new_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.layout.n_layers:
+            raise InvalidInput(f"layer {layer} out of range [0, {self.layout.n_layers})")
+        if layer in self._files or layer in self._streams or any(p[0] == layer for p in self._pending):
+            raise InvalidInput(f"layer {layer} was already written")
+
+    def open_layer(self, layer: int) -> LayerStream:
+        """A sink for one layer's page-file bytes as they arrive, in order (memory stays under one page);
+        ``LayerStream.close`` once all of them are written."""
+        self._check_new_layer(layer)
+        if len(self._streams) >= MAX_OPEN_STREAMS:
+            raise InvalidInput(f"at most {MAX_OPEN_STREAMS} layers may be streamed at once")
+        stream = LayerStream(self, layer)
+        self._streams[layer] = stream
+        return stream
+
+    def _finish_stream(self, stream: LayerStream, info: FileInfo, crcs: np.ndarray) -> None:
+        del self._streams[stream.layer]
+        self._crc[stream.layer] = crcs
+        self._files[stream.layer] = info
 
     def _run(self, job: Callable[[], object]) -> Future:
         """``job`` on the writer's threads, or now on this one when it has none."""
@@ -109,12 +132,18 @@ class PrefixWriter:
 
     def put_artifact(self, name: str, data: bytes) -> None:
         """Stage a small artifact (committed together with the manifest)."""
+        check_text("artifact name", name)
         if not name or name == PAGE_CRC_ARTIFACT:
             raise InvalidInput(f"invalid artifact name {name!r}")
+        others = sum(len(b) for n, b in self._artifacts.items() if n != name)
+        if others + len(data) > MAX_ARTIFACT_BYTES or len(self._artifacts | {name: b""}) > MAX_ARTIFACTS:
+            raise InvalidInput(f"a prefix holds at most {MAX_ARTIFACTS} artifacts of {MAX_ARTIFACT_BYTES} bytes "
+                               "together")
         self._artifacts[name] = data
 
     def commit(self) -> Manifest:
-        """Make the prefix durable and visible: pages renamed into place, then the manifest."""
+        """Make the prefix durable and visible: artifacts and manifest written into the temp dir (the
+        manifest last), the dir renamed into place (the commit point on disk), then the metadata commit."""
         self._drain(0)
         self._shutdown()
         missing = sorted(set(range(self.layout.n_layers)) - set(self._files))
@@ -122,23 +151,29 @@ class PrefixWriter:
             raise InvalidInput(f"cannot commit: layers {missing} were not written")
         arts = dict(self._artifacts)
         arts[PAGE_CRC_ARTIFACT] = self._crc.tobytes()
-        final = self.store.prefix_dir(self.prefix_id)
-        if final.exists():  # left over by a crash before its manifest was committed
-            shutil.rmtree(final)
-        os.rename(self.tmp_dir, final)
-        if self.store.config.fsync:
-            fsync_dir(self.store.prefixes_dir)
         manifest = Manifest(
             prefix_id=self.prefix_id, key=self.key, model_name=self.model_name, n_tokens=self.n_tokens,
             files=tuple(self._files[i] for i in range(self.layout.n_layers)),
             artifacts=tuple(ArtifactInfo(name=n, size=len(b), blake2b=digest(b)) for n, b in sorted(arts.items())),
             created_at=time.time(), tenant=self.tenant,
         )
+        fsync = self.store.config.fsync
+        write_record(self.tmp_dir, manifest, arts, fsync=fsync)
+        final = self.store.prefix_dir(self.prefix_id)
+        if final.exists():  # an older copy the metadata does not list (we hold the prefill lock): replace it
+            old = self.store.prefixes_dir / tmp_dir_name(self.prefix_id)
+            os.rename(final, old)
+            shutil.rmtree(old, ignore_errors=True)
+        os.rename(self.tmp_dir, final)
+        if fsync:
+            fsync_dir(self.store.prefixes_dir)
         self.store._commit(manifest, arts)
         return manifest
 
     def abort(self) -> None:
         """Discard everything written so far."""
+        for stream in list(self._streams.values()):
+            stream.discard()
         for *_, digest_job, other_jobs in self._pending:
             for f in (digest_job, *other_jobs):
                 f.cancel()
@@ -150,3 +185,62 @@ class PrefixWriter:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+class LayerStream:
+    """One layer's page file, written as its bytes arrive: the file digest and the per-page CRCs are computed
+    on the way, so nothing but a partial page is held in memory."""
+
+    def __init__(self, writer: PrefixWriter, layer: int) -> None:
+        lay = writer.layout
+        self.layer, self.size, self.written = layer, lay.layer_file_bytes(writer.n_tokens), 0
+        self._writer, self._page_bytes, self._n_pages = writer, lay.page_bytes, lay.n_pages(writer.n_tokens)
+        self._name = layer_file_name(layer)
+        self._file = open(writer.tmp_dir / self._name, "wb")  # noqa: SIM115 - closed by close/discard
+        self._hash = hashlib.blake2b(digest_size=32)
+        self._carry = bytearray()
+        self._crcs = np.zeros((lay.n_kv_heads, self._n_pages), dtype=np.uint32)
+        self._next_page = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        """Append the next bytes of the layer file; InvalidInput past its size."""
+        if self.written + len(data) > self.size:
+            raise InvalidInput(f"layer {self.layer}: more than its {self.size} bytes")
+        self._file.write(data)
+        self._hash.update(data)
+        self.written += len(data)
+        mv, pb = memoryview(data).cast("B"), self._page_bytes
+        if self._carry:
+            take = pb - len(self._carry)
+            self._carry += mv[:take]
+            mv = mv[take:]
+            if len(self._carry) < pb:
+                return
+            self._page(self._carry)
+            self._carry = bytearray()
+        while len(mv) >= pb:
+            self._page(mv[:pb])
+            mv = mv[pb:]
+        self._carry += mv
+
+    def _page(self, payload: bytes | bytearray | memoryview) -> None:
+        head, page = divmod(self._next_page, self._n_pages)
+        seed = page_crc_seed(self._writer.prefix_id, self.layer, head, page)
+        self._crcs[head, page] = zlib.crc32(payload, seed) & 0xFFFFFFFF
+        self._next_page += 1
+
+    def close(self) -> None:
+        """Finish the layer (durable unless the store skips fsync); InvalidInput when bytes are missing."""
+        if self.written != self.size:
+            raise InvalidInput(f"layer {self.layer}: {self.written} of its {self.size} bytes were written")
+        self._file.flush()
+        if self._writer.store.config.fsync:
+            os.fsync(self._file.fileno())
+        self._file.close()
+        info = FileInfo(name=self._name, size=self.size, blake2b=self._hash.hexdigest())
+        self._writer._finish_stream(self, info, self._crcs)
+
+    def discard(self) -> None:
+        """Close the file without finishing the layer (the writer's abort removes it)."""
+        self._file.close()
+        self._writer._streams.pop(self.layer, None)

@@ -189,6 +189,7 @@ def test_delete_and_listing(meta: MetadataBackend) -> None:
     assert meta.release_lease(lease) is False and meta.unpin(ids[0]) is False
     assert meta.delete(ids[0]) is False
     assert {m.prefix_id for m in meta.manifests()} == set(ids[1:]) and meta.usage() == 4 * 105
+    assert sorted(meta.prefix_ids()) == sorted(ids[1:])
 
 
 # -- leases ----------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
+import redis as redis_client
 
 from client import KVClient
 from client.backends import RemoteError
@@ -228,6 +229,30 @@ def test_restarting_store_and_redis_loses_no_prefix(topo, redis: RedisServer) ->
     r = httpx.post(f"{url}/v1/prefixes/{pid}/generate", json={"query": QUERIES[0], "max_new_tokens": 3},
                    headers=_h(), timeout=120)
     assert r.status_code == 200, r.text
+
+
+def test_redis_flushed_then_store_restarted_loses_no_prefix(topo, redis: RedisServer) -> None:
+    """Redis without persistence loses everything: the restarted store registers every prefix again from its
+    directory, and each answers."""
+    url = topo.gateway_url
+    r = httpx.post(f"{url}/v1/prefixes", json={"document": DOC + " Flush edition."}, headers=_h(), timeout=120)
+    assert r.status_code in (200, 201), r.text
+    before = {p["prefix_id"] for p in httpx.get(f"{url}/v1/prefixes", headers=_h()).json()["prefixes"]}
+    assert before
+    flush = redis_client.Redis.from_url(redis.url)
+    flush.flushall()
+    flush.close()
+    assert httpx.get(f"{url}/v1/prefixes", headers=_h()).json()["prefixes"] == []  # the index is gone
+    old = topo.procs["store"]
+    stop(old)
+    topo.procs["store"], topo.logs["store"] = start("store-flushed", list(old.args[2:]), old_env(), topo.home.parent)
+    wait_grpc(topo.store_addr, topo.procs["store"], topo.logs["store"])
+    after = {p["prefix_id"] for p in httpx.get(f"{url}/v1/prefixes", headers=_h()).json()["prefixes"]}
+    assert after == before
+    for pid in sorted(before):
+        r = httpx.post(f"{url}/v1/prefixes/{pid}/generate", json={"query": QUERIES[0], "max_new_tokens": 3},
+                       headers=_h(), timeout=120)
+        assert r.status_code == 200, r.text
 
 
 def old_env() -> dict[str, str]:

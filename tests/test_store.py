@@ -142,29 +142,43 @@ def test_commit_requires_every_layer(store: KVStore) -> None:
         w.commit()
 
 
-@pytest.mark.parametrize("crash_at", ["after_layer", "before_manifest"])
-def test_crash_mid_write_leaves_no_visible_prefix(tmp_path: Path, crash_at: str) -> None:
+@pytest.mark.parametrize("crash_at", ["after_layer", "before_rename", "before_metadata"])
+def test_crash_mid_write(tmp_path: Path, crash_at: str) -> None:
+    """Before its directory is renamed into place a prefix is debris (collected at the next start); after,
+    it is committed on disk, and the next start registers it even though the metadata commit never ran."""
     home = tmp_path / "home"
     script = textwrap.dedent(f"""
         import os, sys, torch
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from test_store import _key, _kv
+        import store.writer
         from store.config import StoreConfig
         from store.kvstore import KVStore
         s = KVStore(StoreConfig(home={str(home)!r}))
-        if {crash_at!r} == "before_manifest":
+        if {crash_at!r} == "before_rename":
+            store.writer.os.rename = lambda *a, **k: os._exit(9)
+        if {crash_at!r} == "before_metadata":
             s._meta.commit = lambda *a, **k: os._exit(9)
         with s.write_prefix(_key(20), model_name="m", n_tokens=20) as w:
             for layer, (k, v) in enumerate(_kv(20)):
                 w.write_layer(layer, k, v)
                 if {crash_at!r} == "after_layer":
                     os._exit(9)
+            w.put_artifact("extra", b"hello")
             w.commit()
     """)
     r = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 9, r.stderr
     assert any((home / "prefixes").iterdir()), "the simulated crash should leave debris behind"
-    store = KVStore(StoreConfig(home=home))  # opening collects the debris
+    store = KVStore(StoreConfig(home=home))  # opening collects the debris, registers what was committed
+    pid = _key(20).prefix_id
+    if crash_at == "before_metadata":
+        assert [m.prefix_id for m in store.list_prefixes()] == [pid]
+        assert [p.name for p in store.prefixes_dir.iterdir()] == [pid]
+        assert torch.equal(store.read_layer(pid, 2, verify=True)[1], _kv(20)[2][1])
+        assert store.artifact(pid, "extra") == b"hello"
+        store.verify(pid)
+        return
     assert store.list_prefixes() == []
     assert list(store.prefixes_dir.iterdir()) == []
     pid, kv = _write(store, 20)  # the next write of the same prefix succeeds

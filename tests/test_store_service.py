@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -15,6 +18,7 @@ from services.gen import kvstash_pb2_grpc as pb_grpc
 from services.grpc_common import ServerConfig, channel
 from services.store_server import build_store_server
 from store.kvstore import KVStore
+from store.limits import MAX_HOLDER_BYTES, MAX_TOKENS
 from tests.services_harness import free_port
 from tests.test_store import HOSTILE_IDS, _write
 
@@ -181,3 +185,98 @@ def test_release_lease_of_another_prefix_is_invalid(plain_stub, store: KVStore) 
             plain_stub.ReleaseLease(pb.Lease(prefix_id=pid, lease_id=lease_id), metadata=ALICE)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert plain_stub.ReleaseLease(lease, metadata=ALICE).released and store.leases(pid) == []
+
+
+# -- bounds: nothing is allocated or created for a request out of bounds ---------------------------
+def _header(n_tokens: int, **layout: int) -> pb.WriteChunk:
+    lay = {"n_layers": 3, "n_kv_heads": 2, "head_dim": 16, "page_size": 16, **layout}
+    return pb.WriteChunk(header=pb.WriteHeader(model_fingerprint="fp", model_name="m", token_hash="t" * 64,
+                                               n_tokens=n_tokens, layout=pb.KVLayout(dtype="float32", **lay)))
+
+
+@pytest.mark.parametrize(("header", "code"), [
+    (_header(1 << 40), grpc.StatusCode.INVALID_ARGUMENT),
+    (_header(MAX_TOKENS + 1), grpc.StatusCode.INVALID_ARGUMENT),
+    (_header(64, n_layers=1 << 30), grpc.StatusCode.INVALID_ARGUMENT),
+    (_header(64, head_dim=1 << 20), grpc.StatusCode.INVALID_ARGUMENT),
+    (_header(MAX_TOKENS, n_layers=1024, n_kv_heads=1024), grpc.StatusCode.RESOURCE_EXHAUSTED),  # no such disk
+], ids=["n_tokens_2^40", "n_tokens_over_max", "n_layers", "head_dim", "more_than_the_disk"])
+def test_write_out_of_bounds_leaves_nothing(plain_stub, store: KVStore, header: pb.WriteChunk,
+                                            code: grpc.StatusCode) -> None:
+    with pytest.raises(grpc.RpcError) as e:
+        plain_stub.WritePrefix(iter([header, pb.WriteChunk(commit=True)]), metadata=ALICE, timeout=30)
+    assert e.value.code() == code, e.value.details()
+    assert list(store.prefixes_dir.iterdir()) == [] and list(store.locks_dir.iterdir()) == []
+
+
+def test_lease_holder_over_the_cap_is_invalid(plain_stub, store: KVStore) -> None:
+    pid = _alice_prefix(store)
+    with pytest.raises(grpc.RpcError) as e:
+        plain_stub.AcquireLease(pb.AcquireLeaseRequest(prefix_id=pid, ttl_s=5, holder="h" * (MAX_HOLDER_BYTES + 1)),
+                                metadata=ALICE)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and len(e.value.details()) < 100
+    assert store.leases(pid) == []
+    ok = plain_stub.AcquireLease(pb.AcquireLeaseRequest(prefix_id=pid, ttl_s=5, holder="h" * MAX_HOLDER_BYTES),
+                                 metadata=ALICE)
+    assert [x.holder for x in store.leases(pid)] == ["h" * MAX_HOLDER_BYTES] and ok.lease_id
+
+
+def test_tenant_quota_is_resource_exhausted(tmp_path: Path) -> None:
+    from store.config import StoreConfig
+
+    src = KVStore(StoreConfig(home=tmp_path / "src", fsync=False))
+    first, second = _write(src, 40, seed=0)[0], _write(src, 40, seed=1)[0]
+    store = KVStore(StoreConfig(home=tmp_path / "home", fsync=False, max_prefixes_per_tenant=1))
+    cfg = ServerConfig(port=free_port())
+    server, _ = build_store_server(store, cfg, KEYS)
+    server.start()
+    try:
+        stub = pb_grpc.KVStoreStub(grpc.insecure_channel(cfg.address))
+        stub.WritePrefix(iter(_write_stream(src, first)), metadata=ALICE)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.WritePrefix(iter(_write_stream(src, second)), metadata=ALICE)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "quota" in e.value.details()
+        stub.WritePrefix(iter(_write_stream(src, second)), metadata=[("x-api-key", "kb")])  # bob has room
+        assert len(store.list_prefixes()) == 2 and not any(p.name.startswith(".tmp") for p in
+                                                           store.prefixes_dir.iterdir())
+    finally:
+        server.stop(0)
+        src.close()
+        store.close()
+
+
+def _wait_for(cond, what: str, timeout_s: float = 20.0) -> None:  # noqa: ANN001 - a predicate
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def test_write_streams_to_disk_and_a_cancelled_stream_leaves_nothing(plain_stub, store: KVStore) -> None:
+    """Layer bytes reach their page file while the stream is still open (memory stays bounded), and a client
+    that goes away mid-layer leaves no file behind."""
+    n_tokens, chunk = 16 * 64, 32 << 10
+    layer_bytes = 2 * 64 * 4096  # 2 kv heads x 64 pages x 4 KiB
+
+    def temp_files() -> list[Path]:
+        return [f for d in store.prefixes_dir.iterdir() for f in d.glob("layer_*.kv")]
+
+    on_disk: list[int] = []
+
+    def stream() -> Iterator[pb.WriteChunk]:
+        yield _header(n_tokens)
+        for off in range(0, layer_bytes // 2, chunk):
+            yield pb.WriteChunk(layer=pb.LayerChunk(layer=0, offset=off, data=bytes([off // chunk]) * chunk))
+        with contextlib.suppress(AssertionError):
+            _wait_for(lambda: sum(f.stat().st_size for f in temp_files()) >= layer_bytes // 2 - chunk,
+                      "half a layer on disk", timeout_s=10)
+        on_disk.append(sum(f.stat().st_size for f in temp_files()))
+        raise RuntimeError("client gives up")  # the RPC is cancelled mid-layer
+
+    with pytest.raises(grpc.RpcError) as e:
+        plain_stub.WritePrefix(stream(), metadata=ALICE, timeout=60)
+    assert e.value.code() == grpc.StatusCode.UNKNOWN  # the client's own exception
+    assert on_disk[0] >= layer_bytes // 2 - chunk, "the server held the layer's bytes instead of writing them"
+    _wait_for(lambda: list(store.prefixes_dir.iterdir()) == [], "the temp dir to go")
+    assert store.list_prefixes() == []

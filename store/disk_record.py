@@ -1,0 +1,151 @@
+"""The self-describing prefix directory: manifest and artifacts as files inside it, the manifest last.
+
+Metadata backends are an index: everything needed to register a prefix again (after Redis lost its
+data, or an LMDB file was deleted or damaged) is in ``prefixes/<id>/``::
+
+    layer_NNN.kv       page files (``store.pages``)
+    artifact_NNN.bin   artifact i of the manifest (sorted by name; names never become file names)
+    manifest.json      {"format", "manifest": <Manifest JSON>, "blake2b": <digest of that JSON>}
+
+``manifest.json`` is written last (temp file, fsync, rename, fsync of the directory), before the
+directory itself is renamed into place: a directory with a valid manifest is a committed prefix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from store.artifacts import digest
+from store.manifest import Manifest
+from store.pages import layer_file_name
+
+MANIFEST_FILE = "manifest.json"
+RECORD_FORMAT = 1
+MAX_MANIFEST_BYTES = 16 << 20
+"""A manifest file larger than this is not one of ours (read no further)."""
+
+
+class InvalidRecord(Exception):
+    """A prefix directory that does not describe a committed prefix; the message says why."""
+
+
+def artifact_file_name(index: int) -> str:
+    """File name of the manifest's ``index``-th artifact."""
+    return f"artifact_{index:03d}.bin"
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory (makes renames inside it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, data: bytes, fsync: bool) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+
+
+def write_record(directory: Path, manifest: Manifest, artifacts: Mapping[str, bytes], *, fsync: bool) -> None:
+    """Write the artifacts, then the manifest, into ``directory`` (atomically replacing an older manifest)."""
+    for i, info in enumerate(manifest.artifacts):
+        _write_file(directory / artifact_file_name(i), artifacts[info.name], fsync)
+    publish(directory, manifest, fsync=fsync)
+
+
+def publish(directory: Path, manifest: Manifest, *, fsync: bool) -> None:
+    """Write ``directory``'s manifest file (temp file, fsync, rename, fsync of the directory)."""
+    text = manifest.to_json()
+    record = json.dumps({"format": RECORD_FORMAT, "manifest": text, "blake2b": digest(text.encode())})
+    tmp = directory / f".{MANIFEST_FILE}.tmp"
+    _write_file(tmp, record.encode(), fsync)
+    os.replace(tmp, directory / MANIFEST_FILE)
+    if fsync:
+        fsync_dir(directory)
+
+
+def unpublish(directory: Path, *, fsync: bool) -> None:
+    """Remove a directory's manifest file, so that it is no longer a committed prefix (nothing if absent)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(directory / MANIFEST_FILE)
+        if fsync:
+            fsync_dir(directory)
+
+
+def read_manifest(directory: Path) -> Manifest:
+    """The manifest a prefix directory holds, checked against its digest and the directory's name;
+    InvalidRecord otherwise. Reads nothing but the manifest file."""
+    path = directory / MANIFEST_FILE
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
+    except FileNotFoundError:
+        raise InvalidRecord("no manifest file") from None
+    except OSError as e:
+        raise InvalidRecord(f"manifest file unreadable: {e.strerror or e}") from None
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise InvalidRecord("manifest file too large")
+    try:
+        record = json.loads(raw)
+        if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT:
+            raise InvalidRecord("unknown manifest file format")
+        text = record["manifest"]
+        if not isinstance(text, str) or digest(text.encode()) != record.get("blake2b"):
+            raise InvalidRecord("manifest file failed its checksum")
+        m = Manifest.from_json(text)
+    except InvalidRecord:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise InvalidRecord(f"manifest file does not parse: {type(e).__name__}") from None
+    if m.prefix_id != directory.name or m.key.prefix_id != m.prefix_id or m.state != "committed":
+        raise InvalidRecord("manifest is not the one of this directory")
+    lay = m.layout
+    expect = [(layer_file_name(i), lay.layer_file_bytes(m.n_tokens)) for i in range(lay.n_layers)]
+    if [(f.name, f.size) for f in m.files] != expect:
+        raise InvalidRecord("manifest lists page files its layout does not give")
+    return m
+
+
+def page_file_problem(directory: Path, manifest: Manifest) -> str | None:
+    """What is wrong with the page files' presence and sizes (a stat each, no reads), or None."""
+    for f in manifest.files:
+        try:
+            size = (directory / f.name).stat().st_size
+        except FileNotFoundError:
+            return f"page file {f.name} is missing"
+        if size != f.size:
+            return f"page file {f.name} has {size} bytes, not {f.size}"
+    return None
+
+
+def read_artifacts(directory: Path, manifest: Manifest) -> dict[str, bytes]:
+    """The artifacts of a directory, each checked against the manifest's size and digest; InvalidRecord otherwise."""
+    out = {}
+    for i, info in enumerate(manifest.artifacts):
+        try:
+            with open(directory / artifact_file_name(i), "rb") as f:
+                data = f.read(info.size + 1)
+        except OSError as e:
+            raise InvalidRecord(f"artifact {info.name!r} unreadable: {e.strerror or e}") from None
+        if len(data) != info.size or digest(data) != info.blake2b:
+            raise InvalidRecord(f"artifact {info.name!r} failed its checksum")
+        out[info.name] = data
+    return out
+
+
+def load_record(directory: Path) -> tuple[Manifest, dict[str, bytes]]:
+    """Manifest and artifacts of a committed prefix directory (page files stat'ed, not hashed); InvalidRecord
+    when anything needed to register it is missing or fails its checksum."""
+    m = read_manifest(directory)
+    if (problem := page_file_problem(directory, m)) is not None:
+        raise InvalidRecord(problem)
+    return m, read_artifacts(directory, m)

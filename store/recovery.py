@@ -1,0 +1,291 @@
+"""Metadata is an index of the disk: registering what it lost at start (``recover``), and
+``kvstash store check [--repair]`` (``check``), which compares the two in full.
+
+Both walk ``prefixes/``. A directory named like a prefix id with a valid manifest file
+(``store.disk_record``) is a committed prefix whatever the metadata says; ``recover`` never deletes
+one (nor any other prefix directory: only temp dirs of dead writers), ``check`` only when told to repair
+a prefix it cannot serve (page files missing, the wrong size or failing their checksums).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from store import disk_record
+from store.disk_record import InvalidRecord
+from store.errors import CorruptData, InvalidInput, LockTimeout, PrefixNotFound
+from store.manifest import Manifest
+from store.pages import file_digest
+from store.prefix_key import check_prefix_id
+from store.writer import TMP_PREFIX
+
+if TYPE_CHECKING:
+    from store.kvstore import KVStore
+
+log = logging.getLogger(__name__)
+
+STALE_TEMP = "stale_temp"
+"""A temp dir of a writer that is gone. Repair (and every start) removes it."""
+ORPHAN = "orphan"
+"""A directory that is no committed prefix and unknown to the metadata. Repair removes it."""
+UNREGISTERED = "unregistered"
+"""A committed directory the metadata does not list. Repair (and every start) registers it."""
+DANGLING = "dangling"
+"""A metadata entry whose directory or page files are missing or the wrong size. Repair drops it."""
+CORRUPT = "corrupt"
+"""A prefix whose page files fail their checksums. Repair removes it (prefill it again)."""
+BAD_METADATA = "bad_metadata"
+"""A metadata entry whose artifacts are missing or fail their checksums. Repair registers the disk's copy again
+(or removes the prefix when the disk has none)."""
+UNRECORDED = "unrecorded"
+"""A registered prefix whose directory lacks a valid manifest of its own (written before directories were
+self-describing, or damaged). Repair writes it from the metadata."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Problem:
+    """One thing metadata and disk disagree on."""
+
+    kind: str
+    name: str
+    """The prefix id, or the directory's name under ``prefixes/``."""
+    detail: str
+    fixed: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckReport:
+    """What ``recover`` or ``check`` found (and, with repair, fixed)."""
+
+    prefixes: int
+    """Committed prefixes found healthy (or made healthy) and registered."""
+    problems: tuple[Problem, ...] = ()
+    busy: tuple[str, ...] = ()
+    """Prefixes skipped because a writer or evictor held them."""
+    repaired: bool = False
+
+    @property
+    def ok(self) -> bool:
+        """Whether no problem remains."""
+        return all(p.fixed for p in self.problems)
+
+    def names(self, kind: str) -> list[str]:
+        """Names of the problems of one kind."""
+        return [p.name for p in self.problems if p.kind == kind]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {"ok": self.ok, "prefixes": self.prefixes, "repaired": self.repaired, "busy": list(self.busy),
+                "problems": [asdict(p) for p in self.problems]}
+
+
+def _is_prefix_id(name: str) -> bool:
+    try:
+        check_prefix_id(name)
+    except InvalidInput:
+        return False
+    return True
+
+
+def _remove_path(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _held(store: KVStore, prefix_id: str) -> Iterator[bool]:
+    """The prefix's prefill lock without waiting; yields whether it was taken (busy otherwise)."""
+    try:
+        with store.prefill_lock(prefix_id, wait_s=0):
+            yield True
+    except LockTimeout:
+        yield False
+
+
+def _temp(store: KVStore, entry: Path, repair: bool) -> Problem | None:
+    """A writer's temp dir: a problem when its writer is gone (removed with ``repair``), None while it lives."""
+    owner = entry.name[len(TMP_PREFIX):].split("-")[0]
+    if not _is_prefix_id(owner):
+        if repair:
+            _remove_path(entry)
+        return Problem(kind=STALE_TEMP, name=entry.name, detail="temp dir of no prefix", fixed=repair)
+    with store._host_lock(owner, blocking=False) as taken:
+        if not taken:
+            return None  # a live writer owns it
+        if repair:
+            _remove_path(entry)
+    return Problem(kind=STALE_TEMP, name=entry.name, detail="temp dir of a writer that is gone", fixed=repair)
+
+
+def _register(store: KVStore, directory: Path) -> Problem | None:
+    """Register a committed directory the metadata lacks (caller holds its lock); a problem when it is none."""
+    if store._meta.manifest(directory.name) is not None:
+        return None  # registered meanwhile
+    try:
+        m, artifacts = disk_record.load_record(directory)
+    except InvalidRecord as e:
+        return Problem(kind=ORPHAN, name=directory.name, detail=str(e))
+    store._meta.commit(m, artifacts)
+    return Problem(kind=UNREGISTERED, name=directory.name, detail="registered from its directory", fixed=True)
+
+
+def recover(store: KVStore) -> CheckReport:
+    """See ``KVStore.recover``."""
+    known = set(store._meta.prefix_ids())
+    problems: list[Problem] = []
+    busy: list[str] = []
+    on_disk: set[str] = set()
+    unknown: list[tuple[float, Path]] = []
+    for entry in store.prefixes_dir.iterdir():
+        if entry.name.startswith(TMP_PREFIX):
+            if (p := _temp(store, entry, repair=True)) is not None:
+                problems.append(p)
+        elif not _is_prefix_id(entry.name) or not entry.is_dir():
+            problems.append(Problem(kind=ORPHAN, name=entry.name, detail="not a prefix directory"))
+        else:
+            on_disk.add(entry.name)
+            if entry.name not in known:
+                try:
+                    unknown.append((disk_record.read_manifest(entry).created_at, entry))
+                except InvalidRecord as e:
+                    problems.append(Problem(kind=ORPHAN, name=entry.name, detail=str(e)))
+    for _, entry in sorted(unknown):  # oldest first: the least recently used order follows creation
+        with _held(store, entry.name) as taken:
+            if not taken:
+                busy.append(entry.name)
+            elif (p := _register(store, entry)) is not None:
+                problems.append(p)
+    registered = [p for p in problems if p.kind == UNREGISTERED]
+    if registered:
+        log.warning("registered %d committed prefixes the metadata did not list, from their directories under %s",
+                    len(registered), store.prefixes_dir)
+    unfixed = [p for p in problems if not p.fixed]
+    if unfixed:
+        log.warning("%d entries under %s are no committed prefix (first: %s: %s); `kvstash store check --repair` "
+                    "removes them", len(unfixed), store.prefixes_dir, unfixed[0].name, unfixed[0].detail)
+    if missing := len(known - on_disk):
+        log.warning("%d prefixes in the metadata have no directory under %s; `kvstash store check` lists them",
+                    missing, store.prefixes_dir)
+    healthy = len(known & on_disk) + len(registered)
+    return CheckReport(prefixes=healthy, problems=tuple(problems), busy=tuple(busy))
+
+
+def _hash_problem(directory: Path, m: Manifest) -> str | None:
+    for f in m.files:
+        if file_digest(directory / f.name) != f.blake2b:
+            return f"page file {f.name} failed its checksum"
+    return None
+
+
+def _metadata_problem(store: KVStore, m: Manifest) -> str | None:
+    try:
+        for a in m.artifacts:
+            store.artifact(m.prefix_id, a.name)
+    except (CorruptData, PrefixNotFound) as e:
+        return str(e)
+    return None
+
+
+def _check_unregistered(store: KVStore, d: Path, repair: bool, hash_pages: bool) -> Problem:
+    try:
+        m, artifacts = disk_record.load_record(d)
+    except InvalidRecord as e:
+        if repair:
+            _remove_path(d)
+        return Problem(kind=ORPHAN, name=d.name, detail=str(e), fixed=repair)
+    if hash_pages and (bad := _hash_problem(d, m)):
+        if repair:
+            _remove_path(d)
+        return Problem(kind=CORRUPT, name=d.name, detail=f"{bad} (not registered)", fixed=repair)
+    if repair:
+        store._meta.commit(m, artifacts)
+    return Problem(kind=UNREGISTERED, name=d.name, detail="committed directory the metadata does not list",
+                   fixed=repair)
+
+
+def _check_registered(store: KVStore, d: Path, m: Manifest, repair: bool, hash_pages: bool) -> Problem | None:
+    def drop() -> bool:
+        if repair:
+            store._unregister(m)
+            store._drop_dir(m.prefix_id)
+        return repair
+
+    if (bad := disk_record.page_file_problem(d, m)) is not None:
+        return Problem(kind=DANGLING, name=d.name, detail=bad, fixed=drop())
+    if hash_pages and (bad := _hash_problem(d, m)) is not None:
+        return Problem(kind=CORRUPT, name=d.name, detail=bad, fixed=drop())
+    try:
+        on_disk: Manifest | None = disk_record.read_manifest(d)
+        disk_error = "on-disk manifest differs from the metadata's"
+        if on_disk == m:
+            disk_record.read_artifacts(d, m)
+    except InvalidRecord as e:
+        on_disk, disk_error = None, str(e)
+    if (bad := _metadata_problem(store, m)) is not None:
+        try:
+            if on_disk != m:
+                raise InvalidRecord(disk_error)
+            _, artifacts = disk_record.load_record(d)
+        except InvalidRecord:
+            return Problem(kind=BAD_METADATA, name=d.name, detail=f"{bad}; the directory has no valid copy",
+                           fixed=drop())
+        if repair:
+            store._meta.commit(m, artifacts)
+        return Problem(kind=BAD_METADATA, name=d.name, detail=bad, fixed=repair)
+    if on_disk != m:
+        if repair:
+            artifacts = {a.name: store.artifact(m.prefix_id, a.name) for a in m.artifacts}
+            disk_record.write_record(d, m, artifacts, fsync=store.config.fsync)
+        return Problem(kind=UNRECORDED, name=d.name, detail=disk_error, fixed=repair)
+    return None
+
+
+def check(store: KVStore, *, repair: bool, hash_pages: bool) -> CheckReport:
+    """See ``KVStore.check``."""
+    meta = store._meta
+    ids = set(meta.prefix_ids())
+    problems: list[Problem] = []
+    busy: list[str] = []
+    seen: set[str] = set()
+    healthy = 0
+    for entry in sorted(store.prefixes_dir.iterdir()):
+        if entry.name.startswith(TMP_PREFIX):
+            if (p := _temp(store, entry, repair)) is not None:
+                problems.append(p)
+            continue
+        if not _is_prefix_id(entry.name) or not entry.is_dir():
+            if repair:
+                _remove_path(entry)
+            problems.append(Problem(kind=ORPHAN, name=entry.name, detail="not a prefix directory", fixed=repair))
+            continue
+        seen.add(entry.name)
+        with _held(store, entry.name) as taken:
+            if not taken:
+                busy.append(entry.name)
+                continue
+            m = meta.manifest(entry.name)
+            p = (_check_unregistered(store, entry, repair, hash_pages) if m is None
+                 else _check_registered(store, entry, m, repair, hash_pages))
+        if p is None or (p.fixed and p.kind in (UNREGISTERED, BAD_METADATA, UNRECORDED)):
+            healthy += 1
+        if p is not None:
+            problems.append(p)
+    for pid in sorted(ids - seen):
+        with _held(store, pid) as taken:
+            if not taken:
+                busy.append(pid)
+                continue
+            if meta.manifest(pid) is None or store.prefix_dir(pid).exists():
+                continue  # removed, or written, since the listing
+            if repair:
+                meta.delete(pid)
+            problems.append(Problem(kind=DANGLING, name=pid, detail="directory missing", fixed=repair))
+    return CheckReport(prefixes=healthy, problems=tuple(problems), busy=tuple(busy), repaired=repair)
