@@ -89,8 +89,7 @@ class EmbeddedBackend:
 
     def prefill(self, req: PrefillRequest) -> tuple[str, int, bool]:
         """Prefill in process."""
-        document = req.document if req.document is not None else Path(req.file_path or "").read_text("utf-8")
-        r = self.worker.prefill(document, tenant=self.config.tenant)
+        r = self.worker.prefill(req.document, tenant=self.config.tenant)
         return r.prefix_id, r.n_tokens, r.cached
 
     def generate(self, req: GenerateRequest, stats: GenerationStats) -> Iterator[str]:

@@ -27,9 +27,7 @@ def document_chunks(document: str) -> Iterator[pb.PrefillChunk]:
 
 def prefill_chunks(req: PrefillRequest) -> Iterator[pb.PrefillChunk]:
     """A prefill request as the Prefill client stream."""
-    if req.file_path is not None:
-        return iter([pb.PrefillChunk(file_path=req.file_path)])
-    return document_chunks(req.document or "")
+    return document_chunks(req.document)
 
 
 def generate_request_to_pb(req: GenerateRequest) -> pb.GenerateRequest:

@@ -15,7 +15,7 @@ from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from services.auth import API_KEY_HEADER, ApiKeys, bearer_key
 from services.convert import HTTP_OF_GRPC, generate_request_to_pb, manifest_from_pb, prefill_chunks, stats_from_pb
@@ -24,6 +24,7 @@ from services.gen import kvstash_pb2_grpc as pb_grpc
 from services.grpc_common import channel
 from store.errors import InvalidInput, KVStashError, TooLarge
 from workers.requests import (
+    FILE_PATH_REFUSED,
     GENERATE_JSON_FIELDS,
     LIMITS,
     DecodeConfig,
@@ -47,11 +48,17 @@ class GatewayConfig:
 
 
 class PrefillBody(BaseModel):
-    """POST /v1/prefixes."""
+    """POST /v1/prefixes: the document's text (the gateway and the worker read no files for a caller)."""
 
     model_config = ConfigDict(extra="forbid")
-    document: str | None = None
-    file_path: str | None = Field(None, max_length=LIMITS.file_path_max_chars)
+    document: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_file_path(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "file_path" in data:
+            raise InvalidInput(FILE_PATH_REFUSED)  # 400 with the reason, not pydantic's "extra field"
+        return data
 
 
 # Bounds and defaults below come from workers.requests.LIMITS; the request built from a body checks them again.
@@ -190,8 +197,8 @@ def create_app(cfg: GatewayConfig, keys: ApiKeys) -> FastAPI:
     def prefill(body: PrefillBody, authorization: str | None = Header(None),
                 x_api_key: str | None = Header(None)) -> dict[str, Any]:
         meta = md(authorization, x_api_key)
-        req = PrefillRequest.from_json(body.model_dump(exclude_none=True))
-        if req.document is not None and len(req.document.encode()) > cfg.max_body_bytes:
+        req = PrefillRequest.from_json(body.model_dump())
+        if len(req.document.encode()) > cfg.max_body_bytes:
             raise TooLarge(f"document over {cfg.max_body_bytes} bytes")
         r = worker.Prefill(prefill_chunks(req), metadata=meta, timeout=cfg.request_timeout_s)
         metrics.prefills.labels(str(r.cached).lower()).inc()

@@ -68,15 +68,6 @@ class WorkerService(pb_grpc.WorkerServicer):
     def _read_document(self, chunks: Iterator[pb.PrefillChunk]) -> str:
         parts, size = [], 0
         for chunk in chunks:
-            if chunk.file_path:
-                path = Path(chunk.file_path)
-                if not path.is_file():
-                    raise InvalidInput(f"file {chunk.file_path!r} is not readable by the worker")
-                size += path.stat().st_size
-                if size > self.limits.max_document_bytes:
-                    raise TooLarge(f"document over {self.limits.max_document_bytes} bytes")
-                parts.append(path.read_text(encoding="utf-8"))
-                continue
             size += len(chunk.text.encode())
             if size > self.limits.max_document_bytes:
                 raise TooLarge(f"document over {self.limits.max_document_bytes} bytes")
