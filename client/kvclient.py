@@ -114,8 +114,8 @@ class EmbeddedBackend:
 class KVClient:
     """Prefill documents once, then ask them questions: embedded by default, or remote.
 
-    ``KVClient()`` runs store + worker in this process. ``KVClient("grpc://worker:50052?store=store:50051")``
-    or ``KVClient("http://gateway:8000")`` talk to deployed services with the same methods.
+    ``KVClient()`` runs store + worker in this process. ``KVClient("grpc://worker:50052")`` or
+    ``KVClient("http://gateway:8000")`` talk to deployed services with the same methods.
     """
 
     def __init__(self, target: str | None = None, *, config: ClientConfig | None = None,

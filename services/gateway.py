@@ -17,7 +17,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-from services.auth import API_KEY_HEADER, ApiKeys, bearer_key
+from services.auth import (
+    API_KEY_HEADER,
+    SERVICE_TOKEN_ENV,
+    ApiKeys,
+    ServiceToken,
+    bearer_key,
+    insecure_no_auth,
+    require_api_keys,
+    service_metadata,
+)
 from services.convert import HTTP_OF_GRPC, generate_request_to_pb, manifest_from_pb, prefill_chunks, stats_from_pb
 from services.gen import kvstash_pb2 as pb
 from services.gen import kvstash_pb2_grpc as pb_grpc
@@ -144,8 +153,11 @@ def _grpc_error_response(e: grpc.RpcError) -> JSONResponse:
                         status_code=HTTP_OF_GRPC.get(code, 500))
 
 
-def create_app(cfg: GatewayConfig, keys: ApiKeys) -> FastAPI:
-    """The FastAPI application (stubs connect lazily to the worker and the store)."""
+def create_app(cfg: GatewayConfig, keys: ApiKeys, service_token: ServiceToken | None = None) -> FastAPI:
+    """The FastAPI application (stubs connect lazily to the worker and the store).
+
+    The worker gets the caller's API key; the store gets ``service_token`` and the tenant the key resolves to.
+    """
     app = FastAPI(title="kvstash gateway", version="1")
     worker = pb_grpc.WorkerStub(channel(cfg.worker_addr))
     store = pb_grpc.KVStoreStub(channel(cfg.store_addr))
@@ -155,6 +167,9 @@ def create_app(cfg: GatewayConfig, keys: ApiKeys) -> FastAPI:
         key = bearer_key(authorization, x_api_key)
         keys.tenant(key)  # 401 here, before anything is forwarded
         return [(API_KEY_HEADER, key)] if key else []
+
+    def store_md(authorization: str | None, x_api_key: str | None) -> list[tuple[str, str]]:
+        return service_metadata(service_token, keys.tenant(bearer_key(authorization, x_api_key)))
 
     @app.exception_handler(KVStashError)
     def _kv_error(request: Request, e: KVStashError) -> JSONResponse:
@@ -207,13 +222,13 @@ def create_app(cfg: GatewayConfig, keys: ApiKeys) -> FastAPI:
     @app.get("/v1/prefixes")
     def list_prefixes(authorization: str | None = Header(None),
                       x_api_key: str | None = Header(None)) -> dict[str, Any]:
-        r = store.ListPrefixes(pb.ListPrefixesRequest(), metadata=md(authorization, x_api_key))
+        r = store.ListPrefixes(pb.ListPrefixesRequest(), metadata=store_md(authorization, x_api_key))
         return {"prefixes": [_summary(m) for m in r.prefixes]}
 
     @app.get("/v1/prefixes/{prefix_id}")
     def get_prefix(prefix_id: str, authorization: str | None = Header(None),
                    x_api_key: str | None = Header(None)) -> dict[str, Any]:
-        m = store.GetManifest(pb.PrefixRef(prefix_id=prefix_id), metadata=md(authorization, x_api_key))
+        m = store.GetManifest(pb.PrefixRef(prefix_id=prefix_id), metadata=store_md(authorization, x_api_key))
         full = manifest_from_pb(m)
         return {**_summary(m), "layout": full.layout.to_dict(), "files": [f.__dict__ for f in full.files],
                 "artifacts": [a.__dict__ for a in full.artifacts], "manifest_json": m.manifest_json}
@@ -221,7 +236,7 @@ def create_app(cfg: GatewayConfig, keys: ApiKeys) -> FastAPI:
     @app.delete("/v1/prefixes/{prefix_id}")
     def delete_prefix(prefix_id: str, authorization: str | None = Header(None),
                       x_api_key: str | None = Header(None)) -> dict[str, Any]:
-        store.DeletePrefix(pb.PrefixRef(prefix_id=prefix_id), metadata=md(authorization, x_api_key))
+        store.DeletePrefix(pb.PrefixRef(prefix_id=prefix_id), metadata=store_md(authorization, x_api_key))
         return {"deleted": prefix_id}
 
     def run(req: GenerateRequest, meta: list[tuple[str, str]]) -> Iterator[pb.GenerateEvent]:
@@ -359,6 +374,20 @@ def _openai_stream(events: Iterator[pb.GenerateEvent], cid: str, created: int, m
     yield "data: [DONE]\n\n"
 
 
+def _service_token(keys: ApiKeys, insecure: bool) -> ServiceToken | None:
+    """The store credential from the environment; exits when it is missing (unless insecure) or is a tenant key."""
+    try:
+        token = ServiceToken.from_env()
+        if token:
+            token.check_distinct(keys)
+    except ValueError as e:
+        raise SystemExit(f"kvstash-gateway: {e}") from None
+    if token is None and not insecure:
+        raise SystemExit(f"kvstash-gateway: refusing to start without {SERVICE_TOKEN_ENV} (its credential at the "
+                         "store); for local development pass --insecure-no-auth")
+    return token
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m services.gateway``."""
     import uvicorn
@@ -369,9 +398,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--worker-addr", default="127.0.0.1:50052")
     p.add_argument("--store-addr", default="127.0.0.1:50051")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument("--insecure-no-auth", action="store_true",
+                   help=f"serve without KVSTASH_API_KEYS (every caller is tenant 'default') and, when "
+                        f"{SERVICE_TOKEN_ENV} is unset, call an --insecure store without it: local development only")
     args = p.parse_args(argv)
+    keys, insecure = ApiKeys.from_env(), insecure_no_auth(args.insecure_no_auth)
+    require_api_keys(keys, insecure, "kvstash-gateway")
+    token = _service_token(keys, insecure)
     app = create_app(GatewayConfig(worker_addr=args.worker_addr, store_addr=args.store_addr,
-                                   max_body_bytes=args.max_body_bytes), ApiKeys.from_env())
+                                   max_body_bytes=args.max_body_bytes), keys, token)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 
 

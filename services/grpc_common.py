@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,10 +46,11 @@ def grpc_options() -> list[tuple[str, int]]:
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 
 
-def build_server(cfg: ServerConfig, service_names: list[str],
-                 add_services: Callable[[grpc.Server], None]) -> tuple[grpc.Server, health.HealthServicer]:
+def build_server(cfg: ServerConfig, service_names: list[str], add_services: Callable[[grpc.Server], None],
+                 interceptors: Sequence[grpc.ServerInterceptor] = ()) -> tuple[grpc.Server, health.HealthServicer]:
     """A started-ready server with health checking and reflection for ``service_names``."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers), options=grpc_options())
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers), options=grpc_options(),
+                         interceptors=list(interceptors))
     add_services(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
