@@ -14,12 +14,12 @@ import pytest
 
 from client import KVClient
 from client.backends import RemoteError
+from services.auth import ServiceToken
 from services.gen import kvstash_pb2 as pb
 from services.gen import kvstash_pb2_grpc as pb_grpc
 from store.config import StoreConfig
 from store.kvstore import KVStore
 from tests.redis_server import INSTALL_HINT, RedisServer
-from services.auth import ServiceToken
 from tests.services_harness import SERVICE_TOKEN, start, stop, topology, wait_grpc
 
 KEYS = {"alice": "key-alice", "bob": "key-bob"}
