@@ -48,9 +48,9 @@ class RemoteError(KVStashError):
 
 
 def _remote_error(e: Any) -> RemoteError:
-    from services.convert import HTTP_OF_GRPC
+    from services.convert import http_status_of
 
-    return RemoteError(e.details() or str(e), e.code().name, HTTP_OF_GRPC.get(e.code(), 500))
+    return RemoteError(e.details() or str(e), e.code().name, http_status_of(e))
 
 
 class GrpcBackend:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
 import uuid
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ from services.auth import (
     require_api_keys,
     service_metadata,
 )
-from services.convert import HTTP_OF_GRPC, generate_request_to_pb, manifest_from_pb, prefill_chunks, stats_from_pb
+from services.convert import generate_request_to_pb, manifest_from_pb, prefill_chunks, relayed_error, stats_from_pb
 from services.gen import kvstash_pb2 as pb
 from services.gen import kvstash_pb2_grpc as pb_grpc
 from services.grpc_common import channel
@@ -42,6 +43,8 @@ from workers.requests import (
     PrefillRequest,
     SamplingParams,
 )
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 64 << 20
 
@@ -148,9 +151,10 @@ class Metrics:
 
 
 def _grpc_error_response(e: grpc.RpcError) -> JSONResponse:
-    code = e.code()
-    return JSONResponse({"error": {"message": e.details(), "code": code.name}},
-                        status_code=HTTP_OF_GRPC.get(code, 500))
+    status, message, code = relayed_error(e)
+    if status >= 500:
+        log.warning("upstream error %s: %s", e.code(), e.details())  # the full story for operators only
+    return JSONResponse({"error": {"message": message, "code": code}}, status_code=status)
 
 
 def create_app(cfg: GatewayConfig, keys: ApiKeys, service_token: ServiceToken | None = None) -> FastAPI:
@@ -348,7 +352,8 @@ def _sse(events: Iterator[pb.GenerateEvent]) -> Iterator[str]:
             else:
                 yield f"data: {json.dumps({'text': ev.text, 'step': ev.token.step})}\n\n"
     except grpc.RpcError as e:
-        yield f"event: error\ndata: {json.dumps({'message': e.details(), 'code': e.code().name})}\n\n"
+        _, message, code = relayed_error(e)
+        yield f"event: error\ndata: {json.dumps({'message': message, 'code': code})}\n\n"
 
 
 def _finish(stats: dict[str, Any]) -> str:

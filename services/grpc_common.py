@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.auth import API_KEY_HEADER, ApiKeys
+from services.convert import HTTP_STATUS_TRAILER
 from store.errors import KVStashError
 
 log = logging.getLogger(__name__)
@@ -84,8 +85,10 @@ def mapped_errors(context: grpc.ServicerContext) -> Iterator[None]:
     try:
         yield
     except KVStashError as e:
+        context.set_trailing_metadata(((HTTP_STATUS_TRAILER, str(e.http_status)),))  # e.g. 413 vs 429
         context.abort(status_code(e), str(e))
     except ValueError as e:
+        context.set_trailing_metadata(((HTTP_STATUS_TRAILER, "400"),))
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
 
