@@ -32,6 +32,7 @@ from services.convert import generate_request_to_pb, manifest_from_pb, prefill_c
 from services.gen import kvstash_pb2 as pb
 from services.gen import kvstash_pb2_grpc as pb_grpc
 from services.grpc_common import channel
+from services.openapi_doc import document_api
 from store.errors import InvalidInput, KVStashError, TooLarge
 from workers.requests import (
     FILE_PATH_REFUSED,
@@ -310,6 +311,7 @@ def create_app(cfg: GatewayConfig, keys: ApiKeys, service_token: ServiceToken | 
         info = worker.Info(pb.InfoRequest(), metadata=md(authorization, x_api_key))
         return {"object": "list", "data": [{"id": info.model_name, "object": "model", "owned_by": "kvstash"}]}
 
+    document_api(app)
     return app
 
 
