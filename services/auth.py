@@ -133,3 +133,21 @@ def require_api_keys(keys: ApiKeys, insecure: bool, server: str) -> None:
                          f"development pass --insecure-no-auth or set {INSECURE_NO_AUTH_ENV}=1")
     log.warning("%s: INSECURE: no %s, authentication is OFF and every caller is tenant %r; never expose this "
                 "port to a network", server, API_KEYS_ENV, DEFAULT_TENANT)
+
+
+def service_token_or_exit(server: str, insecure: bool, insecure_flag: str, keys: ApiKeys) -> ServiceToken | None:
+    """``$KVSTASH_SERVICE_TOKEN``; exits when it is malformed, equals one of ``keys``, or is missing (unless
+    ``insecure``)."""
+    try:
+        token = ServiceToken.from_env()
+        if token:
+            token.check_distinct(keys)
+    except ValueError as e:
+        raise SystemExit(f"{server}: {e}") from None
+    if token is None and not insecure:
+        raise SystemExit(f"{server}: refusing to start without {SERVICE_TOKEN_ENV} (the credential services present "
+                         f"to the store); for loopback development pass {insecure_flag}")
+    if token is None:
+        log.warning("%s: INSECURE: no %s, store calls carry no service credential; loopback development only",
+                    server, SERVICE_TOKEN_ENV)
+    return token

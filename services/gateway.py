@@ -27,6 +27,7 @@ from services.auth import (
     insecure_no_auth,
     require_api_keys,
     service_metadata,
+    service_token_or_exit,
 )
 from services.convert import generate_request_to_pb, manifest_from_pb, prefill_chunks, relayed_error, stats_from_pb
 from services.gen import kvstash_pb2 as pb
@@ -381,20 +382,6 @@ def _openai_stream(events: Iterator[pb.GenerateEvent], cid: str, created: int, m
     yield "data: [DONE]\n\n"
 
 
-def _service_token(keys: ApiKeys, insecure: bool) -> ServiceToken | None:
-    """The store credential from the environment; exits when it is missing (unless insecure) or is a tenant key."""
-    try:
-        token = ServiceToken.from_env()
-        if token:
-            token.check_distinct(keys)
-    except ValueError as e:
-        raise SystemExit(f"kvstash-gateway: {e}") from None
-    if token is None and not insecure:
-        raise SystemExit(f"kvstash-gateway: refusing to start without {SERVICE_TOKEN_ENV} (its credential at the "
-                         "store); for local development pass --insecure-no-auth")
-    return token
-
-
 def main(argv: list[str] | None = None) -> None:
     """``python -m services.gateway``."""
     import uvicorn
@@ -411,7 +398,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     keys, insecure = ApiKeys.from_env(), insecure_no_auth(args.insecure_no_auth)
     require_api_keys(keys, insecure, "kvstash-gateway")
-    token = _service_token(keys, insecure)
+    token = service_token_or_exit("kvstash-gateway", insecure, "--insecure-no-auth", keys)
     app = create_app(GatewayConfig(worker_addr=args.worker_addr, store_addr=args.store_addr,
                                    max_body_bytes=args.max_body_bytes), keys, token)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")

@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 import torch
 
-from services.auth import SERVICE_TOKEN_ENV, ApiKeys, ServiceToken, tenant_secret
+from services.auth import SERVICE_TOKEN_ENV, ApiKeys, ServiceToken, service_token_or_exit, tenant_secret
 from services.convert import manifest_to_pb
 from services.gen import kvstash_pb2 as pb
 from services.gen import kvstash_pb2_grpc as pb_grpc
@@ -27,8 +27,6 @@ from store.kvstore import KVStore, PrefixWriter
 from store.layout import KVLayout
 from store.manifest import Manifest
 from store.prefix_key import PrefixKey, tenant_salt
-
-log = logging.getLogger(__name__)
 
 MAX_LEASE_TTL_S = 3600.0
 READ_CHUNK_BYTES = 4 << 20
@@ -195,22 +193,6 @@ def build_store_server(store: KVStore, cfg: ServerConfig, token: ServiceToken | 
     return build_server(cfg, [name], lambda s: pb_grpc.add_KVStoreServicer_to_server(service, s), gate)
 
 
-def service_token_or_exit(insecure: bool) -> ServiceToken | None:
-    """The configured service token; exits when there is none and ``insecure`` was not asked for."""
-    try:
-        token = ServiceToken.from_env()
-        if token:
-            token.check_distinct(ApiKeys.from_env())
-    except ValueError as e:
-        raise SystemExit(f"kvstash-store: {e}") from None
-    if token is None and not insecure:
-        raise SystemExit(f"kvstash-store: refusing to start without {SERVICE_TOKEN_ENV} (the credential the "
-                         "gateway and workers present); for loopback development pass --insecure")
-    if token is None:
-        log.warning("kvstash-store: INSECURE: no %s, any process that reaches this port reads and writes every "
-                    "tenant's prefixes; bind it to loopback only", SERVICE_TOKEN_ENV)
-    return token
-
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m services.store_server``."""
@@ -225,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
                    help=f"serve without {SERVICE_TOKEN_ENV} (every call trusted; loopback development only)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    token = service_token_or_exit(args.insecure)
+    token = service_token_or_exit("kvstash-store", args.insecure, "--insecure", ApiKeys.from_env())
     store = KVStore(StoreConfig(home=args.home or default_home(), metadata_url=args.metadata_url))
     cfg = ServerConfig(host=args.host, port=args.port, tls_cert=args.tls_cert, tls_key=args.tls_key)
     server, health = build_store_server(store, cfg, token, tenant_secret())
