@@ -1,4 +1,4 @@
-"""Where a KVClient's calls go: in-process (embedded), a gRPC worker + store, or the REST gateway.
+"""Where a KVClient's calls go: in-process (embedded), a gRPC worker, or the REST gateway.
 
 Imports neither torch nor grpc: a backend imports its transport when it is made.
 """
@@ -13,8 +13,6 @@ from urllib.parse import parse_qs, urlparse
 from store.errors import InvalidInput, KVStashError
 from store.manifest import Manifest
 from workers.requests import GenerateRequest, GenerationStats, PrefillRequest
-
-DEFAULT_STORE_PORT = 50051
 
 
 class Backend(Protocol):
@@ -50,13 +48,14 @@ class RemoteError(KVStashError):
 
 
 def _remote_error(e: Any) -> RemoteError:
-    from services.convert import HTTP_OF_GRPC
+    from services.convert import http_status_of
 
-    return RemoteError(e.details() or str(e), e.code().name, HTTP_OF_GRPC.get(e.code(), 500))
+    return RemoteError(e.details() or str(e), e.code().name, http_status_of(e))
 
 
 class GrpcBackend:
-    """``grpc://worker-host:port?store=store-host:port&api_key=...``."""
+    """``grpc://worker-host:port?api_key=...``: every call goes to the worker (the store service is for
+    services only). A ``store=`` parameter, which older URLs carry, is accepted and ignored."""
 
     def __init__(self, url: str, api_key: str | None = None):
         import grpc  # noqa: F401 - fail early when grpc is missing
@@ -65,13 +64,9 @@ class GrpcBackend:
         from services.grpc_common import channel
 
         u = urlparse(url)
-        q = parse_qs(u.query)
-        worker_addr = u.netloc
-        store_addr = q.get("store", [f"{u.hostname}:{DEFAULT_STORE_PORT}"])[0]
-        key = api_key or q.get("api_key", [None])[0]
+        key = api_key or parse_qs(u.query).get("api_key", [None])[0]
         self._md = [("x-api-key", key)] if key else []
-        self.worker = pb_grpc.WorkerStub(channel(worker_addr))
-        self.store = pb_grpc.KVStoreStub(channel(store_addr))
+        self.worker = pb_grpc.WorkerStub(channel(u.netloc))
 
     def _call(self, fn: Any, *args: Any, **kw: Any) -> Any:
         import grpc
@@ -105,24 +100,24 @@ class GrpcBackend:
             raise _remote_error(e) from None
 
     def list(self) -> list[Manifest]:
-        """From the store service."""
+        """From the worker."""
         from services.convert import manifest_from_pb
         from services.gen import kvstash_pb2 as pb
 
-        return [manifest_from_pb(m) for m in self._call(self.store.ListPrefixes, pb.ListPrefixesRequest()).prefixes]
+        return [manifest_from_pb(m) for m in self._call(self.worker.ListPrefixes, pb.ListPrefixesRequest()).prefixes]
 
     def manifest(self, prefix_id: str) -> Manifest:
-        """From the store service."""
+        """From the worker."""
         from services.convert import manifest_from_pb
         from services.gen import kvstash_pb2 as pb
 
-        return manifest_from_pb(self._call(self.store.GetManifest, pb.PrefixRef(prefix_id=prefix_id)))
+        return manifest_from_pb(self._call(self.worker.GetManifest, pb.PrefixRef(prefix_id=prefix_id)))
 
     def remove(self, prefix_id: str) -> None:
-        """Through the store service."""
+        """Through the worker."""
         from services.gen import kvstash_pb2 as pb
 
-        self._call(self.store.DeletePrefix, pb.PrefixRef(prefix_id=prefix_id))
+        self._call(self.worker.DeletePrefix, pb.PrefixRef(prefix_id=prefix_id))
 
 
 class HttpBackend:

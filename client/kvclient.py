@@ -89,8 +89,7 @@ class EmbeddedBackend:
 
     def prefill(self, req: PrefillRequest) -> tuple[str, int, bool]:
         """Prefill in process."""
-        document = req.document if req.document is not None else Path(req.file_path or "").read_text("utf-8")
-        r = self.worker.prefill(document, tenant=self.config.tenant)
+        r = self.worker.prefill(req.document, tenant=self.config.tenant)
         return r.prefix_id, r.n_tokens, r.cached
 
     def generate(self, req: GenerateRequest, stats: GenerationStats) -> Iterator[str]:
@@ -115,8 +114,8 @@ class EmbeddedBackend:
 class KVClient:
     """Prefill documents once, then ask them questions: embedded by default, or remote.
 
-    ``KVClient()`` runs store + worker in this process. ``KVClient("grpc://worker:50052?store=store:50051")``
-    or ``KVClient("http://gateway:8000")`` talk to deployed services with the same methods.
+    ``KVClient()`` runs store + worker in this process. ``KVClient("grpc://worker:50052")`` or
+    ``KVClient("http://gateway:8000")`` talk to deployed services with the same methods.
     """
 
     def __init__(self, target: str | None = None, *, config: ClientConfig | None = None,

@@ -14,9 +14,47 @@ HTTP_OF_GRPC = {grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.UNAUTHENTICATED:
                 grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 413,
                 grpc.StatusCode.FAILED_PRECONDITION: 409, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
                 grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DATA_LOSS: 500, grpc.StatusCode.CANCELLED: 499}
-"""The HTTP status a gateway or remote client reports for a gRPC status (500 when absent)."""
+"""The HTTP status of a gRPC status that carries no ``HTTP_STATUS_TRAILER`` (500 when absent). One gRPC
+code can stand for several typed errors (RESOURCE_EXHAUSTED: too large, 413, or over a quota, 429): the
+trailer, which kvstash's servers set from the typed error, tells them apart."""
+HTTP_STATUS_TRAILER = "x-kvstash-http-status"
+"""Trailing metadata of a gRPC error raised on purpose by a kvstash server: the HTTP status of its typed error."""
+GENERIC_MESSAGES = {grpc.StatusCode.UNAVAILABLE: "service unavailable, try again later",
+                    grpc.StatusCode.DEADLINE_EXCEEDED: "the request timed out",
+                    grpc.StatusCode.CANCELLED: "the request was cancelled",
+                    grpc.StatusCode.RESOURCE_EXHAUSTED: "message too large",
+                    grpc.StatusCode.DATA_LOSS: "stored data failed verification"}
+"""What a gateway says for a gRPC error no kvstash server raised on purpose (the transport's own words
+name internal addresses)."""
+MAX_RELAYED_MESSAGE_CHARS = 300
 DOCUMENT_CHUNK_CHARS = 1 << 20
 """Characters per streamed Prefill message (far under the gRPC message limit)."""
+
+
+def http_status_of(e: grpc.RpcError) -> int:
+    """The HTTP status of a gRPC error: its typed error's (the trailer), else by code."""
+    for key, value in e.trailing_metadata() or ():
+        if key == HTTP_STATUS_TRAILER and str(value).isdigit() and 400 <= int(value) <= 599:
+            return int(value)
+    return HTTP_OF_GRPC.get(e.code(), 500)
+
+
+def relayed_error(e: grpc.RpcError) -> tuple[int, str, str]:
+    """(HTTP status, message, code name) a gateway answers for an upstream gRPC error.
+
+    A kvstash server's own 4xx error keeps its (short) message; anything else (a refused connection, a
+    refused service credential, a server-side failure) gets a generic one: never internal addresses or paths.
+    """
+    code: grpc.StatusCode = e.code()
+    status = http_status_of(e)
+    if status < 500 and any(k == HTTP_STATUS_TRAILER for k, _ in e.trailing_metadata() or ()):
+        message = e.details() or code.name.lower()
+        if len(message) > MAX_RELAYED_MESSAGE_CHARS:
+            message = message[:MAX_RELAYED_MESSAGE_CHARS - 3] + "..."
+        return status, message, code.name
+    if code == grpc.StatusCode.UNAUTHENTICATED:  # an upstream refused the gateway itself: not the caller's fault
+        return 503, GENERIC_MESSAGES[grpc.StatusCode.UNAVAILABLE], grpc.StatusCode.UNAVAILABLE.name
+    return status, GENERIC_MESSAGES.get(code, "internal error"), code.name
 
 
 def document_chunks(document: str) -> Iterator[pb.PrefillChunk]:
@@ -27,9 +65,7 @@ def document_chunks(document: str) -> Iterator[pb.PrefillChunk]:
 
 def prefill_chunks(req: PrefillRequest) -> Iterator[pb.PrefillChunk]:
     """A prefill request as the Prefill client stream."""
-    if req.file_path is not None:
-        return iter([pb.PrefillChunk(file_path=req.file_path)])
-    return document_chunks(req.document or "")
+    return document_chunks(req.document)
 
 
 def generate_request_to_pb(req: GenerateRequest) -> pb.GenerateRequest:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
 import uuid
 from collections.abc import Iterator
@@ -15,15 +16,27 @@ from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-from services.auth import API_KEY_HEADER, ApiKeys, bearer_key
-from services.convert import HTTP_OF_GRPC, generate_request_to_pb, manifest_from_pb, prefill_chunks, stats_from_pb
+from services.auth import (
+    API_KEY_HEADER,
+    SERVICE_TOKEN_ENV,
+    ApiKeys,
+    ServiceToken,
+    bearer_key,
+    insecure_no_auth,
+    require_api_keys,
+    service_metadata,
+    service_token_or_exit,
+)
+from services.convert import generate_request_to_pb, manifest_from_pb, prefill_chunks, relayed_error, stats_from_pb
 from services.gen import kvstash_pb2 as pb
 from services.gen import kvstash_pb2_grpc as pb_grpc
 from services.grpc_common import channel
+from services.openapi_doc import document_api
 from store.errors import InvalidInput, KVStashError, TooLarge
 from workers.requests import (
+    FILE_PATH_REFUSED,
     GENERATE_JSON_FIELDS,
     LIMITS,
     DecodeConfig,
@@ -32,6 +45,8 @@ from workers.requests import (
     PrefillRequest,
     SamplingParams,
 )
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 64 << 20
 
@@ -47,11 +62,17 @@ class GatewayConfig:
 
 
 class PrefillBody(BaseModel):
-    """POST /v1/prefixes."""
+    """POST /v1/prefixes: the document's text (the gateway and the worker read no files for a caller)."""
 
     model_config = ConfigDict(extra="forbid")
-    document: str | None = None
-    file_path: str | None = Field(None, max_length=LIMITS.file_path_max_chars)
+    document: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_file_path(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "file_path" in data:
+            raise InvalidInput(FILE_PATH_REFUSED)  # 400 with the reason, not pydantic's "extra field"
+        return data
 
 
 # Bounds and defaults below come from workers.requests.LIMITS; the request built from a body checks them again.
@@ -132,13 +153,17 @@ class Metrics:
 
 
 def _grpc_error_response(e: grpc.RpcError) -> JSONResponse:
-    code = e.code()
-    return JSONResponse({"error": {"message": e.details(), "code": code.name}},
-                        status_code=HTTP_OF_GRPC.get(code, 500))
+    status, message, code = relayed_error(e)
+    if status >= 500:
+        log.warning("upstream error %s: %s", e.code(), e.details())  # the full story for operators only
+    return JSONResponse({"error": {"message": message, "code": code}}, status_code=status)
 
 
-def create_app(cfg: GatewayConfig, keys: ApiKeys) -> FastAPI:
-    """The FastAPI application (stubs connect lazily to the worker and the store)."""
+def create_app(cfg: GatewayConfig, keys: ApiKeys, service_token: ServiceToken | None = None) -> FastAPI:
+    """The FastAPI application (stubs connect lazily to the worker and the store).
+
+    The worker gets the caller's API key; the store gets ``service_token`` and the tenant the key resolves to.
+    """
     app = FastAPI(title="kvstash gateway", version="1")
     worker = pb_grpc.WorkerStub(channel(cfg.worker_addr))
     store = pb_grpc.KVStoreStub(channel(cfg.store_addr))
@@ -148,6 +173,9 @@ def create_app(cfg: GatewayConfig, keys: ApiKeys) -> FastAPI:
         key = bearer_key(authorization, x_api_key)
         keys.tenant(key)  # 401 here, before anything is forwarded
         return [(API_KEY_HEADER, key)] if key else []
+
+    def store_md(authorization: str | None, x_api_key: str | None) -> list[tuple[str, str]]:
+        return service_metadata(service_token, keys.tenant(bearer_key(authorization, x_api_key)))
 
     @app.exception_handler(KVStashError)
     def _kv_error(request: Request, e: KVStashError) -> JSONResponse:
@@ -190,8 +218,8 @@ def create_app(cfg: GatewayConfig, keys: ApiKeys) -> FastAPI:
     def prefill(body: PrefillBody, authorization: str | None = Header(None),
                 x_api_key: str | None = Header(None)) -> dict[str, Any]:
         meta = md(authorization, x_api_key)
-        req = PrefillRequest.from_json(body.model_dump(exclude_none=True))
-        if req.document is not None and len(req.document.encode()) > cfg.max_body_bytes:
+        req = PrefillRequest.from_json(body.model_dump())
+        if len(req.document.encode()) > cfg.max_body_bytes:
             raise TooLarge(f"document over {cfg.max_body_bytes} bytes")
         r = worker.Prefill(prefill_chunks(req), metadata=meta, timeout=cfg.request_timeout_s)
         metrics.prefills.labels(str(r.cached).lower()).inc()
@@ -200,13 +228,13 @@ def create_app(cfg: GatewayConfig, keys: ApiKeys) -> FastAPI:
     @app.get("/v1/prefixes")
     def list_prefixes(authorization: str | None = Header(None),
                       x_api_key: str | None = Header(None)) -> dict[str, Any]:
-        r = store.ListPrefixes(pb.ListPrefixesRequest(), metadata=md(authorization, x_api_key))
+        r = store.ListPrefixes(pb.ListPrefixesRequest(), metadata=store_md(authorization, x_api_key))
         return {"prefixes": [_summary(m) for m in r.prefixes]}
 
     @app.get("/v1/prefixes/{prefix_id}")
     def get_prefix(prefix_id: str, authorization: str | None = Header(None),
                    x_api_key: str | None = Header(None)) -> dict[str, Any]:
-        m = store.GetManifest(pb.PrefixRef(prefix_id=prefix_id), metadata=md(authorization, x_api_key))
+        m = store.GetManifest(pb.PrefixRef(prefix_id=prefix_id), metadata=store_md(authorization, x_api_key))
         full = manifest_from_pb(m)
         return {**_summary(m), "layout": full.layout.to_dict(), "files": [f.__dict__ for f in full.files],
                 "artifacts": [a.__dict__ for a in full.artifacts], "manifest_json": m.manifest_json}
@@ -214,7 +242,7 @@ def create_app(cfg: GatewayConfig, keys: ApiKeys) -> FastAPI:
     @app.delete("/v1/prefixes/{prefix_id}")
     def delete_prefix(prefix_id: str, authorization: str | None = Header(None),
                       x_api_key: str | None = Header(None)) -> dict[str, Any]:
-        store.DeletePrefix(pb.PrefixRef(prefix_id=prefix_id), metadata=md(authorization, x_api_key))
+        store.DeletePrefix(pb.PrefixRef(prefix_id=prefix_id), metadata=store_md(authorization, x_api_key))
         return {"deleted": prefix_id}
 
     def run(req: GenerateRequest, meta: list[tuple[str, str]]) -> Iterator[pb.GenerateEvent]:
@@ -284,6 +312,7 @@ def create_app(cfg: GatewayConfig, keys: ApiKeys) -> FastAPI:
         info = worker.Info(pb.InfoRequest(), metadata=md(authorization, x_api_key))
         return {"object": "list", "data": [{"id": info.model_name, "object": "model", "owned_by": "kvstash"}]}
 
+    document_api(app)
     return app
 
 
@@ -326,7 +355,8 @@ def _sse(events: Iterator[pb.GenerateEvent]) -> Iterator[str]:
             else:
                 yield f"data: {json.dumps({'text': ev.text, 'step': ev.token.step})}\n\n"
     except grpc.RpcError as e:
-        yield f"event: error\ndata: {json.dumps({'message': e.details(), 'code': e.code().name})}\n\n"
+        _, message, code = relayed_error(e)
+        yield f"event: error\ndata: {json.dumps({'message': message, 'code': code})}\n\n"
 
 
 def _finish(stats: dict[str, Any]) -> str:
@@ -362,9 +392,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--worker-addr", default="127.0.0.1:50052")
     p.add_argument("--store-addr", default="127.0.0.1:50051")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument("--insecure-no-auth", action="store_true",
+                   help=f"serve without KVSTASH_API_KEYS (every caller is tenant 'default') and, when "
+                        f"{SERVICE_TOKEN_ENV} is unset, call an --insecure store without it: local development only")
     args = p.parse_args(argv)
+    keys, insecure = ApiKeys.from_env(), insecure_no_auth(args.insecure_no_auth)
+    require_api_keys(keys, insecure, "kvstash-gateway")
+    token = service_token_or_exit("kvstash-gateway", insecure, "--insecure-no-auth", keys)
     app = create_app(GatewayConfig(worker_addr=args.worker_addr, store_addr=args.store_addr,
-                                   max_body_bytes=args.max_body_bytes), ApiKeys.from_env())
+                                   max_body_bytes=args.max_body_bytes), keys, token)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 
 

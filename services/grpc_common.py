@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.auth import API_KEY_HEADER, ApiKeys
+from services.convert import HTTP_STATUS_TRAILER
 from store.errors import KVStashError
 
 log = logging.getLogger(__name__)
@@ -46,10 +47,11 @@ def grpc_options() -> list[tuple[str, int]]:
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 
 
-def build_server(cfg: ServerConfig, service_names: list[str],
-                 add_services: Callable[[grpc.Server], None]) -> tuple[grpc.Server, health.HealthServicer]:
+def build_server(cfg: ServerConfig, service_names: list[str], add_services: Callable[[grpc.Server], None],
+                 interceptors: Sequence[grpc.ServerInterceptor] = ()) -> tuple[grpc.Server, health.HealthServicer]:
     """A started-ready server with health checking and reflection for ``service_names``."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers), options=grpc_options())
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers), options=grpc_options(),
+                         interceptors=list(interceptors))
     add_services(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -83,8 +85,10 @@ def mapped_errors(context: grpc.ServicerContext) -> Iterator[None]:
     try:
         yield
     except KVStashError as e:
+        context.set_trailing_metadata(((HTTP_STATUS_TRAILER, str(e.http_status)),))  # e.g. 413 vs 429
         context.abort(status_code(e), str(e))
     except ValueError as e:
+        context.set_trailing_metadata(((HTTP_STATUS_TRAILER, "400"),))
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
 

@@ -1,4 +1,8 @@
-"""The KV-store gRPC server: manifests, listing, deletion, leases, page reads, stats."""
+"""The KV-store gRPC server: manifests, listing, deletion, leases, page reads, stats.
+
+For services only (the gateway, workers): every call carries the service token and the tenant it acts
+for; tenant API keys are refused. Tenants reach prefixes through the gateway or the worker.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +14,12 @@ from pathlib import Path
 import grpc
 import torch
 
-from services.auth import ApiKeys, tenant_secret
+from services.auth import SERVICE_TOKEN_ENV, ApiKeys, ServiceToken, service_token_or_exit, tenant_secret
 from services.convert import manifest_to_pb
 from services.gen import kvstash_pb2 as pb
 from services.gen import kvstash_pb2_grpc as pb_grpc
-from services.grpc_common import ServerConfig, build_server, mapped_errors, serve_forever, tenant_of
+from services.grpc_common import ServerConfig, build_server, mapped_errors, serve_forever
+from services.service_auth import ServiceTokenInterceptor, service_tenant
 from services.store_flags import add_store_limit_args, store_limits
 from store.config import StoreConfig, default_home
 from store.errors import InvalidInput
@@ -31,18 +36,18 @@ READ_CHUNK_BYTES = 4 << 20
 
 
 class KVStoreService(pb_grpc.KVStoreServicer):
-    """gRPC face of a ``KVStore``; every call is scoped to the caller's tenant."""
+    """gRPC face of a ``KVStore``; every call is scoped to the tenant the calling service names."""
 
-    def __init__(self, store: KVStore, keys: ApiKeys, secret: str = ""):
-        self.store, self.keys, self.secret = store, keys, secret
+    def __init__(self, store: KVStore, secret: str = ""):
+        self.store, self.secret = store, secret
 
     def _visible(self, context: grpc.ServicerContext, prefix_id: str) -> Manifest:
-        return self.store.visible(prefix_id, tenant_of(context, self.keys))
+        return self.store.visible(prefix_id, service_tenant(context))
 
     def WritePrefix(self, request_iterator: Iterator[pb.WriteChunk], context: grpc.ServicerContext) -> pb.Manifest:
         """Create, fill and commit a prefix from a client stream; anything short of ``commit`` aborts."""
         with mapped_errors(context):
-            tenant = tenant_of(context, self.keys)
+            tenant = service_tenant(context)
             chunks = iter(request_iterator)
             first = next(chunks, None)
             if first is None or first.WhichOneof("part") != "header":
@@ -82,7 +87,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     def ListPrefixes(self, request: pb.ListPrefixesRequest, context: grpc.ServicerContext) -> pb.ListPrefixesResponse:
         """The caller's prefixes, newest first."""
         with mapped_errors(context):
-            tenant = tenant_of(context, self.keys)
+            tenant = service_tenant(context)
             return pb.ListPrefixesResponse(
                 prefixes=[manifest_to_pb(m) for m in self.store.list_prefixes(tenant)])
         raise AssertionError("unreachable")
@@ -148,7 +153,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StoreStats:
         """Counts and bytes of the caller's prefixes."""
         with mapped_errors(context):
-            tenant = tenant_of(context, self.keys)
+            tenant = service_tenant(context)
             ms = self.store.list_prefixes(tenant)
             return pb.StoreStats(n_prefixes=len(ms), kv_bytes=sum(m.kv_bytes for m in ms),
                                  artifact_bytes=sum(m.artifact_bytes for m in ms))
@@ -181,12 +186,14 @@ def _fill(writer: PrefixWriter, chunks: Iterator[pb.WriteChunk]) -> Manifest:
     raise InvalidInput("the write stream ended without commit: nothing was stored")
 
 
-def build_store_server(store: KVStore, cfg: ServerConfig, keys: ApiKeys,
+def build_store_server(store: KVStore, cfg: ServerConfig, token: ServiceToken | None,
                        secret: str = "") -> tuple[grpc.Server, object]:
-    """A gRPC server exposing ``store`` (not yet started)."""
-    service = KVStoreService(store, keys, secret)
+    """A gRPC server exposing ``store`` (not yet started); every call needs ``token`` (None: insecure, no check)."""
+    service = KVStoreService(store, secret)
     name = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
-    return build_server(cfg, [name], lambda s: pb_grpc.add_KVStoreServicer_to_server(service, s))
+    gate = [ServiceTokenInterceptor(token, f"/{name}/")] if token else []
+    return build_server(cfg, [name], lambda s: pb_grpc.add_KVStoreServicer_to_server(service, s), gate)
+
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -198,13 +205,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--metadata-url", default=None, help="redis://host:port/db (default: LMDB in the data dir)")
     p.add_argument("--tls-cert", type=Path)
     p.add_argument("--tls-key", type=Path)
+    p.add_argument("--insecure", action="store_true",
+                   help=f"serve without {SERVICE_TOKEN_ENV} (every call trusted; loopback development only)")
     add_store_limit_args(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
+    token = service_token_or_exit("kvstash-store", args.insecure, "--insecure", ApiKeys.from_env())
     store = KVStore(StoreConfig(home=args.home or default_home(), metadata_url=args.metadata_url,
                                 **store_limits(args)))
     cfg = ServerConfig(host=args.host, port=args.port, tls_cert=args.tls_cert, tls_key=args.tls_key)
-    server, health = build_store_server(store, cfg, ApiKeys.from_env(), tenant_secret())
+    server, health = build_store_server(store, cfg, token, tenant_secret())
     serve_forever(server, health, "kvstash-store", cfg.address)
 
 

@@ -1,4 +1,5 @@
-"""The decode-worker gRPC server: Prefill (client-streaming) and Generate (server-streaming)."""
+"""The decode-worker gRPC server: Prefill (client-streaming), Generate (server-streaming), and the caller's
+prefixes (list, manifest, delete), so tenants never need the store service."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from pathlib import Path
 
 import grpc
 
-from services.auth import ApiKeys, tenant_secret
-from services.convert import generate_request_from_pb, stats_to_pb
+from services.auth import ApiKeys, insecure_no_auth, require_api_keys, tenant_secret
+from services.convert import generate_request_from_pb, manifest_to_pb, stats_to_pb
 from services.gen import kvstash_pb2 as pb
 from services.gen import kvstash_pb2_grpc as pb_grpc
 from services.grpc_common import ServerConfig, build_server, mapped_errors, serve_forever, tenant_of
@@ -21,6 +22,7 @@ from services.store_flags import add_store_limit_args, store_limits
 from store.config import StoreConfig, default_home
 from store.errors import InvalidInput, TooLarge
 from store.kvstore import KVStore
+from store.manifest import Manifest
 from workers.engine import Worker
 from workers.methods.registry import METHODS
 from workers.model import load_model
@@ -69,15 +71,6 @@ class WorkerService(pb_grpc.WorkerServicer):
     def _read_document(self, chunks: Iterator[pb.PrefillChunk]) -> str:
         parts, size = [], 0
         for chunk in chunks:
-            if chunk.file_path:
-                path = Path(chunk.file_path)
-                if not path.is_file():
-                    raise InvalidInput(f"file {chunk.file_path!r} is not readable by the worker")
-                size += path.stat().st_size
-                if size > self.limits.max_document_bytes:
-                    raise TooLarge(f"document over {self.limits.max_document_bytes} bytes")
-                parts.append(path.read_text(encoding="utf-8"))
-                continue
             size += len(chunk.text.encode())
             if size > self.limits.max_document_bytes:
                 raise TooLarge(f"document over {self.limits.max_document_bytes} bytes")
@@ -104,6 +97,30 @@ class WorkerService(pb_grpc.WorkerServicer):
                 finally:
                     pieces.close()  # type: ignore[attr-defined]
             yield pb.GenerateEvent(done=stats_to_pb(stats))
+
+    def _visible(self, context: grpc.ServicerContext, prefix_id: str) -> Manifest:
+        return self.worker.store.visible(prefix_id, tenant_of(context, self.keys), secret=self.worker.secret)
+
+    def ListPrefixes(self, request: pb.ListPrefixesRequest, context: grpc.ServicerContext) -> pb.ListPrefixesResponse:
+        """The caller's prefixes, newest first."""
+        with mapped_errors(context):
+            ms = self.worker.store.list_prefixes(tenant_of(context, self.keys))
+            return pb.ListPrefixesResponse(prefixes=[manifest_to_pb(m) for m in ms])
+        raise AssertionError("unreachable")
+
+    def GetManifest(self, request: pb.PrefixRef, context: grpc.ServicerContext) -> pb.Manifest:
+        """The manifest of one of the caller's prefixes."""
+        with mapped_errors(context):
+            return manifest_to_pb(self._visible(context, request.prefix_id))
+        raise AssertionError("unreachable")
+
+    def DeletePrefix(self, request: pb.PrefixRef, context: grpc.ServicerContext) -> pb.DeletePrefixResponse:
+        """Delete one of the caller's prefixes and its files."""
+        with mapped_errors(context):
+            self._visible(context, request.prefix_id)
+            self.worker.store.remove(request.prefix_id)
+            return pb.DeletePrefixResponse(prefix_id=request.prefix_id)
+        raise AssertionError("unreachable")
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.WorkerInfo:
         """The model this worker serves."""
@@ -136,17 +153,21 @@ def main(argv: list[str] | None = None) -> None:
                    help=f"most tokens one generation may ask for (1 to {LIMITS.max_new_tokens_cap})")
     p.add_argument("--tls-cert", type=Path)
     p.add_argument("--tls-key", type=Path)
+    p.add_argument("--insecure-no-auth", action="store_true",
+                   help="serve without KVSTASH_API_KEYS: every caller is tenant 'default' (local development only)")
     add_offload_args(p)
     add_store_limit_args(p)  # prefills write through this process's store
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
+    keys = ApiKeys.from_env()
+    require_api_keys(keys, insecure_no_auth(args.insecure_no_auth), "kvstash-worker")
     limits = WorkerLimits(max_document_bytes=args.max_document_bytes, max_new_tokens_cap=args.max_new_tokens_cap)
     store = KVStore(StoreConfig(home=args.home or default_home(), metadata_url=args.metadata_url, **store_limits(args)))
     device = args.device or default_device()
     lm = load_model(args.model or default_model(), device=device, dtype=default_dtype(device), progress=False)
     worker = Worker(store, lm, secret=tenant_secret(), progress=False, offload=offload_from_args(args))
     cfg = ServerConfig(host=args.host, port=args.port, tls_cert=args.tls_cert, tls_key=args.tls_key)
-    server, health = build_worker_server(worker, cfg, ApiKeys.from_env(), limits)
+    server, health = build_worker_server(worker, cfg, keys, limits)
     serve_forever(server, health, "kvstash-worker", cfg.address)
 
 

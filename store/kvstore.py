@@ -10,6 +10,7 @@ and opening a store registers the ones its metadata lost (``store.recovery``).
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
 import os
 import shutil
@@ -34,6 +35,7 @@ from store.errors import (
     StoreFull,
     StoreUnavailable,
 )
+from store.layout import KVLayout
 from store.limits import check_holder, check_write
 from store.locks import file_lock, try_file_lock
 from store.manifest import Manifest
@@ -53,8 +55,21 @@ log = logging.getLogger(__name__)
 
 def _owned(m: Manifest, tenant: str, secret: str | None) -> bool:
     """The tenant-visibility rule: the prefix was committed for ``tenant`` (and, when the caller's salt
-    secret is given, its key carries the salt that secret gives ``tenant``)."""
-    return m.tenant == tenant and (secret is None or m.key.tenant_salt == tenant_salt(tenant, secret))
+    secret is given, its key carries the salt that secret gives ``tenant``).
+
+    Every step runs whatever the outcome (constant-time compares, no short cut), so a prefix of another
+    tenant costs what a missing one does (``KVStore.visible``).
+    """
+    expected_salt = tenant_salt(tenant, secret or "")
+    same_tenant = hmac.compare_digest(m.tenant.encode(), tenant.encode())
+    same_salt = hmac.compare_digest(m.key.tenant_salt.encode(), expected_salt.encode())
+    return same_tenant & (secret is None or same_salt)
+
+
+_ABSENT_JSON = Manifest(prefix_id="0" * 32, model_name="", n_tokens=1, tenant="", files=(),
+                        key=PrefixKey(model_fingerprint="", tenant_salt="", token_hash="",
+                                      layout=KVLayout(n_layers=1, n_kv_heads=1, head_dim=1, dtype="float16"))).to_json()
+"""What ``visible`` parses and checks on a miss, so a miss does the work a hit on another tenant's id does."""
 
 
 class KVStore:
@@ -199,7 +214,9 @@ class KVStore:
         tenant-salt secret), a prefix whose key was salted under another secret is not visible either.
         """
         m = self.find(prefix_id)
-        if m is None or not _owned(m, tenant, secret):
+        # One path for a miss and another tenant's prefix (no timing oracle): a manifest is parsed and checked.
+        owned = _owned(m if m is not None else Manifest.from_json(_ABSENT_JSON), tenant, secret)
+        if m is None or not owned:
             raise PrefixNotFound(f"no prefix {prefix_id!r}")
         return m
 

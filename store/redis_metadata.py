@@ -27,6 +27,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ParamSpec, TypeVar, cast
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -124,6 +125,15 @@ def _redis_errors(fn: Callable[P, R]) -> Callable[P, R]:
     return wrapper
 
 
+def _without_password(url: str) -> str:
+    """``url`` with any password masked (metadata URLs carry Redis's password; messages and logs must not)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname or ''}{f':{parts.port}' if parts.port else ''}"
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
 def _str(raw: Any) -> str:
     return raw.decode() if isinstance(raw, bytes) else str(raw)
 
@@ -147,7 +157,7 @@ class RedisMetadata(MetadataBackend):
         try:
             self._r.ping()
         except RedisError as e:
-            raise StoreUnavailable(f"cannot reach Redis metadata store at {url}: {e}") from e
+            raise StoreUnavailable(f"cannot reach Redis metadata store at {_without_password(url)}: {e}") from e
 
     def _k(self, kind: str, prefix_id: str = "") -> str:
         return f"{self._ns}{kind}:{prefix_id}" if prefix_id else f"{self._ns}{kind}"

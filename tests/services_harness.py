@@ -16,6 +16,8 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 90.0
+SERVICE_TOKEN = "harness-service-token"
+"""``KVSTASH_SERVICE_TOKEN`` of a topology unless ``env_extra`` sets one (store and gateway share it)."""
 
 
 def free_port() -> int:
@@ -92,7 +94,7 @@ def stop(proc: subprocess.Popen) -> None:
 def topology(home: Path, model: Path, env_extra: dict[str, str], metadata_url: str | None = None,
              worker_args: tuple[str, ...] = (), gateway_args: tuple[str, ...] = ()) -> Iterator[Topology]:
     """store + worker + gateway, the same commands docker-compose runs, on loopback."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **env_extra}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVSTASH_SERVICE_TOKEN": SERVICE_TOKEN, **env_extra}
     meta = ["--metadata-url", metadata_url] if metadata_url else []
     sp, wp, gp = free_port(), free_port(), free_port()
     topo = Topology(store_addr=f"127.0.0.1:{sp}", worker_addr=f"127.0.0.1:{wp}", gateway_url=f"http://127.0.0.1:{gp}")

@@ -1,9 +1,12 @@
 """docker/docker-compose.yml, checked without a Docker engine: services, builds, commands
 (modules exist and accept their flags), ports, the shared data volume, the GPU reservation,
-health checks and start order; the Dockerfiles and .dockerignore they rely on."""
+health checks and start order; the Dockerfiles and .dockerignore they rely on; and that it is
+secure by default (required secrets, an internal network, Redis with a password and noeviction,
+only the gateway published, on loopback), each check shown to fail on a planted regression."""
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import re
 import subprocess
@@ -14,11 +17,53 @@ from typing import Any
 import pytest
 import yaml
 
+from services.auth import INSECURE_NO_AUTH_ENV
+
 REPO = Path(__file__).resolve().parents[1]
 DOCKER = REPO / "docker"
 COMPOSE = DOCKER / "docker-compose.yml"
 APPS = {"store": "services.store_server", "worker": "services.worker_server", "gateway": "services.gateway"}
 TOP_LEVEL = {"name", "services", "volumes", "networks", "configs", "secrets"}
+SECRETS = {"KVSTASH_API_KEYS": "ka:alice", "KVSTASH_TENANT_SECRET": "salt-secret",
+           "KVSTASH_SERVICE_TOKEN": "service-token-0123456789", "KVSTASH_REDIS_PASSWORD": "redis0pass"}
+"""What an operator must set; compose refuses to start without each (``${VAR:?message}``)."""
+_VAR = re.compile(r"\$\$|\$\{(\w+)(?::?([-?])([^}]*))?\}")
+
+
+class MissingVariable(Exception):
+    """A ``${VAR:?message}`` whose variable is unset: compose stops with the message."""
+
+
+def interpolate(value: str, env: dict[str, str]) -> str:
+    """Compose's variable substitution: ``$$``, ``${VAR}``, ``${VAR:-default}``, ``${VAR:?message}``."""
+    def sub(m: re.Match[str]) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name, op, arg = m.group(1), m.group(2), m.group(3)
+        if env.get(name):
+            return env[name]
+        if op == "?":
+            raise MissingVariable(f"{name}: {arg}")
+        return arg if op == "-" else ""
+    return _VAR.sub(sub, value)
+
+
+def _strings(doc: Any) -> list[str]:
+    """Every string in ``doc``."""
+    if isinstance(doc, dict):
+        return [s for v in doc.values() for s in _strings(v)]
+    if isinstance(doc, list):
+        return [s for v in doc for s in _strings(v)]
+    return [doc] if isinstance(doc, str) else []
+
+
+def render(doc: Any, env: dict[str, str]) -> Any:
+    """``doc`` with every string interpolated under ``env``."""
+    if isinstance(doc, dict):
+        return {k: render(v, env) for k, v in doc.items()}
+    if isinstance(doc, list):
+        return [render(v, env) for v in doc]
+    return interpolate(doc, env) if isinstance(doc, str) else doc
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +110,8 @@ def test_top_level_and_required_services(compose: dict[str, Any], services: dict
         assert isinstance(svc.get("command", []), list), f"{name}: use the exec form (a list)"
 
 
-def test_redis_persists_and_is_not_published(services: dict[str, Any], compose: dict[str, Any]) -> None:
-    redis = services["redis"]
+def test_redis_persists_and_is_not_published(compose: dict[str, Any]) -> None:
+    redis = render(compose, SECRETS)["services"]["redis"]
     assert str(redis["image"]).startswith("redis:7")
     cmd = redis["command"]
     assert flag(cmd, "--appendonly") == "yes" and flag(cmd, "--appendfsync") in {"always", "everysec"}
@@ -140,22 +185,18 @@ def test_commands_accept_their_flags(services: dict[str, Any]) -> None:
         assert not missing, f"{APPS[name]} does not accept {missing}"
 
 
-def test_ports_and_addresses(services: dict[str, Any]) -> None:
-    hosts = []
+def test_ports_and_addresses(compose: dict[str, Any]) -> None:
+    services = render(compose, SECRETS)["services"]
     for name in APPS:
-        svc = services[name]
-        assert flag(svc["command"], "--host") == "0.0.0.0", f"{name} must listen beyond its container's loopback"
-        ports = published(svc)
-        assert port_of(svc) in ports, f"{name}: --port is not published"
-        hosts.append(ports[port_of(svc)].rpartition(":")[2])
-    assert len(hosts) == len(set(hosts)), "host ports collide"
+        assert flag(services[name]["command"], "--host") == "0.0.0.0", f"{name} must listen beyond its container"
+    assert published(services["gateway"]) == {port_of(services["gateway"]): "127.0.0.1:8000"}
     store, worker = f"store:{port_of(services['store'])}", f"worker:{port_of(services['worker'])}"
     # The worker reads pages from the shared /data volume and coordinates through Redis, not through the store.
     assert "--store-addr" not in services["worker"]["command"]
     assert flag(services["gateway"]["command"], "--store-addr") == store
     assert flag(services["gateway"]["command"], "--worker-addr") == worker
     urls = {flag(services[name]["command"], "--metadata-url") for name in ("store", "worker")}
-    assert len(urls) == 1 and re.fullmatch(r"redis://redis:6379/\d+", urls.pop())
+    assert len(urls) == 1 and re.fullmatch(rf"redis://:{SECRETS['KVSTASH_REDIS_PASSWORD']}@redis:6379/\d+", urls.pop())
 
 
 def test_store_and_worker_share_the_data_volume(services: dict[str, Any], compose: dict[str, Any]) -> None:
@@ -187,3 +228,122 @@ def test_healthchecks_and_start_order(services: dict[str, Any]) -> None:
         assert set(depends) >= deps, name
         for dep in depends:
             assert depends[dep]["condition"] == "service_healthy" and "healthcheck" in services[dep]
+
+
+# -- secure by default ------------------------------------------------------------------------
+def check_secrets_are_required(compose: dict[str, Any]) -> None:
+    """Without any one secret, compose refuses to start; with all, every service renders. Every mention of
+    a secret is required (``:?``), so no service quietly starts with it empty."""
+    render(compose, SECRETS)
+    for text in _strings(compose):
+        for m in _VAR.finditer(text):
+            assert m.group(1) not in SECRETS or m.group(2) == "?", f"{m.group(0)} must be ${{{m.group(1)}:?...}}"
+    for name in SECRETS:
+        with pytest.raises(MissingVariable, match=name):
+            render(compose, {k: v for k, v in SECRETS.items() if k != name})
+    services = compose["services"]
+    assert {"KVSTASH_API_KEYS", "KVSTASH_SERVICE_TOKEN"} <= set(services["gateway"]["environment"])
+    assert "KVSTASH_SERVICE_TOKEN" in services["store"]["environment"]
+    assert "KVSTASH_API_KEYS" in services["worker"]["environment"]
+    for name in ("store", "worker"):  # the salt secret keys tenants' prefix ids where they are made
+        assert "KVSTASH_TENANT_SECRET" in services[name]["environment"]
+
+
+def check_nothing_runs_insecure(compose: dict[str, Any]) -> None:
+    """No service is told to run without auth."""
+    for name, svc in compose["services"].items():
+        assert not [f for f in svc.get("command", []) if str(f).startswith("--insecure")], name
+        assert INSECURE_NO_AUTH_ENV not in (svc.get("environment") or {}), name
+
+
+def check_internal_network(compose: dict[str, Any]) -> None:
+    """redis, store and worker only on an internal network, unpublished; the gateway alone faces out."""
+    nets = compose["networks"]
+    assert nets["internal"]["internal"] is True and not nets["front"].get("internal")
+    for name in ("redis", "store", "worker"):
+        svc = compose["services"][name]
+        assert svc.get("networks") == ["internal"], f"{name} must be on the internal network only"
+        assert not svc.get("ports"), f"{name} must not be published"
+    gateway = compose["services"]["gateway"]
+    assert set(gateway["networks"]) == {"front", "internal"}
+
+
+def check_gateway_on_loopback(compose: dict[str, Any]) -> None:
+    """The gateway is published on 127.0.0.1 unless the operator names another address."""
+    gateway = compose["services"]["gateway"]
+    assert published(render(gateway, SECRETS)) == {port_of(gateway): "127.0.0.1:8000"}
+    wide = published(render(gateway, {**SECRETS, "KVSTASH_GATEWAY_HOST": "0.0.0.0", "KVSTASH_GATEWAY_PORT": "80"}))
+    assert wide == {port_of(gateway): "0.0.0.0:80"}
+
+
+def check_redis_password_and_noeviction(compose: dict[str, Any]) -> None:
+    """Redis wants a password, never evicts, and every metadata URL carries the password."""
+    services = render(compose, SECRETS)["services"]
+    password = SECRETS["KVSTASH_REDIS_PASSWORD"]
+    redis = services["redis"]
+    assert flag(redis["command"], "--requirepass") == password
+    assert flag(redis["command"], "--maxmemory-policy") == "noeviction"
+    assert redis["environment"]["REDISCLI_AUTH"] == password  # the healthcheck's redis-cli authenticates
+    for name in ("store", "worker"):
+        url = flag(services[name]["command"], "--metadata-url")
+        assert url.startswith(f"redis://:{password}@redis:"), name
+
+
+SECURITY_CHECKS = [check_secrets_are_required, check_nothing_runs_insecure, check_internal_network,
+                   check_gateway_on_loopback, check_redis_password_and_noeviction]
+
+
+@pytest.mark.parametrize("check", SECURITY_CHECKS, ids=lambda c: c.__name__)
+def test_compose_is_secure_by_default(compose: dict[str, Any], check: Any) -> None:
+    check(compose)
+
+
+def _set(path: str, value: Any) -> Any:
+    def plant(doc: dict[str, Any]) -> None:
+        *parents, last = path.split(".")
+        node = doc
+        for key in parents:
+            node = node[key]
+        node[last] = value
+    return plant
+
+
+def _edit_command(service: str, fn: Any) -> Any:
+    def plant(doc: dict[str, Any]) -> None:
+        svc = doc["services"][service]
+        svc["command"] = fn(list(svc["command"]))
+    return plant
+
+
+REGRESSIONS = {
+    "api keys optional": (_set("services.gateway.environment.KVSTASH_API_KEYS", "${KVSTASH_API_KEYS:-}"),
+                          check_secrets_are_required),
+    "service token optional": (_set("services.store.environment.KVSTASH_SERVICE_TOKEN", "${KVSTASH_SERVICE_TOKEN}"),
+                               check_secrets_are_required),
+    "redis password optional": (_edit_command("redis", lambda c: [x.replace(":?", ":-") for x in c]),
+                                check_secrets_are_required),
+    "gateway insecure": (_edit_command("gateway", lambda c: [*c, "--insecure-no-auth"]), check_nothing_runs_insecure),
+    "store insecure": (_edit_command("store", lambda c: [*c, "--insecure"]), check_nothing_runs_insecure),
+    "insecure env": (_set(f"services.worker.environment.{INSECURE_NO_AUTH_ENV}", "1"), check_nothing_runs_insecure),
+    "network not internal": (_set("networks.internal.internal", False), check_internal_network),
+    "store published": (_set("services.store.ports", ["127.0.0.1:50051:50051"]), check_internal_network),
+    "worker on front": (_set("services.worker.networks", ["internal", "front"]), check_internal_network),
+    "redis on the default network": (_set("services.redis.networks", None), check_internal_network),
+    "gateway on every interface": (_set("services.gateway.ports", ["8000:8000"]), check_gateway_on_loopback),
+    "redis evicts": (_edit_command("redis", lambda c: [("allkeys-lru" if x == "noeviction" else x) for x in c]),
+                     check_redis_password_and_noeviction),
+    "redis without password": (_edit_command("redis", lambda c: c[:c.index("--requirepass")]
+                                              + c[c.index("--requirepass") + 2:]), check_redis_password_and_noeviction),
+    "metadata url without password": (_edit_command("worker", lambda c: [
+        (re.sub(r"//:[^@]*@", "//", x) if x.startswith("redis://") else x) for x in c]),
+        check_redis_password_and_noeviction),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REGRESSIONS))
+def test_security_checks_catch_a_planted_regression(compose: dict[str, Any], name: str) -> None:
+    plant, check = REGRESSIONS[name]
+    bad = copy.deepcopy(compose)
+    plant(bad)
+    with pytest.raises(AssertionError):
+        check(bad)

@@ -75,13 +75,15 @@ def test_generate_request_rejects_hostile_values(kw: dict) -> None:
     _short_error(GenerateRequest, **{"prefix_id": "a" * 32, "query": "q", **kw})
 
 
-def test_prefill_request_is_one_of_document_or_path() -> None:
-    for kw in ({}, {"document": "d", "file_path": "/x"}, {"file_path": "/" + "p" * LIMITS.file_path_max_chars},
-               {"document": b"bytes"}):
-        _short_error(PrefillRequest, **kw)
-    for req in (PrefillRequest(document="text"), PrefillRequest(file_path="/data/doc.txt")):
-        assert PrefillRequest.from_json(req.to_json()) == req
-    _short_error(PrefillRequest.from_json, body={"document": "d", "extra": 1})
+def test_prefill_request_is_text_never_a_server_side_path() -> None:
+    _short_error(PrefillRequest, document=b"bytes")
+    req = PrefillRequest(document="text")
+    assert PrefillRequest.from_json(req.to_json()) == req
+    for body in ({}, {"document": None}, {"document": "d", "extra": 1}):
+        _short_error(PrefillRequest.from_json, body=body)
+    for body in ({"file_path": "/proc/self/environ"}, {"document": "d", "file_path": "/x"}):
+        with pytest.raises(InvalidInput, match="file_path is not accepted"):
+            PrefillRequest.from_json(body)
 
 
 def _full_request() -> GenerateRequest:

@@ -15,17 +15,20 @@ import redis as redis_client
 
 from client import KVClient
 from client.backends import RemoteError
+from services.auth import ServiceToken
 from services.gen import kvstash_pb2 as pb
 from services.gen import kvstash_pb2_grpc as pb_grpc
 from store.config import StoreConfig
 from store.kvstore import KVStore
 from tests.redis_server import INSTALL_HINT, RedisServer
-from tests.services_harness import start, stop, topology, wait_grpc
+from tests.services_harness import SERVICE_TOKEN, start, stop, topology, wait_grpc
 
 pytestmark = pytest.mark.slow  # real processes: redis, store, worker and gateway
 
 KEYS = {"alice": "key-alice", "bob": "key-bob"}
-ENV = {"KVSTASH_API_KEYS": ",".join(f"{k}:{t}" for t, k in KEYS.items()), "KVSTASH_TENANT_SECRET": "s3cret"}
+ENV = {"KVSTASH_API_KEYS": ",".join(f"{k}:{t}" for t, k in KEYS.items()), "KVSTASH_TENANT_SECRET": "s3cret",
+       "KVSTASH_SERVICE_TOKEN": SERVICE_TOKEN}
+ALICE_AT_STORE = ServiceToken(SERVICE_TOKEN).metadata("alice")
 DOC = "Memo. The vault code is 7341. The courier is named Odile and leaves from Lyon at dawn. " * 6
 QUERIES = [" The vault code is", " The courier is named", " She leaves from"]
 MAX_DOC_BYTES = 50_000
@@ -69,7 +72,8 @@ def test_three_frontends_match_embedded(topo, tmp_path: Path, tiny_model_dir: Pa
     pid = r.json()["prefix_id"]
     expected = _embedded_answers(tmp_path, tiny_model_dir)
 
-    via_grpc = KVClient(f"grpc://{topo.worker_addr}?store={topo.store_addr}", api_key=KEYS["alice"])
+    # gRPC clients need only the worker: an old URL's store= (here a dead address) is ignored.
+    via_grpc = KVClient(f"grpc://{topo.worker_addr}?store=127.0.0.1:9", api_key=KEYS["alice"])
     assert via_grpc.generate(QUERIES[0], prefix=pid, max_new_tokens=N_NEW).text == expected[0]
 
     via_sse = KVClient(topo.gateway_url, api_key=KEYS["alice"])
@@ -151,7 +155,7 @@ def test_bad_input_is_a_clear_error(topo) -> None:
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
     with pytest.raises(grpc.RpcError) as e:
         grpc.insecure_channel(topo.store_addr).unary_unary("/kvstash.v1.KVStore/GetManifest")(
-            b"\xff\xff\xff", metadata=[("x-api-key", KEYS["alice"])])
+            b"\xff\xff\xff", metadata=ALICE_AT_STORE)
     assert e.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT)
     # A cancelled stream stops, and the worker serves the next request.
     call = stub.Generate(pb.GenerateRequest(prefix_id=pid, query="x", max_new_tokens=200),
@@ -161,7 +165,7 @@ def test_bad_input_is_a_clear_error(topo) -> None:
     with pytest.raises(grpc.RpcError) as e:
         list(call)
     assert e.value.code() == grpc.StatusCode.CANCELLED
-    client = KVClient(f"grpc://{topo.worker_addr}?store={topo.store_addr}", api_key=KEYS["alice"])
+    client = KVClient(f"grpc://{topo.worker_addr}", api_key=KEYS["alice"])
     assert client.generate("x", prefix=pid, max_new_tokens=2).stats.new_tokens >= 0
     with pytest.raises(RemoteError) as re:
         _ = client.generate("x", prefix="e" * 32).text
@@ -184,7 +188,7 @@ def test_concurrent_prefill_is_single_flight_and_generations_complete(topo) -> N
     assert len(results) == 8 and len({r["prefix_id"] for r in results}) == 1
     assert sum(not r["cached"] for r in results) == 1  # exactly one forward pass
     pid = results[0]["prefix_id"]
-    client = KVClient(f"grpc://{topo.worker_addr}?store={topo.store_addr}", api_key=KEYS["alice"])
+    client = KVClient(f"grpc://{topo.worker_addr}", api_key=KEYS["alice"])
     outs: list[str] = []
     errors: list[BaseException] = []
 
@@ -203,10 +207,10 @@ def test_concurrent_prefill_is_single_flight_and_generations_complete(topo) -> N
     store = KVStore(StoreConfig(home=topo.home, metadata_url=topo_redis_url(topo)))
     assert store.leases(pid) == []  # every generation released its lease
     lease = pb_grpc.KVStoreStub(grpc.insecure_channel(topo.store_addr)).AcquireLease(
-        pb.AcquireLeaseRequest(prefix_id=pid, holder="test", ttl_s=30), metadata=[("x-api-key", KEYS["alice"])])
+        pb.AcquireLeaseRequest(prefix_id=pid, holder="test", ttl_s=30), metadata=ALICE_AT_STORE)
     assert [x.lease_id for x in store.leases(pid)] == [lease.lease_id]
     assert pb_grpc.KVStoreStub(grpc.insecure_channel(topo.store_addr)).ReleaseLease(
-        lease, metadata=[("x-api-key", KEYS["alice"])]).released
+        lease, metadata=ALICE_AT_STORE).released
     assert store.leases(pid) == []
 
 

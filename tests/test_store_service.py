@@ -1,4 +1,4 @@
-"""The KV-store gRPC service in process: TLS, tenancy, pins, page streaming, stats."""
+"""The KV-store gRPC service in process: TLS, tenancy, pins, page streaming, stats (called as a service)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import grpc
 import pytest
 import torch
 
-from services.auth import ApiKeys
+from services.auth import ServiceToken
 from services.gen import kvstash_pb2 as pb
 from services.gen import kvstash_pb2_grpc as pb_grpc
 from services.grpc_common import ServerConfig, channel
@@ -22,8 +22,9 @@ from store.limits import MAX_HOLDER_BYTES, MAX_TOKENS
 from tests.services_harness import free_port
 from tests.test_store import HOSTILE_IDS, _write
 
-KEYS = ApiKeys.parse("ka:alice,kb:bob")
-ALICE = [("x-api-key", "ka")]
+TOKEN = ServiceToken("service-token-for-tests")
+ALICE = TOKEN.metadata("alice")
+BOB = TOKEN.metadata("bob")
 
 
 def _self_signed(tmp: Path) -> tuple[Path, Path]:
@@ -42,7 +43,7 @@ def _alice_prefix(store: KVStore) -> str:
 def tls_server(store: KVStore, tmp_path: Path):
     cert, key = _self_signed(tmp_path)
     cfg = ServerConfig(port=free_port(), tls_cert=cert, tls_key=key)
-    server, _ = build_store_server(store, cfg, KEYS)
+    server, _ = build_store_server(store, cfg, TOKEN)
     server.start()
     yield cfg, cert
     server.stop(0)
@@ -77,13 +78,13 @@ def test_tls_store_service(tls_server, store: KVStore) -> None:
     assert stub.Pin(pb.PinRequest(prefix_id=pid, pinned=True), metadata=ALICE).pinned
     assert tuple(store.evict_to(0).evicted) == () and store.exists(pid)
     with pytest.raises(grpc.RpcError) as e:
-        stub.Pin(pb.PinRequest(prefix_id=pid, pinned=False), metadata=[("x-api-key", "kb")])
+        stub.Pin(pb.PinRequest(prefix_id=pid, pinned=False), metadata=BOB)
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
     assert not stub.Pin(pb.PinRequest(prefix_id=pid, pinned=False), metadata=ALICE).pinned
 
     st = stub.Stats(pb.StatsRequest(), metadata=ALICE)
     assert st.n_prefixes == 1 and st.kv_bytes == store.manifest(pid).kv_bytes
-    assert stub.Stats(pb.StatsRequest(), metadata=[("x-api-key", "kb")]).n_prefixes == 0
+    assert stub.Stats(pb.StatsRequest(), metadata=BOB).n_prefixes == 0
     with pytest.raises(grpc.RpcError) as e:
         stub.AcquireLease(pb.AcquireLeaseRequest(prefix_id=pid, ttl_s=0), metadata=ALICE)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -114,7 +115,7 @@ def test_write_prefix_stream(store: KVStore, tmp_path: Path) -> None:
     src = KVStore(StoreConfig(home=tmp_path / "src"))
     pid_src, kv = _write(src, 70)
     cfg = ServerConfig(port=free_port())
-    server, _ = build_store_server(store, cfg, KEYS, secret="s")
+    server, _ = build_store_server(store, cfg, TOKEN, secret="s")
     server.start()
     try:
         stub = pb_grpc.KVStoreStub(grpc.insecure_channel(cfg.address))
@@ -161,7 +162,7 @@ HOSTILE_RPCS = {
 @pytest.fixture()
 def plain_stub(store: KVStore):
     cfg = ServerConfig(port=free_port())
-    server, _ = build_store_server(store, cfg, KEYS)
+    server, _ = build_store_server(store, cfg, TOKEN)
     server.start()
     yield pb_grpc.KVStoreStub(grpc.insecure_channel(cfg.address))
     server.stop(0)
@@ -228,7 +229,7 @@ def test_tenant_quota_is_resource_exhausted(tmp_path: Path) -> None:
     first, second = _write(src, 40, seed=0)[0], _write(src, 40, seed=1)[0]
     store = KVStore(StoreConfig(home=tmp_path / "home", fsync=False, max_prefixes_per_tenant=1))
     cfg = ServerConfig(port=free_port())
-    server, _ = build_store_server(store, cfg, KEYS)
+    server, _ = build_store_server(store, cfg, TOKEN)
     server.start()
     try:
         stub = pb_grpc.KVStoreStub(grpc.insecure_channel(cfg.address))
@@ -236,7 +237,7 @@ def test_tenant_quota_is_resource_exhausted(tmp_path: Path) -> None:
         with pytest.raises(grpc.RpcError) as e:
             stub.WritePrefix(iter(_write_stream(src, second)), metadata=ALICE)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "quota" in e.value.details()
-        stub.WritePrefix(iter(_write_stream(src, second)), metadata=[("x-api-key", "kb")])  # bob has room
+        stub.WritePrefix(iter(_write_stream(src, second)), metadata=BOB)  # bob has room
         assert len(store.list_prefixes()) == 2 and not any(p.name.startswith(".tmp") for p in
                                                            store.prefixes_dir.iterdir())
     finally:

@@ -61,8 +61,9 @@ def test_gateway_checks_what_pydantic_does_not_see(gateway: TestClient) -> None:
     assert len(r.text) < 500  # the huge id is not echoed back
     r = gateway.post("/v1/completions", json={"prompt": json.dumps({"prefix_id": "p" * 10_000, "query": "q"})})
     assert r.status_code == 400 and len(r.text) < 500
-    r = gateway.post("/v1/prefixes", json={"document": "d", "file_path": "/x"})
-    assert r.status_code == 400 and "exactly one" in r.text
+    for body in ({"document": "d", "file_path": "/x"}, {"file_path": "/proc/self/environ"}):
+        r = gateway.post("/v1/prefixes", json=body)
+        assert r.status_code == 400 and "file_path is not accepted" in r.json()["error"]["message"]
     # In bounds: forwarded (and refused only because no worker listens).
     r = gateway.post(f"/v1/prefixes/{'a' * 32}/generate", json={"query": "q", "temperature": 5e-324, "seed": 2**63 - 1,
                                                                  "budget": 1, "max_new_tokens": 3})

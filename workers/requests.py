@@ -55,7 +55,6 @@ class RequestLimits:
     query_max_chars: int = 1 << 20
     method_max_chars: int = 64
     prefix_id_max_chars: int = 128
-    file_path_max_chars: int = 4096
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_new_tokens_default <= self.max_new_tokens_cap <= INT32_MAX:
@@ -189,28 +188,33 @@ class DecodeConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class PrefillRequest:
-    """A document to prefill: its text, or the path of a UTF-8 file the worker can read (exactly one)."""
+    """A document to prefill, as text: servers read no files for a caller (clients read them, e.g.
+    ``KVClient.prefill_file``)."""
 
-    document: str | None = None
-    file_path: str | None = None
+    document: str
 
     def __post_init__(self) -> None:
-        if (self.document is None) == (self.file_path is None):
-            raise InvalidInput("give exactly one of document or file_path")
-        if self.document is not None and not isinstance(self.document, str):
+        if not isinstance(self.document, str):
             raise InvalidInput("document must be a string")
-        if self.file_path is not None:
-            _text("file_path", self.file_path, LIMITS.file_path_max_chars)
 
     def to_json(self) -> dict[str, Any]:
         """The REST body (POST /v1/prefixes)."""
-        return {"document": self.document} if self.document is not None else {"file_path": self.file_path}
+        return {"document": self.document}
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> PrefillRequest:
-        """The request a REST body describes (unknown fields are errors)."""
-        _known_keys(body, ("document", "file_path"))
-        return cls(document=body.get("document"), file_path=body.get("file_path"))
+        """The request a REST body describes (unknown fields are errors; ``file_path`` is refused by name)."""
+        if isinstance(body, Mapping) and "file_path" in body:
+            raise InvalidInput(FILE_PATH_REFUSED)
+        _known_keys(body, ("document",))
+        if body.get("document") is None:
+            raise InvalidInput("document is required")
+        return cls(document=body["document"])
+
+
+FILE_PATH_REFUSED = ("file_path is not accepted: servers read no files for a caller; send the file's text as "
+                     "document (KVClient.prefill_file and `kvstash prefill FILE` read it on the client)")
+"""Why a body naming a server-side file is refused (the gateway says the same)."""
 
 
 GENERATE_JSON_FIELDS = ("query", "method", "budget", "gen_len", "max_new_tokens", "temperature", "top_p", "seed",

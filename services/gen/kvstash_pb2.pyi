@@ -215,12 +215,10 @@ class StoreStats(_message.Message):
     def __init__(self, n_prefixes: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., artifact_bytes: _Optional[int] = ...) -> None: ...
 
 class PrefillChunk(_message.Message):
-    __slots__ = ("text", "file_path")
+    __slots__ = ("text",)
     TEXT_FIELD_NUMBER: _ClassVar[int]
-    FILE_PATH_FIELD_NUMBER: _ClassVar[int]
     text: str
-    file_path: str
-    def __init__(self, text: _Optional[str] = ..., file_path: _Optional[str] = ...) -> None: ...
+    def __init__(self, text: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("prefix_id", "n_tokens", "cached")

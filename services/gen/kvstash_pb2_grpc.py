@@ -28,7 +28,10 @@ if _version_not_supported:
 class KVStoreStub:
     """---------------------------------------------------------------------------------------
     KV-store service: manifests, listing, deletion, leases, page reads, stats.
-    Tenancy: callers send `x-api-key` metadata; prefixes of other tenants are NOT_FOUND.
+    For services only (the gateway, workers): every call sends `x-kvstash-service-token` (the
+    operator's KVSTASH_SERVICE_TOKEN) and `x-kvstash-tenant` (the tenant it acts for) metadata;
+    anything else, a tenant's API key included, is UNAUTHENTICATED. Prefixes of other tenants are
+    NOT_FOUND.
     ---------------------------------------------------------------------------------------
 
     """
@@ -89,7 +92,10 @@ class KVStoreStub:
 class KVStoreServicer:
     """---------------------------------------------------------------------------------------
     KV-store service: manifests, listing, deletion, leases, page reads, stats.
-    Tenancy: callers send `x-api-key` metadata; prefixes of other tenants are NOT_FOUND.
+    For services only (the gateway, workers): every call sends `x-kvstash-service-token` (the
+    operator's KVSTASH_SERVICE_TOKEN) and `x-kvstash-tenant` (the tenant it acts for) metadata;
+    anything else, a tenant's API key included, is UNAUTHENTICATED. Prefixes of other tenants are
+    NOT_FOUND.
     ---------------------------------------------------------------------------------------
 
     """
@@ -212,7 +218,10 @@ def add_KVStoreServicer_to_server(servicer, server):
 class KVStore:
     """---------------------------------------------------------------------------------------
     KV-store service: manifests, listing, deletion, leases, page reads, stats.
-    Tenancy: callers send `x-api-key` metadata; prefixes of other tenants are NOT_FOUND.
+    For services only (the gateway, workers): every call sends `x-kvstash-service-token` (the
+    operator's KVSTASH_SERVICE_TOKEN) and `x-kvstash-tenant` (the tenant it acts for) metadata;
+    anything else, a tenant's API key included, is UNAUTHENTICATED. Prefixes of other tenants are
+    NOT_FOUND.
     ---------------------------------------------------------------------------------------
 
     """
@@ -463,7 +472,9 @@ class KVStore:
 
 class WorkerStub:
     """---------------------------------------------------------------------------------------
-    Decode-worker service: prefill documents, stream generations.
+    Decode-worker service: prefill documents, stream generations, and the caller's own prefixes.
+    Tenants call it with `x-api-key` metadata; prefixes of other tenants are NOT_FOUND. With these
+    RPCs a gRPC client needs only the worker, never the store service.
     ---------------------------------------------------------------------------------------
 
     """
@@ -489,17 +500,34 @@ class WorkerStub:
                 request_serializer=kvstash_dot_v1_dot_kvstash__pb2.InfoRequest.SerializeToString,
                 response_deserializer=kvstash_dot_v1_dot_kvstash__pb2.WorkerInfo.FromString,
                 _registered_method=True)
+        self.ListPrefixes = channel.unary_unary(
+                '/kvstash.v1.Worker/ListPrefixes',
+                request_serializer=kvstash_dot_v1_dot_kvstash__pb2.ListPrefixesRequest.SerializeToString,
+                response_deserializer=kvstash_dot_v1_dot_kvstash__pb2.ListPrefixesResponse.FromString,
+                _registered_method=True)
+        self.GetManifest = channel.unary_unary(
+                '/kvstash.v1.Worker/GetManifest',
+                request_serializer=kvstash_dot_v1_dot_kvstash__pb2.PrefixRef.SerializeToString,
+                response_deserializer=kvstash_dot_v1_dot_kvstash__pb2.Manifest.FromString,
+                _registered_method=True)
+        self.DeletePrefix = channel.unary_unary(
+                '/kvstash.v1.Worker/DeletePrefix',
+                request_serializer=kvstash_dot_v1_dot_kvstash__pb2.PrefixRef.SerializeToString,
+                response_deserializer=kvstash_dot_v1_dot_kvstash__pb2.DeletePrefixResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
     """---------------------------------------------------------------------------------------
-    Decode-worker service: prefill documents, stream generations.
+    Decode-worker service: prefill documents, stream generations, and the caller's own prefixes.
+    Tenants call it with `x-api-key` metadata; prefixes of other tenants are NOT_FOUND. With these
+    RPCs a gRPC client needs only the worker, never the store service.
     ---------------------------------------------------------------------------------------
 
     """
 
     def Prefill(self, request_iterator, context):
-        """The first message carries options; document text arrives in `text` chunks.
+        """Document text arrives in `text` chunks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -512,6 +540,25 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Info(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListPrefixes(self, request, context):
+        """The caller's prefixes, newest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetManifest(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeletePrefix(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -535,6 +582,21 @@ def add_WorkerServicer_to_server(servicer, server):
                     request_deserializer=kvstash_dot_v1_dot_kvstash__pb2.InfoRequest.FromString,
                     response_serializer=kvstash_dot_v1_dot_kvstash__pb2.WorkerInfo.SerializeToString,
             ),
+            'ListPrefixes': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPrefixes,
+                    request_deserializer=kvstash_dot_v1_dot_kvstash__pb2.ListPrefixesRequest.FromString,
+                    response_serializer=kvstash_dot_v1_dot_kvstash__pb2.ListPrefixesResponse.SerializeToString,
+            ),
+            'GetManifest': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetManifest,
+                    request_deserializer=kvstash_dot_v1_dot_kvstash__pb2.PrefixRef.FromString,
+                    response_serializer=kvstash_dot_v1_dot_kvstash__pb2.Manifest.SerializeToString,
+            ),
+            'DeletePrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeletePrefix,
+                    request_deserializer=kvstash_dot_v1_dot_kvstash__pb2.PrefixRef.FromString,
+                    response_serializer=kvstash_dot_v1_dot_kvstash__pb2.DeletePrefixResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'kvstash.v1.Worker', rpc_method_handlers)
@@ -545,7 +607,9 @@ def add_WorkerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Worker:
     """---------------------------------------------------------------------------------------
-    Decode-worker service: prefill documents, stream generations.
+    Decode-worker service: prefill documents, stream generations, and the caller's own prefixes.
+    Tenants call it with `x-api-key` metadata; prefixes of other tenants are NOT_FOUND. With these
+    RPCs a gRPC client needs only the worker, never the store service.
     ---------------------------------------------------------------------------------------
 
     """
@@ -621,6 +685,87 @@ class Worker:
             '/kvstash.v1.Worker/Info',
             kvstash_dot_v1_dot_kvstash__pb2.InfoRequest.SerializeToString,
             kvstash_dot_v1_dot_kvstash__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPrefixes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstash.v1.Worker/ListPrefixes',
+            kvstash_dot_v1_dot_kvstash__pb2.ListPrefixesRequest.SerializeToString,
+            kvstash_dot_v1_dot_kvstash__pb2.ListPrefixesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetManifest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstash.v1.Worker/GetManifest',
+            kvstash_dot_v1_dot_kvstash__pb2.PrefixRef.SerializeToString,
+            kvstash_dot_v1_dot_kvstash__pb2.Manifest.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeletePrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstash.v1.Worker/DeletePrefix',
+            kvstash_dot_v1_dot_kvstash__pb2.PrefixRef.SerializeToString,
+            kvstash_dot_v1_dot_kvstash__pb2.DeletePrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,
