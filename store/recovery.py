@@ -15,7 +15,7 @@ import shutil
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from store import disk_record
 from store.disk_record import InvalidRecord
@@ -26,7 +26,30 @@ from store.prefix_key import check_prefix_id
 from store.writer import TMP_PREFIX
 
 if TYPE_CHECKING:
-    from store.kvstore import KVStore
+    from store.config import StoreConfig
+    from store.metadata import MetadataBackend
+
+
+class StoreRoom(Protocol):
+    """What recovery and checking need of a store (``KVStore`` is one): its directories, locks, metadata
+    backend and the steps that drop a prefix. Typed here so this module does not import ``store.kvstore``."""
+
+    config: StoreConfig
+    prefixes_dir: Path
+    _meta: MetadataBackend
+
+    def prefix_dir(self, prefix_id: str) -> Path: ...
+
+    def prefill_lock(self, prefix_id: str, ttl_s: float = 30.0, *,
+                     wait_s: float | None = None) -> contextlib.AbstractContextManager[None]: ...
+
+    def _host_lock(self, name: str, blocking: bool) -> contextlib.AbstractContextManager[bool]: ...
+
+    def artifact(self, prefix_id: str, name: str) -> bytes: ...
+
+    def _unregister(self, m: Manifest) -> None: ...
+
+    def _drop_dir(self, prefix_id: str) -> None: ...
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +124,7 @@ def _remove_path(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def _held(store: KVStore, prefix_id: str) -> Iterator[bool]:
+def _held(store: StoreRoom, prefix_id: str) -> Iterator[bool]:
     """The prefix's prefill lock without waiting; yields whether it was taken (busy otherwise)."""
     try:
         with store.prefill_lock(prefix_id, wait_s=0):
@@ -110,7 +133,7 @@ def _held(store: KVStore, prefix_id: str) -> Iterator[bool]:
         yield False
 
 
-def _temp(store: KVStore, entry: Path, repair: bool) -> Problem | None:
+def _temp(store: StoreRoom, entry: Path, repair: bool) -> Problem | None:
     """A writer's temp dir: a problem when its writer is gone (removed with ``repair``), None while it lives."""
     owner = entry.name[len(TMP_PREFIX):].split("-")[0]
     if not _is_prefix_id(owner):
@@ -125,7 +148,7 @@ def _temp(store: KVStore, entry: Path, repair: bool) -> Problem | None:
     return Problem(kind=STALE_TEMP, name=entry.name, detail="temp dir of a writer that is gone", fixed=repair)
 
 
-def _register(store: KVStore, directory: Path) -> Problem | None:
+def _register(store: StoreRoom, directory: Path) -> Problem | None:
     """Register a committed directory the metadata lacks (caller holds its lock); a problem when it is none."""
     if store._meta.manifest(directory.name) is not None:
         return None  # registered meanwhile
@@ -137,7 +160,7 @@ def _register(store: KVStore, directory: Path) -> Problem | None:
     return Problem(kind=UNREGISTERED, name=directory.name, detail="registered from its directory", fixed=True)
 
 
-def recover(store: KVStore) -> CheckReport:
+def recover(store: StoreRoom) -> CheckReport:
     """See ``KVStore.recover``."""
     known = set(store._meta.prefix_ids())
     problems: list[Problem] = []
@@ -185,7 +208,7 @@ def _hash_problem(directory: Path, m: Manifest) -> str | None:
     return None
 
 
-def _metadata_problem(store: KVStore, m: Manifest) -> str | None:
+def _metadata_problem(store: StoreRoom, m: Manifest) -> str | None:
     try:
         for a in m.artifacts:
             store.artifact(m.prefix_id, a.name)
@@ -194,7 +217,7 @@ def _metadata_problem(store: KVStore, m: Manifest) -> str | None:
     return None
 
 
-def _check_unregistered(store: KVStore, d: Path, repair: bool, hash_pages: bool) -> Problem:
+def _check_unregistered(store: StoreRoom, d: Path, repair: bool, hash_pages: bool) -> Problem:
     try:
         m, artifacts = disk_record.load_record(d)
     except InvalidRecord as e:
@@ -211,7 +234,7 @@ def _check_unregistered(store: KVStore, d: Path, repair: bool, hash_pages: bool)
                    fixed=repair)
 
 
-def _check_registered(store: KVStore, d: Path, m: Manifest, repair: bool, hash_pages: bool) -> Problem | None:
+def _check_registered(store: StoreRoom, d: Path, m: Manifest, repair: bool, hash_pages: bool) -> Problem | None:
     def drop() -> bool:
         if repair:
             store._unregister(m)
@@ -248,7 +271,7 @@ def _check_registered(store: KVStore, d: Path, m: Manifest, repair: bool, hash_p
     return None
 
 
-def check(store: KVStore, *, repair: bool, hash_pages: bool) -> CheckReport:
+def check(store: StoreRoom, *, repair: bool, hash_pages: bool) -> CheckReport:
     """See ``KVStore.check``."""
     meta = store._meta
     ids = set(meta.prefix_ids())

@@ -10,9 +10,10 @@ import shutil
 import time
 import uuid
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -27,7 +28,23 @@ from store.pages import bytes_digest, layer_file_name, pack_layer, page_crc, pag
 from store.prefix_key import PrefixKey
 
 if TYPE_CHECKING:
-    from store.kvstore import KVStore
+    from store.config import StoreConfig
+
+
+class WriterHome(Protocol):
+    """What a ``PrefixWriter`` needs from its store (``KVStore`` is one): where prefixes live, the
+    store's settings, and the metadata commit that makes a prefix visible."""
+
+    config: StoreConfig
+    prefixes_dir: Path
+
+    def prefix_dir(self, prefix_id: str) -> Path:
+        """The committed directory of ``prefix_id``."""
+        ...
+
+    def _commit(self, manifest: Manifest, artifacts: Mapping[str, bytes]) -> None:
+        """Register a prefix whose directory is in place."""
+        ...
 
 PAGE_CRC_ARTIFACT = "page_crc"
 """The artifact holding every page's keyed CRC ``uint32 [layers, kv_heads, pages]``."""
@@ -47,7 +64,7 @@ def tmp_dir_name(prefix_id: str) -> str:
 class PrefixWriter:
     """Writes one prefix into a private temp dir; ``commit`` makes it visible atomically."""
 
-    def __init__(self, store: KVStore, key: PrefixKey, *, model_name: str, n_tokens: int, tenant: str):
+    def __init__(self, store: WriterHome, key: PrefixKey, *, model_name: str, n_tokens: int, tenant: str):
         self.store, self.key, self.model_name, self.n_tokens, self.tenant = store, key, model_name, n_tokens, tenant
         self.prefix_id = key.prefix_id
         self.layout: KVLayout = key.layout
