@@ -15,7 +15,7 @@ from services.auth import ApiKeys, tenant_secret
 from services.convert import manifest_to_pb
 from services.gen import kvstash_pb2 as pb
 from services.gen import kvstash_pb2_grpc as pb_grpc
-from services.grpc_common import ServerConfig, build_server, mapped_errors, serve_forever, tenant_of
+from services.grpc_common import ServerConfig, build_server, mapped_errors, serve_forever, tenant_of, watch_health
 from store.config import StoreConfig, default_home
 from store.errors import InvalidInput
 from store.kvstore import KVStore, PrefixWriter
@@ -201,7 +201,8 @@ def main(argv: list[str] | None = None) -> None:
     store = KVStore(StoreConfig(home=args.home or default_home(), metadata_url=args.metadata_url))
     cfg = ServerConfig(host=args.host, port=args.port, tls_cert=args.tls_cert, tls_key=args.tls_key)
     server, health = build_store_server(store, cfg, ApiKeys.from_env(), tenant_secret())
-    serve_forever(server, health, "kvstash-store", cfg.address)
+    watch_health(health, [pb.DESCRIPTOR.services_by_name["KVStore"].full_name], store.usage)  # metadata reachable
+    serve_forever(server, health, "kvstash-store", cfg.address, cfg.drain_s)
 
 
 if __name__ == "__main__":
