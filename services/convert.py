@@ -15,8 +15,18 @@ HTTP_OF_GRPC = {grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.UNAUTHENTICATED:
                 grpc.StatusCode.FAILED_PRECONDITION: 409, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
                 grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DATA_LOSS: 500, grpc.StatusCode.CANCELLED: 499}
 """The HTTP status a gateway or remote client reports for a gRPC status (500 when absent)."""
+RETRY_AFTER_TRAILER = "retry-after"
+"""Trailing metadata of a refusal worth retrying (capacity pressure): the seconds to wait."""
 DOCUMENT_CHUNK_CHARS = 1 << 20
 """Characters per streamed Prefill message (far under the gRPC message limit)."""
+
+
+def retry_after_of(e: grpc.RpcError) -> str | None:
+    """The retry-after hint (whole seconds) a server attached to an error, if any."""
+    for key, value in e.trailing_metadata() or ():
+        if key == RETRY_AFTER_TRAILER and str(value).isdigit():
+            return str(value)
+    return None
 
 
 def document_chunks(document: str) -> Iterator[pb.PrefillChunk]:

@@ -17,14 +17,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.auth import API_KEY_HEADER, ApiKeys
+from services.convert import RETRY_AFTER_TRAILER
 from store.errors import KVStashError, Overloaded
 
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 16 << 20
 """Largest single gRPC message either way: documents stream in chunks, pages in bounded chunks."""
-RETRY_AFTER_KEY = "retry-after"
-"""Trailing metadata of a RESOURCE_EXHAUSTED refusal that is worth retrying: seconds to wait."""
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
                      ("grpc.max_reconnect_backoff_ms", 1000)]
 """A client reconnects to a restarted server within about a second (gRPC's default backoff grows to 120 s)."""
@@ -92,8 +91,8 @@ def mapped_errors(context: grpc.ServicerContext) -> Iterator[None]:
     try:
         yield
     except KVStashError as e:
-        if isinstance(e, Overloaded):
-            context.set_trailing_metadata(((RETRY_AFTER_KEY, str(e.retry_after_s)),))
+        trailers = [(RETRY_AFTER_TRAILER, str(e.retry_after_s))] if isinstance(e, Overloaded) else []
+        context.set_trailing_metadata(tuple(trailers))
         context.abort(status_code(e), str(e))
     except ValueError as e:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

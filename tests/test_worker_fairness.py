@@ -11,9 +11,10 @@ import grpc
 import pytest
 
 from services.auth import ApiKeys
+from services.convert import RETRY_AFTER_TRAILER
 from services.gen import kvstash_pb2 as pb
 from services.gen import kvstash_pb2_grpc as pb_grpc
-from services.grpc_common import RETRY_AFTER_KEY, ServerConfig
+from services.grpc_common import ServerConfig
 from services.scheduler import SchedulerConfig
 from services.worker_server import build_worker_server
 from store.errors import Cancelled
@@ -27,10 +28,10 @@ DOC = "A short memo about the vault and the courier. " * 4
 
 
 @pytest.fixture()
-def stub(worker: Worker):
+def stub(endless_worker: Worker):
     cfg = ServerConfig(port=free_port())
-    server, _ = build_worker_server(worker, cfg, KEYS, scheduling=SchedulerConfig(max_per_tenant=1, max_active=2,
-                                                                                  retry_after_s=3))
+    scheduling = SchedulerConfig(max_per_tenant=1, max_active=2, retry_after_s=3)
+    server, _ = build_worker_server(endless_worker, cfg, KEYS, scheduling=scheduling)
     server.start()
     yield pb_grpc.WorkerStub(grpc.insecure_channel(cfg.address))
     server.stop(0)
@@ -42,8 +43,8 @@ def _prefill(stub: pb_grpc.WorkerStub, md: list[tuple[str, str]]) -> str:
 
 def _long(stub: pb_grpc.WorkerStub, pid: str):  # noqa: ANN202
     """A generation that would run for thousands of steps, started and past its first piece."""
-    call = stub.Generate(pb.GenerateRequest(prefix_id=pid, query="q", max_new_tokens=60_000, stop=["\x00" * 8]),
-                         metadata=MD_A, timeout=120)
+    call = stub.Generate(pb.GenerateRequest(prefix_id=pid, query="q", max_new_tokens=60_000), metadata=MD_A,
+                         timeout=120)
     next(call)
     return call
 
@@ -54,7 +55,7 @@ def test_a_tenant_over_its_bound_is_told_when_to_retry_and_others_are_served(stu
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Generate(pb.GenerateRequest(prefix_id=pid_a, query="q", max_new_tokens=2), metadata=MD_A))
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert dict(e.value.trailing_metadata())[RETRY_AFTER_KEY] == "3"
+    assert dict(e.value.trailing_metadata())[RETRY_AFTER_TRAILER] == "3"
     # Tenant b is served while a's long generation goes on: turns interleave.
     t0 = time.perf_counter()
     events = list(stub.Generate(pb.GenerateRequest(prefix_id=pid_b, query="q", max_new_tokens=4), metadata=MD_B,
@@ -81,7 +82,7 @@ def test_cancelling_a_call_frees_its_place_at_the_next_step(stub) -> None:
     assert events[-1].HasField("done") and time.perf_counter() - t0 < 10
 
 
-def test_a_prefill_counts_against_the_bound(stub, worker: Worker) -> None:
+def test_a_prefill_counts_against_the_bound(stub) -> None:
     pid = _prefill(stub, MD_A)
     call = _long(stub, pid)
     with pytest.raises(grpc.RpcError) as e:
