@@ -158,11 +158,12 @@ class HttpBackend:
                     data = json.loads(line[5:])
                     if event == "done":
                         stats.copy_from(GenerationStats.from_json(data))
-                    elif event == "error":
-                        raise RemoteError(data.get("message", ""), data.get("code", "UNKNOWN"), 500)
-                    else:
-                        yield data["text"]
+                        return
+                    if event == "error":
+                        raise RemoteError(data.get("message", ""), data.get("code", "UNKNOWN"), 502)
+                    yield data["text"]
                     event = "message"
+        raise RemoteError("the gateway's stream ended before the answer was complete", "UNAVAILABLE", 502)
 
     def list(self) -> list[Manifest]:
         """GET /v1/prefixes."""

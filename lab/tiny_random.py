@@ -30,6 +30,9 @@ class TinyLlamaSpec:
     init_range: float = 0.3
     """Large enough that attention depends on context (a flat random model repeats one token)."""
     seed: int = 0
+    never_eos: bool = False
+    """Zero the EOS row of the tied embedding: greedy decoding then runs until max_new_tokens or the
+    context ends (for tests and benches that need long generations)."""
 
 
 def byte_level_tokenizer() -> PreTrainedTokenizerFast:
@@ -69,6 +72,9 @@ def build_tiny_llama(path: Path, spec: TinyLlamaSpec | None = None) -> Path:
     )
     torch.manual_seed(spec.seed)
     model = LlamaForCausalLM(config).eval()
+    if spec.never_eos:
+        with torch.no_grad():  # EOS's logit is then 0, below the largest of 258 random logits
+            model.get_input_embeddings().weight[tok.eos_token_id].zero_()
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     tok.save_pretrained(path)

@@ -27,6 +27,8 @@ GENERIC_MESSAGES = {grpc.StatusCode.UNAVAILABLE: "service unavailable, try again
 """What a gateway says for a gRPC error no kvstash server raised on purpose (the transport's own words
 name internal addresses)."""
 MAX_RELAYED_MESSAGE_CHARS = 300
+RETRY_AFTER_TRAILER = "retry-after"
+"""Trailing metadata of a refusal worth retrying (capacity pressure): the seconds to wait."""
 DOCUMENT_CHUNK_CHARS = 1 << 20
 """Characters per streamed Prefill message (far under the gRPC message limit)."""
 
@@ -55,6 +57,14 @@ def relayed_error(e: grpc.RpcError) -> tuple[int, str, str]:
     if code == grpc.StatusCode.UNAUTHENTICATED:  # an upstream refused the gateway itself: not the caller's fault
         return 503, GENERIC_MESSAGES[grpc.StatusCode.UNAVAILABLE], grpc.StatusCode.UNAVAILABLE.name
     return status, GENERIC_MESSAGES.get(code, "internal error"), code.name
+
+
+def retry_after_of(e: grpc.RpcError) -> str | None:
+    """The retry-after hint (whole seconds) a server attached to an error, if any."""
+    for key, value in e.trailing_metadata() or ():
+        if key == RETRY_AFTER_TRAILER and str(value).isdigit():
+            return str(value)
+    return None
 
 
 def document_chunks(document: str) -> Iterator[pb.PrefillChunk]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import time
@@ -14,7 +15,8 @@ from typing import Annotated, Any
 import grpc
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
@@ -29,10 +31,18 @@ from services.auth import (
     service_metadata,
     service_token_or_exit,
 )
-from services.convert import generate_request_to_pb, manifest_from_pb, prefill_chunks, relayed_error, stats_from_pb
+from services.convert import (
+    generate_request_to_pb,
+    manifest_from_pb,
+    prefill_chunks,
+    relayed_error,
+    retry_after_of,
+    stats_from_pb,
+)
 from services.gen import kvstash_pb2 as pb
 from services.gen import kvstash_pb2_grpc as pb_grpc
 from services.grpc_common import channel
+from services.http_calls import CancellingStream, run_unless_disconnected
 from services.openapi_doc import document_api
 from store.errors import InvalidInput, KVStashError, TooLarge
 from workers.requests import (
@@ -59,6 +69,8 @@ class GatewayConfig:
     store_addr: str = "127.0.0.1:50051"
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     request_timeout_s: float = 600.0
+    health_timeout_s: float = 1.0
+    """How long /readyz waits for each dependency's health answer."""
 
 
 class PrefillBody(BaseModel):
@@ -156,7 +168,21 @@ def _grpc_error_response(e: grpc.RpcError) -> JSONResponse:
     status, message, code = relayed_error(e)
     if status >= 500:
         log.warning("upstream error %s: %s", e.code(), e.details())  # the full story for operators only
-    return JSONResponse({"error": {"message": message, "code": code}}, status_code=status)
+    retry_after = retry_after_of(e)  # capacity pressure: the worker says when to come back
+    return JSONResponse({"error": {"message": message, "code": code}}, status_code=status,
+                        headers={"Retry-After": retry_after} if retry_after else None)
+
+
+class IncompleteAnswer(KVStashError):
+    """The worker's stream ended without its closing event."""
+
+    grpc_code = "UNAVAILABLE"
+    http_status = 502
+
+
+INCOMPLETE = "the worker's stream ended before the answer was complete"
+READY_SERVICES = {"worker": "kvstash.v1.Worker", "store": "kvstash.v1.KVStore"}
+"""The dependencies /readyz asks, by the gRPC health service name of each."""
 
 
 def create_app(cfg: GatewayConfig, keys: ApiKeys, service_token: ServiceToken | None = None) -> FastAPI:
@@ -165,8 +191,8 @@ def create_app(cfg: GatewayConfig, keys: ApiKeys, service_token: ServiceToken | 
     The worker gets the caller's API key; the store gets ``service_token`` and the tenant the key resolves to.
     """
     app = FastAPI(title="kvstash gateway", version="1")
-    worker = pb_grpc.WorkerStub(channel(cfg.worker_addr))
-    store = pb_grpc.KVStoreStub(channel(cfg.store_addr))
+    worker_ch, store_ch = channel(cfg.worker_addr), channel(cfg.store_addr)
+    worker, store = pb_grpc.WorkerStub(worker_ch), pb_grpc.KVStoreStub(store_ch)
     metrics = Metrics()
 
     def md(authorization: str | None, x_api_key: str | None) -> list[tuple[str, str]]:
@@ -208,7 +234,19 @@ def create_app(cfg: GatewayConfig, keys: ApiKeys, service_token: ServiceToken | 
 
     @app.get("/healthz")
     def healthz() -> dict[str, str]:
+        """Liveness: the gateway process answers."""
         return {"status": "ok"}
+
+    health_stubs = {"worker": health_pb2_grpc.HealthStub(worker_ch), "store": health_pb2_grpc.HealthStub(store_ch)}
+
+    @app.get("/readyz", responses={503: {"description": "A dependency is not serving (named in the body)"}})
+    def readyz() -> JSONResponse:
+        """Readiness: the worker and the store report SERVING (the store checks its metadata backend)."""
+        pending = {name: stub.Check.future(health_pb2.HealthCheckRequest(service=READY_SERVICES[name]),
+                                           timeout=cfg.health_timeout_s) for name, stub in health_stubs.items()}
+        status = {name: _health_status(f) for name, f in pending.items()}
+        ready = all(s == "SERVING" for s in status.values())
+        return JSONResponse({"status": "ready" if ready else "not ready", **status}, status_code=200 if ready else 503)
 
     @app.get("/metrics")
     def prometheus() -> Response:
@@ -245,47 +283,48 @@ def create_app(cfg: GatewayConfig, keys: ApiKeys, service_token: ServiceToken | 
         store.DeletePrefix(pb.PrefixRef(prefix_id=prefix_id), metadata=store_md(authorization, x_api_key))
         return {"deleted": prefix_id}
 
-    def run(req: GenerateRequest, meta: list[tuple[str, str]]) -> Iterator[pb.GenerateEvent]:
+    def observed(call: Iterator[pb.GenerateEvent]) -> Iterator[pb.GenerateEvent]:
         t0 = time.perf_counter()
-        for ev in worker.Generate(generate_request_to_pb(req), metadata=meta, timeout=cfg.request_timeout_s):
+        for ev in call:
             if ev.HasField("done"):
                 metrics.observe_generation(stats_from_pb(ev.done))
                 metrics.latency.observe(time.perf_counter() - t0)
             yield ev
 
-    def first_then_rest(events: Iterator[pb.GenerateEvent]) -> Iterator[pb.GenerateEvent]:
-        """Pull the first event eagerly so errors become HTTP statuses, not broken streams."""
-        first = next(events)
-
-        def chain() -> Iterator[pb.GenerateEvent]:
-            yield first
-            yield from events
-        return chain()
+    async def start(req: GenerateRequest, meta: list[tuple[str, str]],
+                    request: Request) -> tuple[Any, Iterator[pb.GenerateEvent]]:
+        """The worker call and its events, the first pulled eagerly so errors become HTTP statuses."""
+        call = worker.Generate(generate_request_to_pb(req), metadata=meta, timeout=cfg.request_timeout_s)
+        events = observed(call)
+        first = await run_unless_disconnected(request, call, lambda: next(events, None))
+        if first is None:
+            raise IncompleteAnswer(INCOMPLETE)
+        return call, itertools.chain([first], events)
 
     @app.post("/v1/prefixes/{prefix_id}/generate", response_model=None)
-    def generate(prefix_id: str, body: GenerateBody, authorization: str | None = Header(None),
-                 x_api_key: str | None = Header(None)) -> Response | dict[str, Any]:
+    async def generate(prefix_id: str, body: GenerateBody, request: Request, authorization: str | None = Header(None),
+                       x_api_key: str | None = Header(None)) -> Response | dict[str, Any]:
         meta = md(authorization, x_api_key)
         req = GenerateRequest.from_json(prefix_id, body.model_dump(include=set(GENERATE_JSON_FIELDS)))
-        events = first_then_rest(run(req, meta))
+        call, events = await start(req, meta, request)
         if body.stream:
-            return StreamingResponse(_sse(events), media_type="text/event-stream")
-        text, stats = _collect(events)
+            return CancellingStream(_sse(events), call)
+        text, stats = await run_unless_disconnected(request, call, lambda: _collect(events))
         return {"prefix_id": prefix_id, "text": text, "stats": stats}
 
-    def openai(body: OpenAIBody, prompt: str, chat: bool, meta: list[tuple[str, str]]) -> Response | dict[str, Any]:
+    async def openai(body: OpenAIBody, prompt: str, chat: bool, meta: list[tuple[str, str]],
+                     request: Request) -> Response | dict[str, Any]:
         prefix_id, query = _prefix_and_query(body.prefix_id, prompt)
         req = GenerateRequest(prefix_id=prefix_id, query=query, method=body.method,
                               decode=DecodeConfig(budget=body.budget, gen_len=body.gen_len),
                               sampling=SamplingParams(max_new_tokens=body.max_tokens, temperature=body.temperature,
                                                       top_p=body.top_p, seed=body.seed, stop=_stops(body.stop)))
-        events = first_then_rest(run(req, meta))
+        call, events = await start(req, meta, request)
         cid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
         model = body.model or "kvstash"
         if body.stream:
-            return StreamingResponse(_openai_stream(events, cid, created, model, chat=chat),
-                                     media_type="text/event-stream")
-        text, stats = _collect(events)
+            return CancellingStream(_openai_stream(events, cid, created, model, chat=chat), call)
+        text, stats = await run_unless_disconnected(request, call, lambda: _collect(events))
         choice: dict[str, Any] = {"index": 0, "finish_reason": _finish(stats)}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
@@ -295,17 +334,17 @@ def create_app(cfg: GatewayConfig, keys: ApiKeys, service_token: ServiceToken | 
                 "model": model, "choices": [choice], "usage": _usage(stats)}
 
     @app.post("/v1/completions", response_model=None)
-    def completions(body: CompletionBody, authorization: str | None = Header(None),
-                    x_api_key: str | None = Header(None)) -> Response | dict[str, Any]:
-        return openai(body, body.prompt, False, md(authorization, x_api_key))
+    async def completions(body: CompletionBody, request: Request, authorization: str | None = Header(None),
+                          x_api_key: str | None = Header(None)) -> Response | dict[str, Any]:
+        return await openai(body, body.prompt, False, md(authorization, x_api_key), request)
 
     @app.post("/v1/chat/completions", response_model=None)
-    def chat(body: ChatBody, authorization: str | None = Header(None),
-             x_api_key: str | None = Header(None)) -> Response | dict[str, Any]:
+    async def chat(body: ChatBody, request: Request, authorization: str | None = Header(None),
+                   x_api_key: str | None = Header(None)) -> Response | dict[str, Any]:
         users = [m for m in body.messages if m.get("role") == "user"]
         if not users or not isinstance(users[-1].get("content"), str):
             raise InvalidInput("messages must end with a user message whose content is text")
-        return openai(body, users[-1]["content"], True, md(authorization, x_api_key))
+        return await openai(body, users[-1]["content"], True, md(authorization, x_api_key), request)
 
     @app.get("/v1/models")
     def models(authorization: str | None = Header(None), x_api_key: str | None = Header(None)) -> dict[str, Any]:
@@ -314,6 +353,14 @@ def create_app(cfg: GatewayConfig, keys: ApiKeys, service_token: ServiceToken | 
 
     document_api(app)
     return app
+
+
+def _health_status(answer: Any) -> str:
+    """A dependency's health: SERVING, NOT_SERVING, or the gRPC code when it did not answer."""
+    try:
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(answer.result().status))
+    except grpc.RpcError as e:
+        return str(e.code().name)
 
 
 def _summary(m: pb.Manifest) -> dict[str, Any]:
@@ -338,25 +385,37 @@ def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
 
 
 def _collect(events: Iterator[pb.GenerateEvent]) -> tuple[str, dict[str, Any]]:
-    parts, stats = [], {}
+    parts, stats = [], None
     for ev in events:
         if ev.HasField("done"):
             stats = stats_from_pb(ev.done).to_json()
         else:
             parts.append(ev.text)
+    if stats is None:
+        raise IncompleteAnswer(INCOMPLETE)
     return "".join(parts), stats
 
 
+def _stream_error(e: grpc.RpcError | None) -> dict[str, str]:
+    """What a stream that broke reports in its last event (None: it ended without its closing event)."""
+    if e is None:
+        return {"message": INCOMPLETE, "code": IncompleteAnswer.grpc_code}
+    _, message, code = relayed_error(e)  # never an internal address
+    return {"message": message, "code": code}
+
+
 def _sse(events: Iterator[pb.GenerateEvent]) -> Iterator[str]:
+    """Pieces as ``data:`` events, then ``event: done``; a broken stream ends with ``event: error``."""
     try:
         for ev in events:
             if ev.HasField("done"):
                 yield f"event: done\ndata: {json.dumps(stats_from_pb(ev.done).to_json())}\n\n"
-            else:
-                yield f"data: {json.dumps({'text': ev.text, 'step': ev.token.step})}\n\n"
+                return
+            yield f"data: {json.dumps({'text': ev.text, 'step': ev.token.step})}\n\n"
+        error = _stream_error(None)
     except grpc.RpcError as e:
-        _, message, code = relayed_error(e)
-        yield f"event: error\ndata: {json.dumps({'message': message, 'code': code})}\n\n"
+        error = _stream_error(e)
+    yield f"event: error\ndata: {json.dumps(error)}\n\n"
 
 
 def _finish(stats: dict[str, Any]) -> str:
@@ -369,16 +428,26 @@ def _usage(stats: dict[str, Any]) -> dict[str, int]:
 
 
 def _openai_stream(events: Iterator[pb.GenerateEvent], cid: str, created: int, model: str, chat: bool) -> Iterator[str]:
+    """OpenAI chunks, then ``[DONE]``; a broken stream sends an ``{"error": ...}`` chunk before ``[DONE]``."""
     obj = "chat.completion.chunk" if chat else "text_completion"
-    for ev in events:
-        if ev.HasField("done"):
-            finish = _finish(stats_from_pb(ev.done).to_json())
-            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, **({"delta": {}} if chat else {"text": ""})}
-        else:
-            choice = {"index": 0, "finish_reason": None}
-            choice.update({"delta": {"content": ev.text}} if chat else {"text": ev.text})
-        chunk = {"id": cid, "object": obj, "created": created, "model": model, "choices": [choice]}
-        yield f"data: {json.dumps(chunk)}\n\n"
+    done = False
+    try:
+        for ev in events:
+            if ev.HasField("done"):
+                done = True
+                finish = _finish(stats_from_pb(ev.done).to_json())
+                choice: dict[str, Any] = {"index": 0, "finish_reason": finish,
+                                          **({"delta": {}} if chat else {"text": ""})}
+            else:
+                choice = {"index": 0, "finish_reason": None}
+                choice.update({"delta": {"content": ev.text}} if chat else {"text": ev.text})
+            chunk = {"id": cid, "object": obj, "created": created, "model": model, "choices": [choice]}
+            yield f"data: {json.dumps(chunk)}\n\n"
+        error = None if done else _stream_error(None)
+    except grpc.RpcError as e:
+        error = _stream_error(e)
+    if error is not None:
+        yield f"data: {json.dumps({'error': {**error, 'type': 'server_error'}})}\n\n"
     yield "data: [DONE]\n\n"
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
@@ -15,13 +17,16 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.auth import API_KEY_HEADER, ApiKeys
-from services.convert import HTTP_STATUS_TRAILER
-from store.errors import KVStashError
+from services.convert import HTTP_STATUS_TRAILER, RETRY_AFTER_TRAILER
+from store.errors import KVStashError, Overloaded
 
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 16 << 20
 """Largest single gRPC message either way: documents stream in chunks, pages in bounded chunks."""
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                     ("grpc.max_reconnect_backoff_ms", 1000)]
+"""A client reconnects to a restarted server within about a second (gRPC's default backoff grows to 120 s)."""
 T = TypeVar("T")
 
 
@@ -34,6 +39,8 @@ class ServerConfig:
     max_workers: int = 16
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    drain_s: float = 10.0
+    """On SIGTERM: seconds in-flight calls get to finish before they are cancelled."""
 
     @property
     def address(self) -> str:
@@ -85,7 +92,10 @@ def mapped_errors(context: grpc.ServicerContext) -> Iterator[None]:
     try:
         yield
     except KVStashError as e:
-        context.set_trailing_metadata(((HTTP_STATUS_TRAILER, str(e.http_status)),))  # e.g. 413 vs 429
+        trailers = [(HTTP_STATUS_TRAILER, str(e.http_status))]  # e.g. 413 vs 429
+        if isinstance(e, Overloaded):
+            trailers.append((RETRY_AFTER_TRAILER, str(e.retry_after_s)))
+        context.set_trailing_metadata(tuple(trailers))
         context.abort(status_code(e), str(e))
     except ValueError as e:
         context.set_trailing_metadata(((HTTP_STATUS_TRAILER, "400"),))
@@ -100,21 +110,48 @@ def call_with_errors(context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
 
 
 def channel(address: str, tls_ca: Path | None = None) -> grpc.Channel:
-    """A client channel with the shared options (TLS when a CA file is given)."""
+    """A client channel with the shared options and a short reconnect backoff (TLS when a CA file is given)."""
+    options = grpc_options() + RECONNECT_OPTIONS
     if tls_ca:
-        return grpc.secure_channel(address, grpc.ssl_channel_credentials(tls_ca.read_bytes()), options=grpc_options())
-    return grpc.insecure_channel(address, options=grpc_options())
+        return grpc.secure_channel(address, grpc.ssl_channel_credentials(tls_ca.read_bytes()), options=options)
+    return grpc.insecure_channel(address, options=options)
 
 
-def serve_forever(server: grpc.Server, health_servicer: Any, name: str, address: str) -> None:
-    """Start, log, and block until terminated; marks NOT_SERVING on the way out."""
+def watch_health(health_servicer: Any, service_names: list[str], probe: Callable[[], object],
+                 interval_s: float = 1.0) -> threading.Thread:
+    """Mark ``service_names`` NOT_SERVING while ``probe`` raises, SERVING again once it passes."""
+    def loop() -> None:
+        serving = True
+        while True:
+            try:
+                probe()
+                ok = True
+            except Exception as e:  # any failure of a dependency means not ready; the thread must live on
+                ok = False
+                if serving:
+                    log.warning("not serving: %s: %s", type(e).__name__, e)
+            if ok != serving:
+                status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+                for name in [*service_names, ""]:
+                    health_servicer.set(name, status)
+                serving = ok
+            threading.Event().wait(interval_s)
+
+    thread = threading.Thread(target=loop, name="health-probe", daemon=True)
+    thread.start()
+    return thread
+
+
+def serve_forever(server: grpc.Server, health_servicer: Any, name: str, address: str, drain_s: float = 10.0) -> None:
+    """Start, log, and serve until SIGTERM or SIGINT; then NOT_SERVING, no new calls, drain in-flight ones."""
+    stopping = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stopping.set())
     server.start()
     log.info("%s listening on %s", name, address)
     print(f"{name} listening on {address}", flush=True)
-    try:
-        server.wait_for_termination()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        health_servicer.enter_graceful_shutdown()
-        server.stop(grace=5).wait()
+    stopping.wait()
+    print(f"{name} draining (up to {drain_s:g} s)", flush=True)
+    health_servicer.enter_graceful_shutdown()
+    server.stop(grace=drain_s).wait()
+    print(f"{name} stopped", flush=True)

@@ -18,7 +18,7 @@ from services.auth import SERVICE_TOKEN_ENV, ApiKeys, ServiceToken, service_toke
 from services.convert import manifest_to_pb
 from services.gen import kvstash_pb2 as pb
 from services.gen import kvstash_pb2_grpc as pb_grpc
-from services.grpc_common import ServerConfig, build_server, mapped_errors, serve_forever
+from services.grpc_common import ServerConfig, build_server, mapped_errors, serve_forever, watch_health
 from services.service_auth import ServiceTokenInterceptor, service_tenant
 from services.store_flags import add_store_limit_args, store_limits
 from store.config import StoreConfig, default_home
@@ -215,7 +215,8 @@ def main(argv: list[str] | None = None) -> None:
                                 **store_limits(args)))
     cfg = ServerConfig(host=args.host, port=args.port, tls_cert=args.tls_cert, tls_key=args.tls_key)
     server, health = build_store_server(store, cfg, token, tenant_secret())
-    serve_forever(server, health, "kvstash-store", cfg.address)
+    watch_health(health, [pb.DESCRIPTOR.services_by_name["KVStore"].full_name], store.usage)  # metadata reachable
+    serve_forever(server, health, "kvstash-store", cfg.address, cfg.drain_s)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ prefixes (list, manifest, delete), so tenants never need the store service."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,7 +18,8 @@ from services.auth import ApiKeys, insecure_no_auth, require_api_keys, tenant_se
 from services.convert import generate_request_from_pb, manifest_to_pb, stats_to_pb
 from services.gen import kvstash_pb2 as pb
 from services.gen import kvstash_pb2_grpc as pb_grpc
-from services.grpc_common import ServerConfig, build_server, mapped_errors, serve_forever, tenant_of
+from services.grpc_common import ServerConfig, build_server, mapped_errors, serve_forever, tenant_of, watch_health
+from services.scheduler import FairScheduler, SchedulerConfig, Ticket
 from services.store_flags import add_store_limit_args, store_limits
 from store.config import StoreConfig, default_home
 from store.errors import InvalidInput, TooLarge
@@ -52,18 +54,19 @@ class WorkerLimits:
 
 
 class WorkerService(pb_grpc.WorkerServicer):
-    """Serves one model; generations run one at a time (the model is not batched)."""
+    """Serves one model to bounded, interleaved generations: one decode step at a time, fair across tenants."""
 
-    def __init__(self, worker: Worker, keys: ApiKeys, limits: WorkerLimits):
-        self.worker, self.keys, self.limits = worker, keys, limits
-        self._model_lock = threading.Lock()
+    def __init__(self, worker: Worker, keys: ApiKeys, limits: WorkerLimits, scheduler: FairScheduler):
+        self.worker, self.keys, self.limits, self.scheduler = worker, keys, limits, scheduler
 
     def Prefill(self, request_iterator: Iterator[pb.PrefillChunk], context: grpc.ServicerContext) -> pb.PrefillResponse:
         """Assemble the streamed document and prefill it (a cache hit does no forward pass)."""
         with mapped_errors(context):
             tenant = tenant_of(context, self.keys)
             document = self._read_document(request_iterator)
-            with self._model_lock:
+            # One turn for the whole prefill: its forward pass is not split into steps.
+            with self.scheduler.admit(tenant) as ticket, self._cancelled_with(context, ticket), \
+                    self.scheduler.turn(ticket):
                 r = self.worker.prefill(document, tenant=tenant)
             return pb.PrefillResponse(prefix_id=r.prefix_id, n_tokens=r.n_tokens, cached=r.cached)
         raise AssertionError("unreachable")
@@ -78,25 +81,42 @@ class WorkerService(pb_grpc.WorkerServicer):
         return "".join(parts)
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateEvent]:
-        """Stream the answer; stops when the client cancels or the deadline passes."""
+        """Stream the answer; stops at the next step when the client cancels or the deadline passes."""
         with mapped_errors(context):
             tenant = tenant_of(context, self.keys)
             req = generate_request_from_pb(request)
             self.limits.admit(req)
-            stats = GenerationStats()
-            t0 = time.perf_counter()
-            with self._model_lock:
-                pieces = self.worker.generate(req.prefix_id, req.query, req.sampling, method=req.method,
-                                              decode=req.decode, tenant=tenant, stats=stats, raw=req.raw)
-                try:
-                    for piece in pieces:
-                        if not context.is_active():  # cancelled or past its deadline: stop decoding
-                            return
-                        yield pb.GenerateEvent(text=piece, token=pb.TokenStats(
-                            step=stats.steps, bytes_fetched=stats.bytes_fetched, seconds=time.perf_counter() - t0))
-                finally:
-                    pieces.close()  # type: ignore[attr-defined]
-            yield pb.GenerateEvent(done=stats_to_pb(stats))
+            with self.scheduler.admit(tenant) as ticket, self._cancelled_with(context, ticket):
+                yield from self._generate(req, tenant, ticket, context)
+
+    def _generate(self, req: GenerateRequest, tenant: str, ticket: Ticket,
+                  context: grpc.ServicerContext) -> Iterator[pb.GenerateEvent]:
+        stats = GenerationStats()
+        t0 = time.perf_counter()
+
+        def turn() -> contextlib.AbstractContextManager[None]:
+            return self.scheduler.turn(ticket)
+
+        with turn():  # opening a method may run on the device (summaries, warm pages)
+            pieces = self.worker.generate(req.prefix_id, req.query, req.sampling, method=req.method,
+                                          decode=req.decode, tenant=tenant, stats=stats, raw=req.raw, turn=turn)
+        try:
+            for piece in pieces:
+                if not context.is_active():  # cancelled or past its deadline: stop decoding
+                    return
+                yield pb.GenerateEvent(text=piece, token=pb.TokenStats(
+                    step=stats.steps, bytes_fetched=stats.bytes_fetched, seconds=time.perf_counter() - t0))
+        finally:
+            pieces.close()  # type: ignore[attr-defined]  # releases the lease and the fetch engines
+        yield pb.GenerateEvent(done=stats_to_pb(stats))
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _cancelled_with(context: grpc.ServicerContext, ticket: Ticket) -> Iterator[None]:
+        """Cancel ``ticket`` when the RPC ends early (client gone, deadline passed), so it stops at its next turn."""
+        if not context.add_callback(ticket.cancel):
+            ticket.cancel()  # already over
+        yield
 
     def _visible(self, context: grpc.ServicerContext, prefix_id: str) -> Manifest:
         return self.worker.store.visible(prefix_id, tenant_of(context, self.keys), secret=self.worker.secret)
@@ -131,10 +151,13 @@ class WorkerService(pb_grpc.WorkerServicer):
                              methods=sorted(METHODS), device=str(lm.device))
 
 
-def build_worker_server(worker: Worker, cfg: ServerConfig, keys: ApiKeys,
-                        limits: WorkerLimits | None = None) -> tuple[grpc.Server, object]:
+def build_worker_server(worker: Worker, cfg: ServerConfig, keys: ApiKeys, limits: WorkerLimits | None = None,
+                        scheduling: SchedulerConfig | None = None) -> tuple[grpc.Server, object]:
     """A gRPC server exposing ``worker`` (not yet started)."""
-    service = WorkerService(worker, keys, limits or WorkerLimits())
+    scheduler = FairScheduler(scheduling)
+    service = WorkerService(worker, keys, limits or WorkerLimits(), scheduler)
+    # Threads for every admitted call plus health checks and refusals: admission, not the pool, is the bound.
+    cfg = dataclasses.replace(cfg, max_workers=max(cfg.max_workers, scheduler.config.max_active + 8))
     name = pb.DESCRIPTOR.services_by_name["Worker"].full_name
     return build_server(cfg, [name], lambda s: pb_grpc.add_WorkerServicer_to_server(service, s))
 
@@ -151,6 +174,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-document-bytes", type=int, default=DEFAULT_MAX_DOCUMENT_BYTES)
     p.add_argument("--max-new-tokens-cap", type=int, default=LIMITS.max_new_tokens_cap,
                    help=f"most tokens one generation may ask for (1 to {LIMITS.max_new_tokens_cap})")
+    p.add_argument("--max-per-tenant", type=int, default=SchedulerConfig.max_per_tenant,
+                   help="generations and prefills one tenant may run at once (more: RESOURCE_EXHAUSTED)")
+    p.add_argument("--max-active", type=int, default=SchedulerConfig.max_active,
+                   help="generations and prefills admitted at once, all tenants together")
+    p.add_argument("--retry-after-seconds", type=int, default=SchedulerConfig.retry_after_s,
+                   help="retry-after hint sent with a refusal")
     p.add_argument("--tls-cert", type=Path)
     p.add_argument("--tls-key", type=Path)
     p.add_argument("--insecure-no-auth", action="store_true",
@@ -167,8 +196,11 @@ def main(argv: list[str] | None = None) -> None:
     lm = load_model(args.model or default_model(), device=device, dtype=default_dtype(device), progress=False)
     worker = Worker(store, lm, secret=tenant_secret(), progress=False, offload=offload_from_args(args))
     cfg = ServerConfig(host=args.host, port=args.port, tls_cert=args.tls_cert, tls_key=args.tls_key)
-    server, health = build_worker_server(worker, cfg, keys, limits)
-    serve_forever(server, health, "kvstash-worker", cfg.address)
+    scheduling = SchedulerConfig(max_per_tenant=args.max_per_tenant, max_active=args.max_active,
+                                 retry_after_s=args.retry_after_seconds)
+    server, health = build_worker_server(worker, cfg, keys, limits, scheduling)
+    watch_health(health, [pb.DESCRIPTOR.services_by_name["Worker"].full_name], store.usage)  # metadata reachable
+    serve_forever(server, health, "kvstash-worker", cfg.address, cfg.drain_s)
 
 
 if __name__ == "__main__":

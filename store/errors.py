@@ -84,6 +84,24 @@ class QuotaExceeded(KVStashError):
     http_status = 429
 
 
+class Overloaded(KVStashError):
+    """Capacity pressure: too many generations in flight (for this tenant or in all); retry after a while."""
+
+    grpc_code = "RESOURCE_EXHAUSTED"
+    http_status = 429
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = max(1, int(retry_after_s))
+
+
+class Cancelled(KVStashError):
+    """The caller went away (cancelled the call or passed its deadline) before the work finished."""
+
+    grpc_code = "CANCELLED"
+    http_status = 499
+
+
 class StoreFull(QuotaExceeded):
     """The data directory has too little free disk space for a write."""
 

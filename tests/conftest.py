@@ -33,6 +33,14 @@ def other_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def endless_lm(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """A tiny model that never ends an answer with EOS, with a 32k context: long generations."""
+    spec = TinyLlamaSpec(seed=0, never_eos=True, max_positions=1 << 15)
+    path = build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-endless", spec)
+    return load_model(str(path), page_size=TEST_PAGE_SIZE, progress=False)
+
+
+@pytest.fixture(scope="session")
 def lm(tiny_model_dir: Path) -> LoadedModel:
     """The tiny model, loaded through the product's loader."""
     return load_model(str(tiny_model_dir), page_size=TEST_PAGE_SIZE, progress=False)
@@ -50,3 +58,9 @@ def store(tmp_path: Path) -> KVStore:
 def worker(store: KVStore, lm: LoadedModel) -> Worker:
     """A worker over ``store`` running the tiny model, with a small prefill chunk to exercise chunking."""
     return Worker(store, lm, chunk_size=40, progress=False)
+
+
+@pytest.fixture()
+def endless_worker(store: KVStore, endless_lm: LoadedModel) -> Worker:
+    """A worker over ``store`` whose generations run to max_new_tokens."""
+    return Worker(store, endless_lm, progress=False)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +31,8 @@ from workers.textstream import TextStream
 
 DEFAULT_TENANT = "default"
 DEFAULT_OFFLOAD = OffloadConfig()
+StepTurn = Callable[[], AbstractContextManager[object]]
+"""Held around each decode step (a fair scheduler's turn on the model); may raise to stop the generation."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,10 +132,12 @@ class Worker:
 
     def generate(self, prefix_id: str, query: str, params: SamplingParams | None = None, *, method: str = "full",
                  decode: DecodeConfig | None = None, tenant: str = DEFAULT_TENANT,
-                 stats: GenerationStats | None = None, raw: bool = False) -> Iterator[str]:
+                 stats: GenerationStats | None = None, raw: bool = False,
+                 turn: StepTurn = contextlib.nullcontext) -> Iterator[str]:
         """Stream the answer to ``query`` over a stored prefix, as text pieces.
 
-        The query is wrapped in the model's query template unless ``raw``.
+        The query is wrapped in the model's query template unless ``raw``; ``turn()`` is held around
+        each decode step, so interleaved generations take the model one step at a time.
         """
         params = params or SamplingParams()
         m = self.open_prefix(prefix_id, tenant)
@@ -156,14 +162,14 @@ class Worker:
             raise
         stop = params.stop or self.lm.prompt.stop
         return self._leased(attn, source, q_ids, params, stop, min(room, params.max_new_tokens),
-                            stats if stats is not None else GenerationStats())
+                            stats if stats is not None else GenerationStats(), turn)
 
     def _leased(self, attn: PrefixAttention, source: PrefixSource, q_ids: list[int], params: SamplingParams,
-                stop: tuple[str, ...], max_new: int, stats: GenerationStats) -> Iterator[str]:
+                stop: tuple[str, ...], max_new: int, stats: GenerationStats, turn: StepTurn) -> Iterator[str]:
         # A live lease keeps eviction away from the prefix while it is decoded; released however the stream ends.
         try:
             with self.store.lease(source.manifest.prefix_id) as lease:
-                for piece in self._stream(attn, source, source.n_tokens, q_ids, params, stop, max_new, stats):
+                for piece in self._stream(attn, source, source.n_tokens, q_ids, params, stop, max_new, stats, turn):
                     lease.keepalive()
                     yield piece
         finally:
@@ -171,7 +177,8 @@ class Worker:
 
     @torch.inference_mode()
     def _stream(self, attn: PrefixAttention, source: PrefixSource, n_prefix: int, q_ids: list[int],
-                params: SamplingParams, stop: tuple[str, ...], max_new: int, stats: GenerationStats) -> Iterator[str]:
+                params: SamplingParams, stop: tuple[str, ...], max_new: int, stats: GenerationStats,
+                turn: StepTurn) -> Iterator[str]:
         t0 = time.perf_counter()
         lm, dev = self.lm, self.lm.device
         sampler, text = Sampler(params, dev), TextStream(lm.tokenizer, stop)
@@ -180,16 +187,17 @@ class Worker:
         stats.prompt_tokens, stats.finish_reason = len(q_ids), "length"
         full_step_bytes = n_prefix * lm.layout.token_kv_bytes() * lm.layout.n_kv_heads * lm.layout.n_layers
         for _ in range(max_new):
-            t_step = time.perf_counter()
-            inp = torch.tensor([ids], device=dev)
-            positions = torch.arange(pos, pos + len(ids), device=dev)[None]
-            out = lm.model(input_ids=inp, position_ids=positions, past_key_values=cache, use_cache=True,
-                           logits_to_keep=1, **{PREFIX_KWARG: attn})
+            with turn():
+                t_step = time.perf_counter()
+                inp = torch.tensor([ids], device=dev)
+                positions = torch.arange(pos, pos + len(ids), device=dev)[None]
+                out = lm.model(input_ids=inp, position_ids=positions, past_key_values=cache, use_cache=True,
+                               logits_to_keep=1, **{PREFIX_KWARG: attn})
+                token = sampler(out.logits[0, -1])  # syncs the device: the step is done when the turn ends
+                stats.step_seconds.append(time.perf_counter() - t_step)
             pos += len(ids)
             stats.steps += 1
             stats.bytes_full += full_step_bytes
-            token = sampler(out.logits[0, -1])
-            stats.step_seconds.append(time.perf_counter() - t_step)
             if token in lm.eos_ids:
                 stats.finish_reason = "eos"
                 break
