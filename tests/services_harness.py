@@ -102,7 +102,8 @@ def topology(home: Path, model: Path, env_extra: dict[str, str], metadata_url: s
     try:
         for name, args in [
             ("store", ["services.store_server", "--port", str(sp), "--home", str(home), *meta]),
-            ("worker", ["services.worker_server", "--port", str(wp), "--home", str(home), "--model", str(model),
+            ("worker", ["services.worker_server", "--port", str(wp), "--max-per-tenant", "16", "--max-active", "32",
+                        "--home", str(home), "--model", str(model),
                         "--device", "cpu", *meta, *worker_args]),
             ("gateway", ["services.gateway", "--port", str(gp), "--worker-addr", topo.worker_addr, "--store-addr",
                          topo.store_addr, *gateway_args]),

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -178,7 +179,13 @@ def test_concurrent_prefill_is_single_flight_and_generations_complete(topo) -> N
     results: list[dict] = []
 
     def prefill() -> None:
-        results.append(httpx.post(f"{url}/v1/prefixes", json={"document": doc}, headers=_h(), timeout=300).json())
+        # Over the worker's per-tenant admission limit a call is refused with 429 + Retry-After: retry as a client does.
+        for _ in range(60):
+            r = httpx.post(f"{url}/v1/prefixes", json={"document": doc}, headers=_h(), timeout=300)
+            if r.status_code != 429:
+                break
+            time.sleep(float(r.headers.get("retry-after", "1")))
+        results.append(r.json())
 
     threads = [threading.Thread(target=prefill) for _ in range(8)]
     for t in threads:
