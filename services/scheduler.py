@@ -58,7 +58,7 @@ class Ticket:
     tenant: str
     cancelled: bool = False
     _wake: threading.Event = field(default_factory=threading.Event)
-    """Set while the ticket holds the model (or once it is cancelled)."""
+    """Set when the ticket is given the model, is cancelled, or should look again (a claim may lapse)."""
 
     def cancel(self) -> None:
         """Stop waiting: the next (or current) wait for a turn raises ``Cancelled``."""
@@ -121,9 +121,7 @@ class FairScheduler:
                 raise Cancelled("the call was cancelled")
             self._waiting.setdefault(ticket.tenant, deque()).append(ticket)
             self._dispatch()
-        while not ticket._wake.wait(self.config.hand_back_s or None):
-            with self._lock:  # a claim on the model may have lapsed: look again
-                self._dispatch()
+        self._wait(ticket)
         if ticket.cancelled:
             with self._lock:
                 self._leave(ticket)
@@ -136,6 +134,19 @@ class FairScheduler:
                 if self._owed(ticket.tenant):
                     self._claim, self._claim_until = ticket, time.perf_counter() + self.config.hand_back_s
                 self._dispatch()
+
+    def _wait(self, ticket: Ticket) -> None:
+        """Until ``ticket`` holds the model or is cancelled; woken early to end a claim that lapses."""
+        timeout: float | None = None
+        while True:
+            ticket._wake.wait(timeout)
+            with self._lock:
+                if self._holder is not ticket:
+                    self._dispatch()  # a claim may have lapsed
+                ticket._wake.clear()  # also a poke of our own dispatch's: we are looking already
+                if ticket.cancelled or self._holder is ticket:  # cancel() sets the flag before the event
+                    return
+                timeout = max(0.0, self._claim_until - time.perf_counter()) if self._claim is not None else None
 
     def _come_back(self, tenant: str) -> None:
         """Place a tenant that had nothing admitted at most ``idle_credit_s`` behind the clock (lock held)."""
@@ -176,11 +187,12 @@ class FairScheduler:
             return
         claim, self._claim = self._claim, None
         lapsed = time.perf_counter() >= self._claim_until
-        if claim is not None and claim not in self._waiting.get(claim.tenant, ()) and not lapsed:
-            self._claim = claim  # keep the model for it a moment longer
-            return
         tenant = min(self._waiting, key=self._used.__getitem__)  # ties: the tenant waiting longest
         queue = self._waiting[tenant]
+        if claim is not None and claim not in self._waiting.get(claim.tenant, ()) and not lapsed:
+            self._claim = claim  # keep the model for it a moment longer ...
+            queue[0]._wake.set()  # ... and have the next in line end the claim if it lapses
+            return
         self._holder = queue.popleft()
         if not queue:
             del self._waiting[tenant]

@@ -122,3 +122,21 @@ def test_a_returning_tenant_comes_back_at_most_idle_credit_behind() -> None:
             assert s._used["a"] - s._used["b"] == pytest.approx(0.02)
         with s.admit("b"), s.admit("b"):  # back at once: no fresh credit, its own place
             assert s._used["a"] - s._used["b"] == pytest.approx(0.02)
+
+
+def test_a_claim_on_the_freed_model_lapses_when_its_tenant_does_not_come_back() -> None:
+    s = FairScheduler(SchedulerConfig(hand_back_s=0.05))
+    with s.admit("a") as a, s.admit("b") as b:
+        with s.turn(b):
+            time.sleep(STEP_S)
+        with s.turn(a):  # a is owed time: the model waits for it a moment after this turn
+            pass
+        t0 = time.perf_counter()
+        with s.turn(b):  # a never asks again (say it is stuck sending to a slow client)
+            waited = time.perf_counter() - t0
+        assert 0.03 < waited < 0.5
+        with s.turn(a):  # owed and back within the claim: no wait
+            pass
+        t0 = time.perf_counter()
+        with s.turn(a):
+            assert time.perf_counter() - t0 < 0.03
