@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.auth import (
     API_KEY_HEADER,
@@ -180,6 +181,9 @@ class IncompleteAnswer(KVStashError):
     http_status = 502
 
 
+HTTP_CODE_NAMES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 405: "UNIMPLEMENTED",
+                   413: "RESOURCE_EXHAUSTED"}
+"""gRPC-style code of the HTTP errors Starlette raises itself."""
 INCOMPLETE = "the worker's stream ended before the answer was complete"
 READY_SERVICES = {"worker": "kvstash.v1.Worker", "store": "kvstash.v1.KVStore"}
 """The dependencies /readyz asks, by the gRPC health service name of each."""
@@ -210,6 +214,13 @@ def create_app(cfg: GatewayConfig, keys: ApiKeys, service_token: ServiceToken | 
     @app.exception_handler(grpc.RpcError)
     def _rpc_error(request: Request, e: grpc.RpcError) -> JSONResponse:
         return _grpc_error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        # Starlette's own refusals (a body that is not even text, an unknown route) in the one error shape.
+        code = HTTP_CODE_NAMES.get(e.status_code, "UNKNOWN")
+        return JSONResponse({"error": {"message": str(e.detail), "code": code}}, status_code=e.status_code,
+                            headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     def _validation(request: Request, e: RequestValidationError) -> JSONResponse:
@@ -248,7 +259,9 @@ def create_app(cfg: GatewayConfig, keys: ApiKeys, service_token: ServiceToken | 
         ready = all(s == "SERVING" for s in status.values())
         return JSONResponse({"status": "ready" if ready else "not ready", **status}, status_code=200 if ready else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "Prometheus text exposition"}})
     def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -54,6 +54,15 @@ ROUTE_ERRORS: dict[tuple[str, str], tuple[int, ...]] = {
 SSE_ROUTES = {("post", "/v1/prefixes/{prefix_id}/generate"), ("post", "/v1/completions"),
               ("post", "/v1/chat/completions")}
 """Routes that answer ``text/event-stream`` when the body sets ``"stream": true``."""
+SSE_EVENT = {
+    "title": "ServerSentEvent",
+    "description": "One event of the stream: `data:` pieces, then `event: done` (or `data: [DONE]` on the OpenAI "
+                   "routes); a stream that breaks ends with `event: error` (OpenAI: an `error` chunk, then [DONE]).",
+    "type": "object",
+    "required": ["data"],
+    "properties": {"event": {"type": "string", "enum": ["message", "done", "error"]}, "data": {"type": "string"}},
+}
+"""What a client parses from the SSE routes, one event at a time (a schema per event, as SSE tools read it)."""
 _AUTH_HEADERS = {"authorization", "x-api-key"}
 
 
@@ -99,7 +108,5 @@ def _annotate_operation(op: dict[str, Any], errors: tuple[int, ...], sse: bool) 
                                   "content": {"application/json": {"schema": ref}}}
     if sse:
         ok = next(v for k, v in responses.items() if k.startswith("2"))
-        ok.setdefault("content", {})["text/event-stream"] = {
-            "schema": {"type": "string", "description": "Server-Sent Events (data: lines; an `event: done` or "
-                                                        "`data: [DONE]` ends the stream)"}}
+        ok.setdefault("content", {})["text/event-stream"] = {"schema": SSE_EVENT}
         ok["description"] = "The answer as JSON, or as Server-Sent Events when the body sets stream: true"

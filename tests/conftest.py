@@ -33,11 +33,16 @@ def other_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def endless_lm(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+def endless_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny model that never ends an answer with EOS, with a 32k context: long generations."""
     spec = TinyLlamaSpec(seed=0, never_eos=True, max_positions=1 << 15)
-    path = build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-endless", spec)
-    return load_model(str(path), page_size=TEST_PAGE_SIZE, progress=False)
+    return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-endless", spec)
+
+
+@pytest.fixture(scope="session")
+def endless_lm(endless_model_dir: Path) -> LoadedModel:
+    """``endless_model_dir``, loaded."""
+    return load_model(str(endless_model_dir), page_size=TEST_PAGE_SIZE, progress=False)
 
 
 @pytest.fixture(scope="session")

@@ -36,10 +36,23 @@ class Topology:
     gateway_url: str
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     logs: dict[str, Path] = field(default_factory=dict)
+    commands: dict[str, list[str]] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
 
     def log(self, name: str) -> str:
         """What a process printed so far."""
         return self.logs[name].read_text(errors="replace")
+
+    def restart(self, name: str) -> None:
+        """Start process ``name`` again with its command (after it exited); returns once it is healthy."""
+        assert self.procs[name].poll() is not None, f"{name} is still running"
+        log_dir = self.logs[name].parent
+        self.procs[name], self.logs[name] = start(f"{name}-restarted", self.commands[name], self.env, log_dir)
+        addr = {"store": self.store_addr, "worker": self.worker_addr}.get(name)
+        if addr:
+            wait_grpc(addr, self.procs[name], self.logs[name])
+        else:
+            wait_http(self.gateway_url, self.procs[name], self.logs[name])
 
 
 def start(name: str, args: list[str], env: dict[str, str], log_dir: Path) -> tuple[subprocess.Popen, Path]:
@@ -97,7 +110,8 @@ def topology(home: Path, model: Path, env_extra: dict[str, str], metadata_url: s
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVSTASH_SERVICE_TOKEN": SERVICE_TOKEN, **env_extra}
     meta = ["--metadata-url", metadata_url] if metadata_url else []
     sp, wp, gp = free_port(), free_port(), free_port()
-    topo = Topology(store_addr=f"127.0.0.1:{sp}", worker_addr=f"127.0.0.1:{wp}", gateway_url=f"http://127.0.0.1:{gp}")
+    topo = Topology(store_addr=f"127.0.0.1:{sp}", worker_addr=f"127.0.0.1:{wp}", gateway_url=f"http://127.0.0.1:{gp}",
+                    env=env)
     log_dir = home.parent
     try:
         for name, args in [
@@ -109,6 +123,7 @@ def topology(home: Path, model: Path, env_extra: dict[str, str], metadata_url: s
                          topo.store_addr, *gateway_args]),
         ]:
             topo.procs[name], topo.logs[name] = start(name, args, env, log_dir)
+            topo.commands[name] = args
         wait_grpc(topo.store_addr, topo.procs["store"], topo.logs["store"])
         wait_grpc(topo.worker_addr, topo.procs["worker"], topo.logs["worker"])
         wait_http(topo.gateway_url, topo.procs["gateway"], topo.logs["gateway"])

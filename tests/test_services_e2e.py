@@ -51,7 +51,9 @@ def redis(tmp_path_factory: pytest.TempPathFactory):
 def topo(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, redis: RedisServer):
     home = tmp_path_factory.mktemp("e2e") / "home"
     with topology(home, tiny_model_dir, ENV, metadata_url=redis.url,
-                  worker_args=("--max-document-bytes", str(MAX_DOC_BYTES)),
+                  # Room for the 16 concurrent generations of one tenant below (the bound is tested elsewhere).
+                  worker_args=("--max-document-bytes", str(MAX_DOC_BYTES), "--max-per-tenant", "16",
+                               "--max-active", "32"),
                   gateway_args=("--max-body-bytes", str(4 * MAX_DOC_BYTES))) as t:
         t.home = home  # type: ignore[attr-defined]
         yield t

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from store.config import StoreConfig
 from store.errors import ContextTooLong, CorruptData, InvalidInput, ModelMismatch, PrefixNotFound, UnknownMethod
@@ -133,3 +134,13 @@ def test_prompt_format_from_model_dir(tmp_path: Path) -> None:
     (tmp_path / "kvstash.json").write_text(json.dumps({"query_template": "no placeholder"}))
     with pytest.raises(ValueError, match="question"):
         PromptFormat.load(str(tmp_path))
+
+
+@pytest.mark.parametrize("top_p", [5e-324, 1e-300, 1e-46])
+def test_a_top_p_under_float32s_range_keeps_the_top_token(top_p: float) -> None:
+    # Found by fuzzing the gateway: the nucleus kept nothing and sampling raised (an HTTP 500).
+    from workers.sampling import Sampler
+
+    logits = torch.tensor([0.1, 3.0, -2.0, 2.9])
+    sampler = Sampler(SamplingParams(temperature=1.0, top_p=top_p, seed=0), torch.device("cpu"))
+    assert [sampler(logits) for _ in range(5)] == [1] * 5

@@ -26,6 +26,7 @@ class Sampler:
         probs = torch.softmax(logits.float() / p.temperature, dim=-1)
         if p.top_p < 1:
             sorted_p, order = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_p, 0) - sorted_p < p.top_p  # always keeps the top token
+            keep = torch.cumsum(sorted_p, 0) - sorted_p < p.top_p
+            keep[0] = True  # the top token always stays, also when top_p is under float32's smallest value
             probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
         return int(torch.multinomial(probs, 1, generator=self.gen))
