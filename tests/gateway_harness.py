@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 import uvicorn
 
-from services.auth import ApiKeys
+from services.auth import ApiKeys, ServiceToken
 from services.gateway import GatewayConfig, create_app
 from services.grpc_common import ServerConfig
 from services.scheduler import SchedulerConfig
@@ -22,6 +22,8 @@ from tests.services_harness import free_port
 from workers.engine import Worker
 
 KEYS = ApiKeys({"key-a": "a", "key-b": "b"})
+TOKEN = ServiceToken("gateway-harness-service-token")
+"""What the gateway presents to the store (a service credential, no tenant's key)."""
 HEADERS = {"a": {"Authorization": "Bearer key-a"}, "b": {"Authorization": "Bearer key-b"}}
 
 
@@ -59,11 +61,11 @@ def services(worker: Worker, scheduling: SchedulerConfig | None = None,
              limits: WorkerLimits | None = None) -> Iterator[Services]:
     """A store server and a worker server over ``worker`` (sharing its store), and a gateway in front."""
     store_cfg, worker_cfg = ServerConfig(port=free_port()), ServerConfig(port=free_port())
-    store_server, store_health = build_store_server(worker.store, store_cfg, KEYS)
+    store_server, store_health = build_store_server(worker.store, store_cfg, TOKEN)
     worker_server, _ = build_worker_server(worker, worker_cfg, KEYS, limits, scheduling)
     store_server.start()
     worker_server.start()
-    app = create_app(GatewayConfig(worker_addr=worker_cfg.address, store_addr=store_cfg.address), KEYS)
+    app = create_app(GatewayConfig(worker_addr=worker_cfg.address, store_addr=store_cfg.address), KEYS, TOKEN)
     try:
         with serve_http(app) as url:
             yield Services(url, worker_cfg.address, store_cfg.address, worker_server, store_server, store_health)

@@ -30,7 +30,7 @@ from services.worker_server import WorkerLimits, build_worker_server
 from store.config import StoreConfig
 from store.kvstore import KVStore
 from tests.conftest import TEST_PAGE_SIZE
-from tests.gateway_harness import HEADERS, KEYS
+from tests.gateway_harness import HEADERS, KEYS, TOKEN
 from tests.services_harness import free_port
 from workers.engine import Worker
 from workers.methods.registry import METHODS
@@ -52,12 +52,12 @@ def live(tmp_path_factory: pytest.TempPathFactory, lm: LoadedModel):
     worker = Worker(store, lm, progress=False)
     pid = worker.prefill(DOC, tenant="a").prefix_id
     store_cfg, worker_cfg = ServerConfig(port=free_port()), ServerConfig(port=free_port())
-    servers = [build_store_server(store, store_cfg, KEYS)[0],
+    servers = [build_store_server(store, store_cfg, TOKEN)[0],
                build_worker_server(worker, worker_cfg, KEYS, WorkerLimits(max_new_tokens_cap=MAX_TOKENS),
                                    SchedulerConfig(max_per_tenant=16, max_active=16))[0]]
     for s in servers:
         s.start()
-    app = create_app(GatewayConfig(worker_addr=worker_cfg.address, store_addr=store_cfg.address), KEYS)
+    app = create_app(GatewayConfig(worker_addr=worker_cfg.address, store_addr=store_cfg.address), KEYS, TOKEN)
     yield app, pid
     for s in servers:
         s.stop(0)
