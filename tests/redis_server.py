@@ -8,6 +8,7 @@ fails (it never skips): CI installs it.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import signal
 import socket
@@ -101,9 +102,10 @@ class RedisServer:
         self.start()
 
 
-@pytest.fixture()
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    """A fresh redis-server for one test; fails (never skips) when redis-server is not installed."""
+@contextlib.contextmanager
+def running_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A started redis-server in a fresh directory, stopped on exit; fails (never skips) when redis-server is
+    not installed."""
     exe = shutil.which("redis-server")
     if exe is None:
         pytest.fail(INSTALL_HINT, pytrace=False)
@@ -113,3 +115,10 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture()
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A fresh redis-server for one test."""
+    with running_redis(tmp_path_factory) as server:
+        yield server

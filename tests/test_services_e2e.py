@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ from services.gen import kvstash_pb2 as pb
 from services.gen import kvstash_pb2_grpc as pb_grpc
 from store.config import StoreConfig
 from store.kvstore import KVStore
-from tests.redis_server import INSTALL_HINT, RedisServer
+from tests.redis_server import RedisServer, running_redis
 from tests.services_harness import SERVICE_TOKEN, start, stop, topology, wait_grpc
 
 pytestmark = pytest.mark.slow  # real processes: redis, store, worker and gateway
@@ -38,13 +37,8 @@ N_NEW = 12
 
 @pytest.fixture(scope="module")
 def redis(tmp_path_factory: pytest.TempPathFactory):
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.fail(INSTALL_HINT, pytrace=False)
-    server = RedisServer(exe, tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server
-    server.stop()
+    with running_redis(tmp_path_factory) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

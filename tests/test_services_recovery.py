@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.redis_server import INSTALL_HINT, RedisServer
+from tests.redis_server import RedisServer, running_redis
 from tests.services_harness import Topology, topology
 
 pytestmark = pytest.mark.slow
@@ -24,13 +23,8 @@ SERVED_AGAIN_WITHIN_S = 2.0
 
 @pytest.fixture(scope="module")
 def redis(tmp_path_factory: pytest.TempPathFactory):
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.fail(INSTALL_HINT, pytrace=False)
-    server = RedisServer(exe, tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server
-    server.stop()
+    with running_redis(tmp_path_factory) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
