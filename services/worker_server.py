@@ -124,7 +124,7 @@ class WorkerService(pb_grpc.WorkerServicer):
     def ListPrefixes(self, request: pb.ListPrefixesRequest, context: grpc.ServicerContext) -> pb.ListPrefixesResponse:
         """The caller's prefixes, newest first."""
         with mapped_errors(context):
-            ms = self.worker.store.list_prefixes(tenant_of(context, self.keys))
+            ms = self.worker.store.list_prefixes(tenant_of(context, self.keys), secret=self.worker.secret)
             return pb.ListPrefixesResponse(prefixes=[manifest_to_pb(m) for m in ms])
         raise AssertionError("unreachable")
 

@@ -224,11 +224,11 @@ class KVStore:
         """Whether a committed prefix with that id exists."""
         return self.find(prefix_id) is not None
 
-    def list_prefixes(self, tenant: str | None = None) -> list[Manifest]:
-        """Committed prefixes (only those ``tenant`` may use, when given), newest first."""
+    def list_prefixes(self, tenant: str | None = None, *, secret: str | None = None) -> list[Manifest]:
+        """Committed prefixes (only those ``tenant`` may use, when given, by ``visible``'s rule), newest first."""
         ms = self._meta.manifests()
         if tenant is not None:
-            ms = [m for m in ms if _owned(m, tenant, None)]
+            ms = [m for m in ms if _owned(m, tenant, secret)]
         return sorted(ms, key=lambda m: m.created_at, reverse=True)
 
     def remove(self, prefix_id: str) -> None:

@@ -298,3 +298,6 @@ def test_another_tenants_prefix_looks_missing(store: KVStore) -> None:
     with pytest.raises(PrefixNotFound):
         store.visible(mine, "default", secret="another")
     assert [m.prefix_id for m in store.list_prefixes("alice")] == [pid] and store.list_prefixes("bob") == []
+    # Listing follows the same rule as ``visible``, the secret included.
+    assert [m.prefix_id for m in store.list_prefixes("default", secret="")] == [mine]
+    assert store.list_prefixes("default", secret="another") == []
