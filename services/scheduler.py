@@ -84,6 +84,8 @@ class FairScheduler:
         self._holder: Ticket | None = None
         self._since = 0.0
         """When the holder's turn began."""
+        self._services: dict[str, Ticket] = {}
+        """The one ticket of each service name (its turns come one at a time)."""
         self._claim: Ticket | None = None
         self._claim_until = 0.0
         """A ticket that just ended a turn while owed time, and until when the model waits for it."""
@@ -112,6 +114,24 @@ class FairScheduler:
                 if not self._admitted[tenant]:
                     del self._admitted[tenant]
                     self._away[tenant] = self._used.pop(tenant)
+
+    @contextlib.contextmanager
+    def service_turn(self, name: str) -> Iterator[None]:
+        """One turn for work done for every tenant at once (a batched decode step), scheduled like a
+        tenant's turn under the name ``name`` but outside the admission bounds."""
+        with self._lock:
+            ticket = self._services.get(name)
+            if ticket is None:
+                ticket = self._services[name] = Ticket(name)
+            if name not in self._used:
+                self._come_back(name)
+        try:
+            with self.turn(ticket):
+                yield
+        finally:
+            with self._lock:  # between its turns the service is away, like a tenant with nothing admitted
+                if not self._admitted.get(name) and name in self._used and name not in self._waiting:
+                    self._away[name] = self._used.pop(name)
 
     @contextlib.contextmanager
     def turn(self, ticket: Ticket) -> Iterator[None]:

@@ -33,6 +33,8 @@ from workers.offload.config import add_offload_args, offload_from_args
 from workers.requests import LIMITS, GenerateRequest, GenerationStats
 
 DEFAULT_MAX_DOCUMENT_BYTES = 64 << 20
+DECODE_SERVICE = "\x00decode"
+"""The scheduler name of the batched decode step (no tenant name holds a NUL)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,7 +56,7 @@ class WorkerLimits:
 
 
 class WorkerService(pb_grpc.WorkerServicer):
-    """Serves one model to bounded, interleaved generations: one decode step at a time, fair across tenants."""
+    """Serves one model to bounded generations, batched in the worker's decode engine, and prefills in fair turns."""
 
     def __init__(self, worker: Worker, keys: ApiKeys, limits: WorkerLimits, scheduler: FairScheduler):
         self.worker, self.keys, self.limits, self.scheduler = worker, keys, limits, scheduler
@@ -94,12 +96,11 @@ class WorkerService(pb_grpc.WorkerServicer):
         stats = GenerationStats()
         t0 = time.perf_counter()
 
-        def turn() -> contextlib.AbstractContextManager[None]:
-            return self.scheduler.turn(ticket)
-
-        with turn():  # opening a method may run on the device (summaries, warm pages)
+        with self.scheduler.turn(ticket):  # opening a method may run on the device (summaries, warm pages)
             pieces = self.worker.generate(req.prefix_id, req.query, req.sampling, method=req.method,
-                                          decode=req.decode, tenant=tenant, stats=stats, raw=req.raw, turn=turn)
+                                          decode=req.decode, tenant=tenant, stats=stats, raw=req.raw)
+        if not context.add_callback(pieces.cancel):  # the client left: the engine drops it at its next step
+            pieces.cancel()
         try:
             for piece in pieces:
                 if not context.is_active():  # cancelled or past its deadline: stop decoding
@@ -107,7 +108,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                 yield pb.GenerateEvent(text=piece, token=pb.TokenStats(
                     step=stats.steps, bytes_fetched=stats.bytes_fetched, seconds=time.perf_counter() - t0))
         finally:
-            pieces.close()  # type: ignore[attr-defined]  # releases the lease and the fetch engines
+            pieces.close()  # releases the lease and the fetch engines
         yield pb.GenerateEvent(done=stats_to_pb(stats))
 
     @staticmethod
@@ -155,6 +156,9 @@ def build_worker_server(worker: Worker, cfg: ServerConfig, keys: ApiKeys, limits
                         scheduling: SchedulerConfig | None = None) -> tuple[grpc.Server, object]:
     """A gRPC server exposing ``worker`` (not yet started)."""
     scheduler = FairScheduler(scheduling)
+    # The batched decode step serves every running generation at once: it takes the model's turns under
+    # one name, alternating with prefills (and generations' opening turns) fairly in model time.
+    worker.engine.turn = lambda: scheduler.service_turn(DECODE_SERVICE)
     service = WorkerService(worker, keys, limits or WorkerLimits(), scheduler)
     # Threads for every admitted call plus health checks and refusals: admission, not the pool, is the bound.
     cfg = dataclasses.replace(cfg, max_workers=max(cfg.max_workers, scheduler.config.max_active + 8))

@@ -94,7 +94,7 @@ def test_a_prefill_counts_against_the_bound(stub) -> None:
     call.cancel()
 
 
-def test_a_turn_that_raises_stops_the_generation_and_releases_its_lease(worker: Worker) -> None:
+def test_a_step_turn_that_raises_stops_the_generation_and_releases_its_lease(worker: Worker) -> None:
     pid = worker.prefill(DOC).prefix_id
     turns = 0
 
@@ -107,6 +107,10 @@ def test_a_turn_that_raises_stops_the_generation_and_releases_its_lease(worker: 
         yield
 
     stats = GenerationStats()
-    with pytest.raises(Cancelled):
-        "".join(worker.generate(pid, "q", SamplingParams(max_new_tokens=50), stats=stats, turn=turn))
+    worker.engine.turn = turn
+    try:
+        with pytest.raises(Cancelled):
+            "".join(worker.generate(pid, "q", SamplingParams(max_new_tokens=50), stats=stats))
+    finally:
+        worker.engine.turn = contextlib.nullcontext
     assert turns == 4 and stats.steps == 3 and worker.store.leases(pid) == []

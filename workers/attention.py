@@ -16,6 +16,9 @@ from transformers import AttentionInterface
 
 KVSTASH_ATTENTION = "kvstash"
 PREFIX_KWARG = "kvstash_prefix"
+"""Forward kwarg: one generation's ``PrefixAttention``, its own tokens in a transformers cache (tools)."""
+STEP_KWARG = "kvstash_step"
+"""Forward kwarg: the engine's packed step (``StepAttention``): many generations, own KV outside transformers."""
 
 
 class PrefixAttention(Protocol):
@@ -23,6 +26,14 @@ class PrefixAttention(Protocol):
 
     def attend(self, layer: int, q: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """q ``[B, Hq, L, D]`` -> (out ``[B, Hq, L, D]`` fp32, lse ``[B, Hq, L]`` fp32)."""
+        ...
+
+
+class StepAttention(Protocol):
+    """Attention of a packed batch of generations' new tokens (the decode engine's step)."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q ``[1, Hq, T, D]``, k, v ``[1, Hkv, T, D]`` of the packed tokens -> out ``[1, Hq, T, D]``."""
         ...
 
 
@@ -71,13 +82,16 @@ def kvstash_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
                       **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers attention function: causal over the cache, plus the stored prefix if given."""
+    layer = module.layer_idx
+    assert isinstance(layer, int)
+    step: StepAttention | None = kwargs.get(STEP_KWARG)
+    if step is not None:
+        return step.attend(layer, query, key, value, scaling).transpose(1, 2).contiguous(), None
     prefix: PrefixAttention | None = kwargs.get(PREFIX_KWARG)
     if prefix is None:
         out = _causal_sdpa(query, key, value, scaling)
     else:
         o_loc, lse_loc = dense_attention(query, key, value, scaling, q_offset=key.shape[2] - query.shape[2])
-        layer = module.layer_idx
-        assert isinstance(layer, int)
         o_pre, lse_pre = prefix.attend(layer, query, scaling)
         out = merge_attention(o_loc, lse_loc, o_pre, lse_pre)[0].to(query.dtype)
     return out.transpose(1, 2).contiguous(), None

@@ -2,28 +2,27 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
 from store.artifacts import tensors_to_bytes
 from store.errors import ContextTooLong, InvalidInput, ModelMismatch
 from store.kvstore import KVStore
 from store.manifest import Manifest
 from store.prefix_key import PrefixKey, tenant_salt, token_hash
-from workers.attention import PREFIX_KWARG, PrefixAttention
+from workers.attention import PrefixAttention
+from workers.decode_batch import DecodeEngine, EngineConfig, Generation
 from workers.methods.base import ReportsReads
 from workers.methods.registry import build_summarizers, get_method, prefill_summarizers
 from workers.methods.source import PrefixSource
 from workers.model import LoadedModel
 from workers.offload import HostTier, OffloadConfig, PageFetcher
 from workers.offload.fast_path import open_device_cache, warm_if_it_fits
+from workers.own_kv import OwnKV
 from workers.prefill import DEFAULT_CHUNK, prefill_kv
 from workers.requests import DecodeConfig, GenerationStats, SamplingParams
 from workers.sampling import Sampler
@@ -31,8 +30,6 @@ from workers.textstream import TextStream
 
 DEFAULT_TENANT = "default"
 DEFAULT_OFFLOAD = OffloadConfig()
-StepTurn = Callable[[], AbstractContextManager[object]]
-"""Held around each decode step (a fair scheduler's turn on the model); may raise to stop the generation."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,8 +54,11 @@ class Worker:
     """Prefills documents into a store and decodes queries over stored prefixes."""
 
     def __init__(self, store: KVStore, lm: LoadedModel, *, secret: str = "", chunk_size: int = DEFAULT_CHUNK,
-                 progress: bool = True, offload: OffloadConfig | None = DEFAULT_OFFLOAD):
+                 progress: bool = True, offload: OffloadConfig | None = DEFAULT_OFFLOAD,
+                 engine: EngineConfig | None = None):
         self.store, self.lm, self.secret = store, lm, secret
+        self.engine = DecodeEngine(lm, engine)
+        """Batches this worker's concurrent generations (its ``turn`` is set by a server's scheduler)."""
         self.chunk_size, self.progress = chunk_size, progress
         self.offload = offload
         """Tiered per-step page fetch for sparse methods (None: each layer read once and held)."""
@@ -132,12 +132,11 @@ class Worker:
 
     def generate(self, prefix_id: str, query: str, params: SamplingParams | None = None, *, method: str = "full",
                  decode: DecodeConfig | None = None, tenant: str = DEFAULT_TENANT,
-                 stats: GenerationStats | None = None, raw: bool = False,
-                 turn: StepTurn = contextlib.nullcontext) -> Iterator[str]:
+                 stats: GenerationStats | None = None, raw: bool = False) -> GenerationStream:
         """Stream the answer to ``query`` over a stored prefix, as text pieces.
 
-        The query is wrapped in the model's query template unless ``raw``; ``turn()`` is held around
-        each decode step, so interleaved generations take the model one step at a time.
+        The query is wrapped in the model's query template unless ``raw``. The generation joins the
+        worker's decode engine: concurrent generations advance together, one batched step at a time.
         """
         params = params or SamplingParams()
         m = self.open_prefix(prefix_id, tenant)
@@ -157,68 +156,78 @@ class Worker:
                 warm_if_it_fits(source.fetcher, self.offload)
                 source.device_cache = open_device_cache(source.fetcher, self.offload)
             attn = impl.open(source, decode or DecodeConfig())
+            gen = self._generation(attn, source, q_ids, params, min(room, params.max_new_tokens),
+                                   stats if stats is not None else GenerationStats())
         except BaseException:
             _close_fetch(source)
             raise
-        stop = params.stop or self.lm.prompt.stop
-        return self._leased(attn, source, q_ids, params, stop, min(room, params.max_new_tokens),
-                            stats if stats is not None else GenerationStats(), turn)
+        return GenerationStream(self.engine, gen, self._run(gen, source))
 
-    def _leased(self, attn: PrefixAttention, source: PrefixSource, q_ids: list[int], params: SamplingParams,
-                stop: tuple[str, ...], max_new: int, stats: GenerationStats, turn: StepTurn) -> Iterator[str]:
+    def _generation(self, attn: PrefixAttention, source: PrefixSource, q_ids: list[int], params: SamplingParams,
+                    max_new: int, stats: GenerationStats) -> Generation:
+        lm, lay = self.lm, self.lm.layout
+        own = OwnKV(lay, len(q_ids) + max_new, lm.device, lm.model.dtype)
+        stats.prompt_tokens, stats.finish_reason = len(q_ids), "length"
+        stats.extra["own_kv_bytes"] = float(own.nbytes)
+        text = TextStream(lm.tokenizer, params.stop or lm.prompt.stop)
+        return Generation(prefix=attn, own=own, pending=list(q_ids), position=source.n_tokens,
+                          sampler=Sampler(params, lm.device), text=text, eos_ids=lm.eos_ids, max_new=max_new,
+                          stats=stats,
+                          full_step_bytes=source.n_tokens * lay.token_kv_bytes() * lay.n_kv_heads * lay.n_layers)
+
+    def _run(self, gen: Generation, source: PrefixSource) -> Iterator[str]:
         # A live lease keeps eviction away from the prefix while it is decoded; released however the stream ends.
         try:
             with self.store.lease(source.manifest.prefix_id) as lease:
-                for piece in self._stream(attn, source, source.n_tokens, q_ids, params, stop, max_new, stats, turn):
-                    lease.keepalive()
-                    yield piece
+                self.engine.start(gen)
+                try:
+                    while (piece := self.engine.next_piece(gen)) is not None:
+                        lease.keepalive()
+                        yield piece
+                finally:
+                    self.engine.close(gen)
+            _finish_stats(gen, source)
         finally:
             _close_fetch(source)
 
-    @torch.inference_mode()
-    def _stream(self, attn: PrefixAttention, source: PrefixSource, n_prefix: int, q_ids: list[int],
-                params: SamplingParams, stop: tuple[str, ...], max_new: int, stats: GenerationStats,
-                turn: StepTurn) -> Iterator[str]:
-        t0 = time.perf_counter()
-        lm, dev = self.lm, self.lm.device
-        sampler, text = Sampler(params, dev), TextStream(lm.tokenizer, stop)
-        cache = DynamicCache(config=lm.model.config)
-        ids, pos = q_ids, n_prefix
-        stats.prompt_tokens, stats.finish_reason = len(q_ids), "length"
-        full_step_bytes = n_prefix * lm.layout.token_kv_bytes() * lm.layout.n_kv_heads * lm.layout.n_layers
-        for _ in range(max_new):
-            with turn():
-                t_step = time.perf_counter()
-                inp = torch.tensor([ids], device=dev)
-                positions = torch.arange(pos, pos + len(ids), device=dev)[None]
-                out = lm.model(input_ids=inp, position_ids=positions, past_key_values=cache, use_cache=True,
-                               logits_to_keep=1, **{PREFIX_KWARG: attn})
-                token = sampler(out.logits[0, -1])  # syncs the device: the step is done when the turn ends
-                stats.step_seconds.append(time.perf_counter() - t_step)
-            pos += len(ids)
-            stats.steps += 1
-            stats.bytes_full += full_step_bytes
-            if token in lm.eos_ids:
-                stats.finish_reason = "eos"
-                break
-            stats.new_tokens += 1
-            stats.token_ids.append(token)
-            piece = text.push(token)
-            if piece:
-                yield piece
-            if text.stopped:
-                stats.finish_reason = "stop"
-                break
-            ids = [token]
-        if tail := text.finish():
-            yield tail
-        if isinstance(attn, ReportsReads):
-            report = attn.read_report()
-            stats.bytes_fetched = report.step_bytes + report.once_kv_bytes
-            stats.prefix_tokens_per_step = report.tokens_per_step
-            stats.extra.update(report.extra)
-            stats.extra["bytes_summaries"] = float(report.once_bytes - report.once_kv_bytes)
-        else:
-            stats.bytes_fetched = source.bytes_read
-            stats.prefix_tokens_per_step = [n_prefix * lm.layout.n_layers * lm.layout.n_kv_heads] * stats.steps
-        stats.seconds = time.perf_counter() - t0
+
+class GenerationStream(Iterator[str]):
+    """The text pieces of one generation; ``cancel()`` may be called from any thread."""
+
+    def __init__(self, engine: DecodeEngine, gen: Generation, pieces: Iterator[str]):
+        self._engine, self._gen, self._pieces = engine, gen, pieces
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+    def cancel(self) -> None:
+        """Stop the generation: the consumer's next wait ends with ``Cancelled``."""
+        self._engine.cancel(self._gen)
+
+    def close(self) -> None:
+        """End the generation now and release what it holds (from the consuming thread)."""
+        close = getattr(self._pieces, "close", None)
+        if close is not None:
+            close()
+
+
+def _finish_stats(gen: Generation, source: PrefixSource) -> None:
+    """Fill a finished generation's read counters and engine figures."""
+    st, lay = gen.stats, source.layout
+    attn = gen.prefix
+    if isinstance(attn, ReportsReads):
+        report = attn.read_report()
+        st.bytes_fetched = report.step_bytes + report.once_kv_bytes
+        st.prefix_tokens_per_step = report.tokens_per_step
+        st.extra.update(report.extra)
+        st.extra["bytes_summaries"] = float(report.once_bytes - report.once_kv_bytes)
+    else:
+        st.bytes_fetched = source.bytes_read
+        st.prefix_tokens_per_step = [source.n_tokens * lay.n_layers * lay.n_kv_heads] * st.steps
+    if gen.batch_sizes:
+        st.extra["batch_mean"] = sum(gen.batch_sizes) / len(gen.batch_sizes)
+        st.extra["batch_max"] = float(max(gen.batch_sizes))
+    decode = st.step_seconds[1:]
+    if decode:
+        st.extra["ms_per_token"] = 1000 * sum(decode) / len(decode)
+    st.seconds = time.perf_counter() - gen.started

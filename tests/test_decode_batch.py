@@ -1,0 +1,139 @@
+"""The decode engine: batched generations give the tokens they give alone, and fail or stop alone."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from store.errors import Cancelled
+from workers.decode_batch import EngineConfig
+from workers.engine import GenerationStream, Worker
+from workers.methods.registry import METHODS
+from workers.requests import DecodeConfig, GenerationStats, SamplingParams
+
+DOCS = [
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike " * 9 + "The code is 4411.",
+    "november oscar papa quebec romeo sierra tango uniform victor whiskey " * 12 + "The code is 9071.",
+    "one two three four five six seven eight nine ten " * 14 + "The code is 2718.",
+]
+QUERIES = [" What is the code?", " code", " Tell me the code, please. The code is"]
+N_NEW = 12
+
+
+def _alone(worker: Worker, pid: str, query: str, method: str, decode: DecodeConfig) -> GenerationStats:
+    stats = GenerationStats()
+    "".join(worker.generate(pid, query, SamplingParams(max_new_tokens=N_NEW), method=method, decode=decode,
+                            stats=stats))
+    return stats
+
+
+def _together(worker: Worker, jobs: list[tuple[str, str, str, DecodeConfig]]) -> list[GenerationStats]:
+    """Run generations at once; one thread pulling them in turn makes every step serve all of them."""
+    stats = [GenerationStats() for _ in jobs]
+    streams: list[GenerationStream] = [
+        worker.generate(pid, q, SamplingParams(max_new_tokens=N_NEW), method=m, decode=d, stats=s)
+        for (pid, q, m, d), s in zip(jobs, stats, strict=True)]
+    live = list(streams)
+    while live:
+        for s in list(live):
+            try:
+                next(s)
+            except StopIteration:
+                live.remove(s)
+    return stats
+
+
+@pytest.fixture()
+def pids(worker: Worker) -> list[str]:
+    return [worker.prefill(d).prefix_id for d in DOCS]
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_batched_greedy_tokens_equal_one_at_a_time(worker: Worker, pids: list[str], method: str) -> None:
+    budgets = [DecodeConfig(budget=f) for f in (0.1, 0.25, 0.5)]
+    jobs = [(pid, q, method, d) for pid, q, d in zip(pids, QUERIES, budgets, strict=True)]
+    alone = [_alone(worker, *job) for job in jobs]
+    together = _together(worker, jobs)
+    for a, t in zip(alone, together, strict=True):
+        assert a.token_ids and t.token_ids == a.token_ids
+        assert t.bytes_fetched == a.bytes_fetched and t.steps == a.steps
+    assert max(t.extra["batch_max"] for t in together) == len(jobs)  # they really shared steps
+
+
+def test_methods_prefixes_and_budgets_mix_in_one_step(endless_worker: Worker) -> None:
+    worker = endless_worker  # answers never end early: all four overlap
+    pids = [worker.prefill(d).prefix_id for d in DOCS]
+    jobs = [(pids[0], QUERIES[0], "full", DecodeConfig()),
+            (pids[1], QUERIES[1], "quest", DecodeConfig(budget=0.2)),
+            (pids[2], QUERIES[2], "topk+phi", DecodeConfig(budget=0.3)),
+            (pids[0], QUERIES[1], "doublep", DecodeConfig())]
+    alone = [_alone(worker, *job).token_ids for job in jobs]
+    together = _together(worker, jobs)
+    assert [t.token_ids for t in together] == alone
+    assert max(t.extra["batch_max"] for t in together) == len(jobs)
+
+
+def test_long_queries_are_fed_in_chunks_with_the_same_tokens(store, lm, pids: list[str]) -> None:
+    plain = Worker(store, lm, progress=False)
+    chunked = Worker(store, lm, progress=False, engine=EngineConfig(max_batch=2, step_tokens=5))
+    jobs = [(pids[i], QUERIES[2], "quest", DecodeConfig(budget=0.25)) for i in range(3)]
+    alone = [_alone(plain, *job) for job in jobs]
+    together = _together(chunked, jobs)
+    for a, t in zip(alone, together, strict=True):
+        assert t.token_ids == a.token_ids
+        assert t.steps > a.steps  # the query took several steps
+    # At most two generations per step: three took turns.
+    assert all(t.extra["batch_max"] <= 2 for t in together)
+
+
+def test_a_failing_method_fails_only_its_generation(worker: Worker, pids: list[str]) -> None:
+    ok_stats, bad_stats = GenerationStats(), GenerationStats()
+    ok = worker.generate(pids[0], QUERIES[0], SamplingParams(max_new_tokens=N_NEW), method="quest", stats=ok_stats)
+    bad = worker.generate(pids[1], QUERIES[1], SamplingParams(max_new_tokens=N_NEW), method="quest", stats=bad_stats)
+    gen = bad._gen
+    real = gen.prefix
+    calls = 0
+
+    class Broken:
+        def attend(self, layer, q, scale):  # noqa: ANN001, ANN201
+            nonlocal calls
+            calls += 1
+            if calls > 4:
+                raise OSError("page file vanished")
+            return real.attend(layer, q, scale)
+
+    gen.prefix = Broken()
+    with pytest.raises(OSError, match="vanished"):
+        while True:
+            next(bad)
+            next(ok)
+    "".join(ok)
+    assert ok_stats.token_ids == _alone(worker, pids[0], QUERIES[0], "quest", DecodeConfig()).token_ids
+    assert ok_stats.finish_reason in ("eos", "length", "stop") and bad_stats.new_tokens < N_NEW
+    bad.close()
+    assert worker.store.leases(pids[1]) == [] and worker.store.leases(pids[0]) == []
+    assert worker.engine.running() == 0
+
+
+def test_cancel_from_another_thread_stops_only_that_generation(endless_worker: Worker) -> None:
+    w = endless_worker
+    pid = w.prefill(DOCS[0]).prefix_id
+    keep = w.generate(pid, QUERIES[0], SamplingParams(max_new_tokens=40))
+    stop = w.generate(pid, QUERIES[1], SamplingParams(max_new_tokens=4000))
+    next(keep)
+    next(stop)
+    threading.Thread(target=stop.cancel).start()
+    with pytest.raises(Cancelled):
+        for _ in range(4000):
+            next(stop)
+    stop.close()
+    assert len("".join(keep)) > 0
+    assert w.store.leases(pid) == [] and w.engine.running() == 0
+
+
+def test_engine_config_is_checked() -> None:
+    with pytest.raises(ValueError):
+        EngineConfig(max_batch=0)
+    with pytest.raises(ValueError):
+        EngineConfig(max_batch=8, step_tokens=4)

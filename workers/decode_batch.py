@@ -1,0 +1,245 @@
+"""Continuous batching: every running generation advances in one forward pass per step.
+
+Generations join and leave between steps. A step packs, for each running generation, either the
+next chunk of its query or its last sampled token (``EngineConfig.step_tokens`` bounds the packed
+length, so a long query is taken in chunks and never stalls the others for long), runs the model
+once, and samples one token for each generation whose input is complete. Different prefixes,
+methods and budgets share a step: only attention is per generation (``workers.step_batch``).
+
+Nobody owns a stepping thread: a consumer that waits for its next piece runs the step itself when
+no other step is running (the others' pieces come out of the same step), so one generation alone
+costs no thread hop, and a step is taken only while someone waits for output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+
+import torch
+
+from store.errors import Cancelled
+from workers.attention import STEP_KWARG, PrefixAttention
+from workers.model import LoadedModel
+from workers.own_kv import OwnKV
+from workers.requests import GenerationStats
+from workers.sampling import Sampler
+from workers.step_batch import Segment, SegmentFailed, StepBatch
+from workers.textstream import TextStream
+
+StepTurn = Callable[[], AbstractContextManager[object]]
+"""Held around each model step (a scheduler's turn on the model, shared with prefills)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Bounds of one worker's decode steps."""
+
+    max_batch: int = 64
+    """Generations advanced together in one step (more running ones take turns, oldest first)."""
+    step_tokens: int = 512
+    """Packed tokens per step: decoding generations take one each, query chunks share the rest."""
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
+        if self.step_tokens < self.max_batch:
+            raise ValueError("step_tokens must be >= max_batch (each decoding generation feeds a token)")
+
+
+@dataclass(eq=False, kw_only=True)
+class Generation:
+    """One running generation: its attention over the prefix, own KV, sampling and output."""
+
+    prefix: PrefixAttention
+    own: OwnKV
+    pending: list[int]
+    """Tokens to feed next: the rest of the query, then each sampled token."""
+    position: int
+    """Position of ``pending[0]`` (prefix tokens come first)."""
+    sampler: Sampler
+    text: TextStream
+    eos_ids: frozenset[int]
+    max_new: int
+    stats: GenerationStats
+    full_step_bytes: int
+    """Bytes exact attention over the prefix reads per step (for ``stats.bytes_full``)."""
+    pieces: deque[str] = field(default_factory=deque)
+    done: bool = False
+    cancelled: bool = False
+    error: BaseException | None = None
+    started: float = field(default_factory=time.perf_counter)
+    batch_sizes: list[int] = field(default_factory=list)
+
+    @property
+    def runnable(self) -> bool:
+        """Whether the next step should advance it."""
+        return not (self.done or self.cancelled or self.error is not None)
+
+
+class DecodeEngine:
+    """Steps every running generation of one model together (thread-safe; consumers drive the steps)."""
+
+    def __init__(self, lm: LoadedModel, config: EngineConfig | None = None, turn: StepTurn = contextlib.nullcontext):
+        self.lm, self.config, self.turn = lm, config or EngineConfig(), turn
+        self._cond = threading.Condition()
+        self._running: deque[Generation] = deque()
+        self._stepping = False
+
+    def start(self, gen: Generation) -> None:
+        """Join the next step."""
+        with self._cond:
+            self._running.append(gen)
+
+    def cancel(self, gen: Generation) -> None:
+        """Stop a generation: its waiting consumer gets ``Cancelled``; it takes no further step."""
+        with self._cond:
+            gen.cancelled = True
+            self._cond.notify_all()
+
+    def close(self, gen: Generation) -> None:
+        """Take a generation out for good (waits for a step that may be using it to end)."""
+        with self._cond:
+            gen.cancelled = gen.cancelled or not gen.done
+            while self._stepping and gen in self._running:
+                self._cond.wait()
+            if gen in self._running:
+                self._running.remove(gen)
+
+    def running(self) -> int:
+        """Generations in the engine now."""
+        with self._cond:
+            return len(self._running)
+
+    def next_piece(self, gen: Generation) -> str | None:
+        """The generation's next text piece, or None when it has ended; steps the engine while waiting."""
+        while True:
+            with self._cond:
+                if gen.pieces:
+                    return gen.pieces.popleft()
+                if gen.error is not None:
+                    raise gen.error
+                if gen.done:
+                    return None
+                if gen.cancelled:
+                    raise Cancelled("the generation was cancelled")
+                if self._stepping:
+                    self._cond.wait()
+                    continue
+                self._stepping = True
+                batch = self._take_batch()
+            try:
+                self._step(batch)
+            finally:
+                with self._cond:
+                    self._stepping = False
+                    self._cond.notify_all()
+
+    # -- one step (called with _stepping held, outside the lock) ------------------------------------
+    def _take_batch(self) -> list[Generation]:
+        """Up to ``max_batch`` runnable generations, rotating so more than that take turns (lock held)."""
+        for g in [g for g in self._running if not g.runnable]:
+            self._running.remove(g)
+            self._running.append(g)  # finished ones wait at the back for their consumer's close()
+        batch = [g for g in self._running if g.runnable][: self.config.max_batch]
+        for g in batch:  # served: to the back of the line
+            self._running.remove(g)
+            self._running.append(g)
+        return batch
+
+    def _pack(self, batch: list[Generation]) -> tuple[list[Generation], list[int], list[int], list[Segment], list[int]]:
+        """Inputs of one step: who takes part, token ids, positions, segments, and rows to sample from."""
+        budget = self.config.step_tokens - sum(1 for g in batch if len(g.pending) == 1)
+        ids: list[int] = []
+        positions: list[int] = []
+        segments: list[Segment] = []
+        rows: list[int] = []
+        members: list[Generation] = []
+        for g in batch:
+            if len(g.pending) == 1:
+                n = 1
+            else:  # a query still being fed: a chunk from what is left of the budget
+                n = min(len(g.pending), budget)
+                if n < 1:
+                    continue
+                budget -= n
+            start = len(ids)
+            ids += g.pending[:n]
+            positions += range(g.position, g.position + n)
+            segments.append(Segment(start, start + n, g.own, g.prefix, g))
+            members.append(g)
+            if n == len(g.pending):
+                rows.append(start + n - 1)
+        return members, ids, positions, segments, rows
+
+    @torch.inference_mode()
+    def _step(self, batch: list[Generation]) -> None:
+        if not batch:
+            return
+        dev = self.lm.device
+        members, ids, positions, segments, rows = self._pack(batch)
+        t0 = time.perf_counter()
+        try:
+            with self.turn():
+                out = self.lm.model(input_ids=torch.tensor([ids], device=dev),
+                                    position_ids=torch.tensor([positions], device=dev),
+                                    use_cache=False, logits_to_keep=torch.tensor(rows, dtype=torch.long, device=dev),
+                                    **{STEP_KWARG: StepBatch(segments)})
+                logits = out.logits[0].float()
+                sampled = [g for g, s in zip(members, segments, strict=True) if s.end - s.start == len(g.pending)]
+                tokens = [g.sampler(logits[i]) for i, g in enumerate(sampled)]  # syncs: the step is done
+        except SegmentFailed as e:  # one generation's method failed: fail it alone, the others retry
+            with self._cond:
+                g = e.key
+                assert isinstance(g, Generation)
+                g.error = e.cause
+            return
+        except BaseException as e:  # the model itself failed: every generation of the step fails
+            with self._cond:
+                for g in members:
+                    g.error = e
+            return
+        seconds = time.perf_counter() - t0
+        with self._cond:
+            for g, s in zip(members, segments, strict=True):
+                n = s.end - s.start
+                g.own.commit(n)
+                g.position += n
+                g.pending = g.pending[n:]
+                g.stats.steps += 1
+                g.stats.bytes_full += g.full_step_bytes
+                g.stats.step_seconds.append(seconds)
+                g.batch_sizes.append(len(members))
+            for g, token in zip(sampled, tokens, strict=True):
+                self._emit(g, token)
+
+    def _emit(self, g: Generation, token: int) -> None:
+        """Hand one sampled token to its generation (lock held)."""
+        st = g.stats
+        if st.new_tokens == 0 and "ttft_s" not in st.extra:
+            st.extra["ttft_s"] = time.perf_counter() - g.started
+        if token in g.eos_ids:
+            st.finish_reason = "eos"
+            g.done = True
+        else:
+            st.new_tokens += 1
+            st.token_ids.append(token)
+            if piece := g.text.push(token):
+                g.pieces.append(piece)
+        if g.done:
+            pass
+        elif g.text.stopped:
+            st.finish_reason = "stop"
+            g.done = True
+        elif st.new_tokens >= g.max_new:
+            st.finish_reason = "length"
+            g.done = True
+        else:
+            g.pending = [token]
+        if g.done and (tail := g.text.finish()):
+            g.pieces.append(tail)

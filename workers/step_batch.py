@@ -1,0 +1,58 @@
+"""Attention of one batched decode step: many generations' tokens packed into one forward pass.
+
+The engine packs the tokens every running generation feeds this step (a chunk of its query, or its
+last sampled token) into one sequence; projections and MLPs run once over all of them, and the
+attention hook hands the packed queries here. Each generation's segment attends its own tokens
+(causally, from its ``OwnKV``) and its stored prefix (through its decode method's
+``PrefixAttention``); the two partial softmaxes merge exactly through their log-sum-exps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.attention import PrefixAttention, dense_attention, merge_attention
+from workers.own_kv import OwnKV
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One generation's tokens in a packed step: positions ``[start, end)`` of the packed sequence."""
+
+    start: int
+    end: int
+    own: OwnKV
+    prefix: PrefixAttention
+    key: object
+    """Who the segment belongs to (so a failing method can be told apart from the others)."""
+
+
+class SegmentFailed(Exception):
+    """A generation's attention raised during a packed step (the others' segments are not at fault)."""
+
+    def __init__(self, key: object, cause: BaseException):
+        super().__init__(str(cause))
+        self.key, self.cause = key, cause
+
+
+class StepBatch:
+    """The packed step the attention hook calls (``attend``) once per layer."""
+
+    def __init__(self, segments: list[Segment]):
+        self.segments = segments
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q ``[1, Hq, T, D]``, k, v ``[1, Hkv, T, D]`` of the packed tokens -> out ``[1, Hq, T, D]`` (q's dtype)."""
+        out = torch.empty_like(q)
+        for s in self.segments:
+            try:
+                own_k, own_v = s.own.write(layer, k[0, :, s.start:s.end], v[0, :, s.start:s.end])
+                qs = q[:, :, s.start:s.end]
+                o_own, lse_own = dense_attention(qs, own_k[None], own_v[None], scale, q_offset=s.own.length)
+                o_pre, lse_pre = s.prefix.attend(layer, qs, scale)
+            except Exception as e:  # noqa: BLE001 - re-raised with the segment's owner attached
+                raise SegmentFailed(s.key, e) from e
+            out[:, :, s.start:s.end] = merge_attention(o_own, lse_own, o_pre, lse_pre)[0].to(q.dtype)
+        return out
