@@ -5,11 +5,13 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 from store.errors import Cancelled
 from workers.decode_batch import EngineConfig
 from workers.engine import GenerationStream, Worker
 from workers.methods.registry import METHODS
+from workers.model import load_model
 from workers.requests import DecodeConfig, GenerationStats, SamplingParams
 
 DOCS = [
@@ -59,6 +61,18 @@ def test_batched_greedy_tokens_equal_one_at_a_time(worker: Worker, pids: list[st
         assert a.token_ids and t.token_ids == a.token_ids
         assert t.bytes_fetched == a.bytes_fetched and t.steps == a.steps
     assert max(t.extra["batch_max"] for t in together) == len(jobs)  # they really shared steps
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_batched_greedy_tokens_equal_one_at_a_time_on_cuda(store, tiny_model_dir, method: str) -> None:
+    lm = load_model(str(tiny_model_dir), device="cuda", dtype="bfloat16", page_size=16, progress=False)
+    worker = Worker(store, lm, progress=False)
+    pids = [worker.prefill(d).prefix_id for d in DOCS]
+    jobs = [(pid, q, method, DecodeConfig(budget=f)) for pid, q, f in zip(pids, QUERIES, (0.1, 0.25, 0.5), strict=True)]
+    alone = [_alone(worker, *job).token_ids for job in jobs]
+    together = _together(worker, jobs)
+    assert [t.token_ids for t in together] == alone
 
 
 def test_methods_prefixes_and_budgets_mix_in_one_step(endless_worker: Worker) -> None:

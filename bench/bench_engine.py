@@ -1,0 +1,171 @@
+"""The product's decode engine at batch 1 and batch B: sparse offloaded vs dense resident, side by side.
+
+A random-weight Llama with Llama-3.1-8B's attention shape (32 q / 8 KV heads, D=128, bf16 on CUDA)
+and ``--layers`` layers prefills ``--batch`` different ``--ctx``-token documents into a store on local
+disk. Then, through ``Worker.generate`` (the engine every interface uses), each row decodes greedily
+one generation alone and ``--batch`` generations at once (one per document, all in the engine's
+steps):
+
+- ``full, resident``: exact attention over each prefix's K/V read once into device memory (dense);
+- ``quest, host warm, device-planned``: Quest at ``--budget``, pages fetched per step from the pinned
+  host tier (the prefix warmed when the generation opens), fetches planned on the device;
+- ``quest, SSD cold``: the same with nothing warm: pages from the page files per step.
+
+Printed: per-generation ms per token (median step after the query's forward), tokens per second of
+all generations together, and each row's ratio to the dense row at the same batch size. Rows must
+give the same tokens alone and batched.
+
+    python3 bench/bench_engine.py --ctx 32768 --layers 8 --batch 8 --json out.json
+    python3 bench/bench_engine.py --quick            # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.bench_worker_decode import Row, drop_os_cache  # noqa: E402
+from lab.tiny_random import TinyLlamaSpec, build_tiny_llama  # noqa: E402
+from store.config import StoreConfig  # noqa: E402
+from store.kvstore import KVStore  # noqa: E402
+from workers.engine import Worker  # noqa: E402
+from workers.model import LoadedModel, load_model  # noqa: E402
+from workers.offload import OffloadConfig  # noqa: E402
+from workers.requests import DecodeConfig, GenerationStats, SamplingParams  # noqa: E402
+
+QUERY = " What does the text say about the river?"
+WORDS = ["river", "stone", "light", "quiet", "north", "field", "paper", "cloud", "ember", "glass"]
+
+
+def rows(gpu_cache_bytes: int, host_bytes: int) -> list[Row]:
+    """The configurations compared (see the module docstring); the first is the dense baseline."""
+    base = {"gpu_cache_bytes": gpu_cache_bytes, "host_cache_bytes": host_bytes}
+    return [
+        Row("full, resident (dense)", "full", None),
+        Row("quest, host warm, device-planned", "quest",
+            OffloadConfig(**base, warm_host_fraction=1.0, device_plan="auto")),
+        Row("quest, SSD cold (fetcher)", "quest", OffloadConfig(**base, warm_host_fraction=0.0, device_plan="off")),
+    ]
+
+
+def document(n_chars: int, seed: int) -> str:
+    """A random word document of about ``n_chars`` characters (the tiny tokenizer is byte-level)."""
+    rng = random.Random(seed)
+    doc = ""
+    while len(doc) < n_chars:
+        doc += rng.choice(WORDS) + " "
+    return doc[:n_chars]
+
+
+def run_together(worker: Worker, pids: list[str], row: Row, budget: float,
+                 n: int) -> tuple[list[GenerationStats], float]:
+    """Generations over ``pids`` at once (one thread pulls each in turn: every step serves all);
+    returns their stats and the wall seconds of the whole batch."""
+    decode = DecodeConfig(budget=None if row.method == "full" else budget)
+    stats = [GenerationStats() for _ in pids]
+    t0 = time.perf_counter()
+    live = [worker.generate(pid, QUERY, SamplingParams(max_new_tokens=n), method=row.method, raw=True,
+                            decode=decode, stats=st) for pid, st in zip(pids, stats, strict=True)]
+    while live:
+        for s in list(live):
+            try:
+                next(s)
+            except StopIteration:
+                live.remove(s)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return stats, time.perf_counter() - t0
+
+
+def measure(store: KVStore, lm: LoadedModel, pids: list[str], row: Row, budget: float, n: int) -> dict:
+    """One row at batch 1 and at ``len(pids)``: ms per token and tokens per second (fresh worker each)."""
+    cold = row.offload is not None and row.offload.warm_host_fraction == 0
+    out: dict = {"name": row.name, "method": row.method}
+    for label, group in (("b1", pids[:1]), ("bn", pids)):
+        if cold:
+            drop_os_cache()
+        worker = Worker(store, lm, progress=False, offload=row.offload)
+        run_together(worker, group[:1], row, budget, 2)  # warm-up: kernels, allocator
+        stats, wall = run_together(worker, group, row, budget, n)
+        steady = [t for st in stats for t in st.step_seconds[1:]]
+        out[label] = {"ms_per_token": 1e3 * statistics.median(steady),
+                      "tokens_per_s": sum(st.new_tokens for st in stats) / wall,
+                      "batch_max": max(st.extra.get("batch_max", 1.0) for st in stats),
+                      "read_fraction": sum(st.bytes_fetched for st in stats)
+                      / max(1, sum(st.bytes_full for st in stats)),
+                      "tokens": [st.token_ids for st in stats]}
+    out["same_tokens"] = out["bn"]["tokens"][0] == out["b1"]["tokens"][0]
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ctx", type=int, default=32768)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--budget", type=float, default=0.02)
+    p.add_argument("--tokens", type=int, default=33, help="tokens per generation")
+    p.add_argument("--gpu-cache-mb", type=int, default=4096)
+    p.add_argument("--host-cache-mb", type=int, default=32768)
+    p.add_argument("--home", type=Path, default=None, help="store directory (default: a temp dir)")
+    p.add_argument("--quick", action="store_true", help="tiny shape on the CPU (smoke run)")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    cuda = torch.cuda.is_available()
+    if args.quick:
+        spec = TinyLlamaSpec(hidden_size=64, intermediate_size=128, n_layers=2, n_heads=4, n_kv_heads=2,
+                             max_positions=4096, init_range=0.02)
+        args.ctx, args.tokens, args.batch = 1500, 6, 3
+        args.gpu_cache_mb, args.host_cache_mb = 64, 256
+    else:
+        spec = TinyLlamaSpec(hidden_size=4096, intermediate_size=4096, n_layers=args.layers, n_heads=32, n_kv_heads=8,
+                             max_positions=args.ctx + 1024, init_range=0.02)
+    work = Path(tempfile.mkdtemp(prefix="kvstash-bench-"))
+    lm = load_model(str(build_tiny_llama(work / "model", spec)), device="cuda" if cuda else "cpu",
+                    dtype="bfloat16" if cuda else "float32", page_size=16, progress=False)
+    lm.model.generation_config.eos_token_id = []  # random weights: decode a fixed number of steps, never stop early
+    store = KVStore(StoreConfig(home=args.home or work / "home", page_size=16))
+    writer = Worker(store, lm, progress=False, offload=None)
+    t0 = time.perf_counter()
+    pids = [writer.prefill(document(args.ctx - 1, seed)).prefix_id for seed in range(args.batch)]
+    prefill_s = (time.perf_counter() - t0) / args.batch
+    print(f"device: {torch.cuda.get_device_name() if cuda else 'cpu'}; model: {spec.n_layers} layers, "
+          f"{spec.n_heads}/{spec.n_kv_heads} heads; {args.batch} prefixes of {args.ctx} tokens; prefill+write "
+          f"{prefill_s:.1f} s each", flush=True)
+    results = []
+    for row in rows(args.gpu_cache_mb << 20, args.host_cache_mb << 20):
+        r = measure(store, lm, pids, row, args.budget, args.tokens)
+        results.append(r)
+        print(f"  {row.name}: batch 1 {r['b1']['ms_per_token']:.2f} ms/token; batch {args.batch} "
+              f"{r['bn']['tokens_per_s']:.1f} tokens/s", flush=True)
+    d1, dn = results[0]["b1"], results[0]["bn"]
+    print(f"\nbudget {args.budget:.0%}; median step after each query's forward; {args.tokens} tokens per generation\n")
+    print(f"| path | batch 1 ms/token | vs dense | batch {args.batch} ms/token | batch {args.batch} tokens/s "
+          "| vs dense | read fraction | same tokens batched |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        b1, bn = r["b1"], r["bn"]
+        print(f"| {r['name']} | {b1['ms_per_token']:.2f} | {b1['ms_per_token'] / d1['ms_per_token']:.2f} "
+              f"| {bn['ms_per_token']:.2f} | {bn['tokens_per_s']:.1f} | {bn['tokens_per_s'] / dn['tokens_per_s']:.2f} "
+              f"| {bn['read_fraction']:.3f} | {r['same_tokens']} |")
+    if args.json:
+        args.json.write_text(json.dumps({"ctx": args.ctx, "layers": spec.n_layers, "batch": args.batch,
+                                         "budget": args.budget, "prefill_s": prefill_s, "rows": results}, indent=2))
+    store.close()
+    if not all(r["same_tokens"] for r in results):
+        sys.exit("batched tokens differ from the same generation alone")
+
+
+if __name__ == "__main__":
+    main()
