@@ -151,3 +151,27 @@ def test_engine_config_is_checked() -> None:
         EngineConfig(max_batch=0)
     with pytest.raises(ValueError):
         EngineConfig(max_batch=8, step_tokens=4)
+
+
+def test_a_tenant_with_many_generations_gets_no_more_per_step_than_the_others(endless_worker: Worker) -> None:
+    w = endless_worker
+    pid_a = w.prefill(DOCS[0], tenant="a").prefix_id
+    pid_b = w.prefill(DOCS[1], tenant="b").prefix_id
+    flood_stats = [GenerationStats() for _ in range(4)]
+    flood = [w.generate(pid_a, QUERIES[0], SamplingParams(max_new_tokens=60), tenant="a", stats=st)
+             for st in flood_stats]
+    for s in flood:
+        next(s)  # all four running
+    b_stats = GenerationStats()
+    "".join(w.generate(pid_b, QUERIES[1], SamplingParams(max_new_tokens=8), tenant="b", stats=b_stats))
+    assert b_stats.extra["batch_max"] == 2  # b's steps served one of a's generations besides b's own
+    for s in flood:
+        s.close()
+    alone = GenerationStats()
+    streams = [w.generate(pid_a, QUERIES[0], SamplingParams(max_new_tokens=6), tenant="a", stats=st)
+               for st in (alone, GenerationStats(), GenerationStats())]
+    for s in streams:
+        next(s)
+    for s in streams:
+        "".join(s)
+    assert alone.extra["batch_max"] == 3  # one tenant alone is batched whole

@@ -5,6 +5,8 @@ next chunk of its query or its last sampled token (``EngineConfig.step_tokens`` 
 length, so a long query is taken in chunks and never stalls the others for long), runs the model
 once, and samples one token for each generation whose input is complete. Different prefixes,
 methods and budgets share a step: only attention is per generation (``workers.step_batch``).
+Tenants share steps evenly (``EngineConfig.tenant_share``): a step's cost grows with what it serves,
+so one tenant's many generations must not make every other tenant's tokens slower.
 
 Nobody owns a stepping thread: a consumer that waits for its next piece runs the step itself when
 no other step is running (the others' pieces come out of the same step), so one generation alone
@@ -16,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -44,10 +46,16 @@ class EngineConfig:
     """Generations advanced together in one step (more running ones take turns, oldest first)."""
     step_tokens: int = 512
     """Packed tokens per step: decoding generations take one each, query chunks share the rest."""
+    tenant_share: float = 1.0
+    """A tenant advances at most this many times as many generations per step as the tenant running the
+    fewest (1: every tenant gets the same tokens per step). A step costs more the more it serves, so
+    without the bound one tenant's flood of generations would slow every other tenant's steps."""
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
             raise ValueError("max_batch must be >= 1")
+        if not 1.0 <= self.tenant_share <= 1e6:
+            raise ValueError("tenant_share must be in [1, 1e6]")
         if self.step_tokens < self.max_batch:
             raise ValueError("step_tokens must be >= max_batch (each decoding generation feeds a token)")
 
@@ -67,6 +75,8 @@ class Generation:
     eos_ids: frozenset[int]
     max_new: int
     stats: GenerationStats
+    tenant: str = ""
+    """Who asked (steps share the batch fairly across tenants)."""
     full_step_bytes: int
     """Bytes exact attention over the prefix reads per step (for ``stats.bytes_full``)."""
     pieces: deque[str] = field(default_factory=deque)
@@ -142,11 +152,17 @@ class DecodeEngine:
 
     # -- one step (called with _stepping held, outside the lock) ------------------------------------
     def _take_batch(self) -> list[Generation]:
-        """Up to ``max_batch`` runnable generations, rotating so more than that take turns (lock held)."""
-        for g in [g for g in self._running if not g.runnable]:
-            self._running.remove(g)
-            self._running.append(g)  # finished ones wait at the back for their consumer's close()
-        batch = [g for g in self._running if g.runnable][: self.config.max_batch]
+        """The generations of the next step (lock held): up to ``max_batch``, oldest-served first, and no
+        tenant with more than ``tenant_share`` times the generations of the tenant running fewest."""
+        runnable = [g for g in self._running if g.runnable]
+        demand = Counter(g.tenant for g in runnable)
+        cap = max(1, int(self.config.tenant_share * min(demand.values(), default=1)))
+        taken: Counter[str] = Counter()
+        batch = []
+        for g in runnable:
+            if len(batch) < self.config.max_batch and taken[g.tenant] < cap:
+                taken[g.tenant] += 1
+                batch.append(g)
         for g in batch:  # served: to the back of the line
             self._running.remove(g)
             self._running.append(g)

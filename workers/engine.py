@@ -157,14 +157,14 @@ class Worker:
                 source.device_cache = open_device_cache(source.fetcher, self.offload)
             attn = impl.open(source, decode or DecodeConfig())
             gen = self._generation(attn, source, q_ids, params, min(room, params.max_new_tokens),
-                                   stats if stats is not None else GenerationStats())
+                                   stats if stats is not None else GenerationStats(), tenant)
         except BaseException:
             _close_fetch(source)
             raise
         return GenerationStream(self.engine, gen, self._run(gen, source))
 
     def _generation(self, attn: PrefixAttention, source: PrefixSource, q_ids: list[int], params: SamplingParams,
-                    max_new: int, stats: GenerationStats) -> Generation:
+                    max_new: int, stats: GenerationStats, tenant: str) -> Generation:
         lm, lay = self.lm, self.lm.layout
         own = OwnKV(lay, len(q_ids) + max_new, lm.device, lm.model.dtype)
         stats.prompt_tokens, stats.finish_reason = len(q_ids), "length"
@@ -172,7 +172,7 @@ class Worker:
         text = TextStream(lm.tokenizer, params.stop or lm.prompt.stop)
         return Generation(prefix=attn, own=own, pending=list(q_ids), position=source.n_tokens,
                           sampler=Sampler(params, lm.device), text=text, eos_ids=lm.eos_ids, max_new=max_new,
-                          stats=stats,
+                          stats=stats, tenant=tenant,
                           full_step_bytes=source.n_tokens * lay.token_kv_bytes() * lay.n_kv_heads * lay.n_layers)
 
     def _run(self, gen: Generation, source: PrefixSource) -> Iterator[str]:
