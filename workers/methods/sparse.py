@@ -4,7 +4,7 @@ Per decode step, layer and KV head, a step attends exactly the sink and tail anc
 mid-region tokens its selector picks (per query token; GQA groups share one pick per KV head),
 plus pseudo-entries: Double-P centroids (extra buffer rows, bias ``log s``, value ``V̄``) and the
 φ completion term (logit ``log Ẑ_R``, value ``N̂_R / Ẑ_R``). All go through one call of the
-sparse attention op (the Triton kernel on CUDA, its float64 torch reference elsewhere).
+sparse attention op (the Triton kernel on CUDA, its float32 torch form elsewhere).
 
 Where the K/V comes from is the source's ``LayerKV``: with a ``PageFetcher`` (the worker's default)
 each step fetches only the pages of the tokens it attends, through the GPU page cache, the pinned
@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 
 from workers.budget import plan_budget
-from workers.kernels.sparse_attention import sparse_decode_attention, sparse_decode_attention_ref
+from workers.kernels.sparse_attention import sparse_decode_attention, sparse_decode_attention_torch
 from workers.methods.base import Method, ReadReport, mid_range
 from workers.methods.layer_kv import StepKV
 from workers.methods.page_step import PagePlan, entry_bias, entry_rows, entry_tokens, page_plan, step_pages
@@ -47,11 +47,11 @@ def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sca
     """q ``[T, Hq, D]`` over rows ``idx [T, Hkv, N]`` of one shared buffer k, v ``[Hkv, S, D]``.
 
     Returns float32 out ``[T, Hq, D]`` and lse ``[T, Hq]``. CUDA tensors run the Triton kernel;
-    others the float64 reference.
+    others its float32 torch form (``sparse_decode_attention_ref``, float64, is the tests' oracle).
     """
     t = q.shape[0]
     kb, vb = k.unsqueeze(0).expand(t, -1, -1, -1), v.unsqueeze(0).expand(t, -1, -1, -1)
-    op = sparse_decode_attention if q.is_cuda else sparse_decode_attention_ref
+    op = sparse_decode_attention if q.is_cuda else sparse_decode_attention_torch
     out, lse = op(q.to(k.dtype), kb, vb, scale=scale, idx=idx, n_valid=n_valid, bias=bias,
                   pseudo_logits=pseudo_logits, pseudo_values=pseudo_values)
     return out.float(), lse.float()
