@@ -59,6 +59,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=12, help="decode steps per generation")
     p.add_argument("--rounds", type=int, default=2, help="generations per method (interleaved); median of all")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--offload", choices=("default", "none"), default="default",
+                   help="the worker's default offload config (pages fetched per step), or none (each layer read once)")
     p.add_argument("--home", type=Path, default=None, help="store directory (reused across runs; default: temp)")
     p.add_argument("--quick", action="store_true", help="smoke run: 1k tokens, few steps")
     p.add_argument("--profile", default=None, help="cProfile one generation of this method per length, then stop")
@@ -72,11 +74,11 @@ def main() -> None:
     lm = load_model(str(SHIPPED_MODELS_DIR / SHIPPED_MODEL_NAME), device="cpu", dtype="float32", progress=False)
     lm.model.generation_config.eos_token_id = []  # decode a fixed number of steps for every method
     store = KVStore(StoreConfig(home=home, page_size=lm.layout.page_size))
-    worker = Worker(store, lm, progress=False)
+    worker = Worker(store, lm, progress=False, **({"offload": None} if args.offload == "none" else {}))
     ctx = SynthContext(tokenizer=lm.tokenizer, split="eval")
     print(f"cpu, {torch.get_num_threads()} threads; model {SHIPPED_MODEL_NAME} ({lm.layout.n_layers} layers, "
           f"{lm.layout.n_kv_heads} KV heads, D={lm.layout.head_dim}); budget {args.budget:.0%}; "
-          f"{args.tokens} steps x {args.rounds} rounds per method", flush=True)
+          f"{args.tokens} steps x {args.rounds} rounds per method; offload {args.offload}", flush=True)
     results: dict[int, dict[str, dict]] = {}
     for n_ctx in args.ctx:
         sample = synth(TASK, n_ctx, seed=7, ctx=ctx)

@@ -75,8 +75,9 @@ def check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kw: dict, dtype: to
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("g", [1, 4])
-def test_matches_reference(dtype: torch.dtype, mode: str, g: int) -> None:
-    q, k, v, kw = make_case(3 + g, b=3, hkv=2, g=g, d=64, s=300, n=97, dtype=dtype, mode=mode)
+@pytest.mark.parametrize("b", [1, 3])
+def test_matches_reference(dtype: torch.dtype, mode: str, g: int, b: int) -> None:
+    q, k, v, kw = make_case(3 + g + b, b=b, hkv=2, g=g, d=64, s=300, n=97, dtype=dtype, mode=mode)
     check(q, k, v, kw, dtype)
 
 

@@ -89,9 +89,7 @@ def _cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sees_
         return None
     flash_ok = q.dtype in _FLASH_CUDA_DTYPES and d <= _FLASH_MAX_HEAD_DIM and d % _FLASH_HEAD_ALIGN == 0
     if flash_ok and (sees_all or q_offset == s - l):
-        qq = _fold(q, hkv) if sees_all else q
-        if not sees_all and hkv != hq:  # causal rows cannot be folded; the own-token cache is small
-            k, v = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)
+        qq = _fold(q, hkv) if sees_all else q  # causal rows cannot be folded: flash takes GQA heads itself
         # Flash's causal mask is aligned bottom-right: query i sees keys j <= s - l + i.
         res = torch.ops.aten._scaled_dot_product_flash_attention(qq.contiguous(), k, v, 0.0, not sees_all, False,
                                                                  scale=scale)

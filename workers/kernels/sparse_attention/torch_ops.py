@@ -15,7 +15,12 @@ __all__ = ["sparse_decode_attention_torch"]
 
 def _gather_rows(buf: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """Rows ``idx [B, Hkv, N]`` of ``buf [B, Hkv, S, D]`` -> ``[B, Hkv, N, D]`` (buf may be broadcast over B)."""
-    b, h, _ = idx.shape
+    b, h, n = idx.shape
+    s, d = buf.shape[2], buf.shape[3]
+    one = buf[0]
+    if (b == 1 or buf.stride(0) == 0) and one.is_contiguous():  # one shared buffer: a single row gather
+        rows = idx + torch.arange(0, h * s, s, device=idx.device).view(1, h, 1)
+        return one.view(h * s, d).index_select(0, rows.view(-1)).view(b, h, n, d)
     bi = torch.arange(b, device=idx.device).view(b, 1, 1)
     hi = torch.arange(h, device=idx.device).view(1, h, 1)
     return buf[bi, hi, idx]
