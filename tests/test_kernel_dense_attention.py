@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.kernels.dense_attention import dense_attention, dense_attention_ref
+from workers.kernels.dense_attention import causal_attention, dense_attention, dense_attention_ref
 
 TOL = {torch.float32: (2e-5, 1e-4, 2e-5), torch.bfloat16: (2e-2, 2e-2, 2e-3)}
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
@@ -79,3 +79,17 @@ def test_rows_that_see_nothing_fall_back_to_the_reference() -> None:
     out, lse = dense_attention(q, k, v, 0.25, q_offset=-2)
     assert torch.isneginf(lse[..., :2]).all() and torch.equal(out[..., :2, :], torch.zeros_like(out[..., :2, :]))
     torch.testing.assert_close(lse[..., 2], dense_attention_ref(q, k, v, 0.25, q_offset=-2)[1][..., 2])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("l", "s", "g"), [(7, 7, 4), (5, 40, 4), (33, 100, 1), (1, 64, 8)])
+def test_causal_attention_is_the_last_rows_of_a_causal_block(device: str, dtype: torch.dtype, l: int, s: int,
+                                                             g: int) -> None:
+    """A prefill chunk of L queries over S cached keys: query i sees keys j <= S - L + i, output in q's dtype."""
+    q, k, v = _case(l + s, 1, 2, g, l, s, 64, dtype, device)
+    out = causal_attention(q, k, v, 0.125)
+    ref, _ = dense_attention_ref(q, k, v, 0.125, q_offset=s - l)
+    assert out.dtype == dtype and out.shape == q.shape
+    atol, rtol, _ = TOL[dtype]
+    torch.testing.assert_close(out.float(), ref, atol=atol, rtol=rtol)

@@ -11,11 +11,15 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
+
+from workers.kernels.dense_attention import causal_attention, dense_attention_ref
+from workers.kernels.dense_attention import dense_attention as fused_attention
 
 KVSTASH_ATTENTION = "kvstash"
 PREFIX_KWARG = "kvstash_prefix"
+dense_attention = dense_attention_ref
+"""Exact softmax attention returning (out, lse) in fp32 (the fp32 matmul reference; see its docstring)."""
 
 
 class PrefixAttention(Protocol):
@@ -24,28 +28,6 @@ class PrefixAttention(Protocol):
     def attend(self, layer: int, q: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """q ``[B, Hq, L, D]`` -> (out ``[B, Hq, L, D]`` fp32, lse ``[B, Hq, L]`` fp32)."""
         ...
-
-
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                    q_offset: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention returning (out, lse) in fp32.
-
-    q ``[B, Hq, L, D]``; k, v ``[B, Hkv, S, D]`` with Hq a multiple of Hkv. With ``q_offset``,
-    query i sees keys ``j <= q_offset + i`` (causal); without it every key is visible.
-    Returns out ``[B, Hq, L, D]`` and lse ``[B, Hq, L]`` (``-inf`` and zeros where nothing is visible).
-    """
-    b, hq, l, d = q.shape
-    hkv, s = k.shape[1], k.shape[2]
-    g = hq // hkv
-    qf = q.float().reshape(b, hkv, g * l, d)
-    scores = torch.matmul(qf, k.float().transpose(-1, -2)).mul_(scale).reshape(b, hkv, g, l, s)
-    if q_offset is not None:
-        allowed = torch.arange(s, device=q.device)[None, :] <= (q_offset + torch.arange(l, device=q.device))[:, None]
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    p = torch.exp(scores - lse.nan_to_num(neginf=0.0).unsqueeze(-1))
-    out = torch.matmul(p.reshape(b, hkv, g * l, s), v.float()).reshape(b, hq, l, d)
-    return out, lse.reshape(b, hq, l)
 
 
 def merge_attention(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
@@ -58,24 +40,15 @@ def merge_attention(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
     return o1 * w1 + o2 * w2, lse
 
 
-def _causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
-    l, s = query.shape[2], key.shape[2]
-    gqa = query.shape[1] != key.shape[1]
-    if l == s:
-        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=gqa)
-    allowed = torch.arange(s, device=query.device)[None, :] <= (s - l + torch.arange(l, device=query.device))[:, None]
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scale, enable_gqa=gqa)
-
-
 def kvstash_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
                       **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers attention function: causal over the cache, plus the stored prefix if given."""
     prefix: PrefixAttention | None = kwargs.get(PREFIX_KWARG)
     if prefix is None:
-        out = _causal_sdpa(query, key, value, scaling)
+        out = causal_attention(query, key, value, scaling)
     else:
-        o_loc, lse_loc = dense_attention(query, key, value, scaling, q_offset=key.shape[2] - query.shape[2])
+        o_loc, lse_loc = fused_attention(query, key, value, scaling, q_offset=key.shape[2] - query.shape[2])
         layer = module.layer_idx
         assert isinstance(layer, int)
         o_pre, lse_pre = prefix.attend(layer, query, scaling)

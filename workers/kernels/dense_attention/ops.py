@@ -17,10 +17,11 @@ devices or dtypes) runs the fp32 reference.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .reference import dense_attention_ref
 
-__all__ = ["dense_attention"]
+__all__ = ["causal_attention", "dense_attention"]
 
 _FLASH_CUDA_DTYPES = (torch.float16, torch.bfloat16)
 _FLASH_CPU_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -52,6 +53,28 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         return dense_attention_ref(q, k, v, scale, q_offset)
     out, lse = res
     return out.float(), lse.float()
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of the last L of S positions (query i sees keys ``j <= S - L + i``), in q's dtype.
+
+    q ``[B, Hq, L, D]``; k, v ``[B, Hkv, S, D]`` (L <= S, GQA allowed) -> ``[B, Hq, L, D]``. A chunk of a
+    chunked prefill over its cache: on CUDA in bf16/fp16 the flash kernel (its causal mask is aligned
+    bottom-right, GQA heads taken as they are), never SDPA's masked fallback; elsewhere SDPA.
+    """
+    l, s = q.shape[2], k.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    if q.device.type == "cuda" and _flash_cuda_ok(q) and 0 < l <= s:
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)[0]
+    if l == s:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    allowed = torch.arange(s, device=q.device)[None, :] <= (s - l + torch.arange(l, device=q.device))[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
+
+
+def _flash_cuda_ok(q: torch.Tensor) -> bool:
+    d = q.shape[-1]
+    return q.dtype in _FLASH_CUDA_DTYPES and d <= _FLASH_MAX_HEAD_DIM and d % _FLASH_HEAD_ALIGN == 0
 
 
 def _fold(q: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -87,8 +110,7 @@ def _cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sees_
     hkv, s = k.shape[1], k.shape[2]
     if v.dtype != q.dtype:
         return None
-    flash_ok = q.dtype in _FLASH_CUDA_DTYPES and d <= _FLASH_MAX_HEAD_DIM and d % _FLASH_HEAD_ALIGN == 0
-    if flash_ok and (sees_all or q_offset == s - l):
+    if _flash_cuda_ok(q) and (sees_all or q_offset == s - l):
         qq = _fold(q, hkv) if sees_all else q  # causal rows cannot be folded: flash takes GQA heads itself
         # Flash's causal mask is aligned bottom-right: query i sees keys j <= s - l + i.
         res = torch.ops.aten._scaled_dot_product_flash_attention(qq.contiguous(), k, v, 0.0, not sees_all, False,
