@@ -1,8 +1,8 @@
 """One test matrix over every registered decode method, each case a numeric property.
 
 - (a) With a budget covering every entry, ``attend`` equals exact attention: out within
-  ``atol=rtol=1e-5`` and lse within ``1e-5`` (fp32 inputs; the sparse path computes in float64 on
-  the CPU, the dense reference in float32), for multi-token calls, GQA, and anchors that differ
+  ``atol=rtol=1e-5`` and lse within ``1e-5`` (fp32 inputs; the sparse path and the dense reference
+  compute in float32 on the CPU), for multi-token calls, GQA, and anchors that differ
   from the ones the summaries were built with. Greedy generation through the Worker then emits
   exactly the tokens of the "full" method.
 - (b) On planted data, attention error against full falls as the budget grows and vanishes
@@ -78,6 +78,21 @@ def test_multi_token_call_selects_per_query_token(method: str) -> None:
     single = get_method(method).open(src, cfg)
     parts = torch.cat([single.attend(0, q[:, :, i:i + 1], 0.25)[0] for i in range(q.shape[2])], dim=2)
     torch.testing.assert_close(joint, parts, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("method", SPARSE)
+@pytest.mark.parametrize("fraction", [0.05, 0.3, 1.0])
+def test_single_row_step_counts_reads_like_marking(method: str, fraction: float) -> None:
+    """A one-token step counts its reads without marking: the same count as two rows of that token."""
+    kv, q = planted(n=403, d=16, hkv=2, g=2, n_q=1, seed=9)
+    src = MemorySource.build(kv, METHODS[method].summarizers)
+    cfg = DecodeConfig(budget=fraction)
+    one = get_method(method).open(src, cfg)
+    one.attend(0, q, 0.25)
+    two = get_method(method).open(src, cfg)
+    two.attend(0, q.expand(-1, -1, 2, -1), 0.25)
+    assert isinstance(one, ReportsReads) and isinstance(two, ReportsReads)
+    assert one.read_report().tokens_per_step == two.read_report().tokens_per_step
 
 
 @pytest.mark.parametrize("method", SPARSE)

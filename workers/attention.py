@@ -11,14 +11,18 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
+
+from workers.kernels.dense_attention import causal_attention, dense_attention_ref
+from workers.kernels.dense_attention import dense_attention as fused_attention
 
 KVSTASH_ATTENTION = "kvstash"
 PREFIX_KWARG = "kvstash_prefix"
 """Forward kwarg: one generation's ``PrefixAttention``, its own tokens in a transformers cache (tools)."""
 STEP_KWARG = "kvstash_step"
 """Forward kwarg: the engine's packed step (``StepAttention``): many generations, own KV outside transformers."""
+dense_attention = dense_attention_ref
+"""Exact softmax attention returning (out, lse) in fp32 (the fp32 matmul reference; see its docstring)."""
 
 
 class PrefixAttention(Protocol):
@@ -37,28 +41,6 @@ class StepAttention(Protocol):
         ...
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                    q_offset: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention returning (out, lse) in fp32.
-
-    q ``[B, Hq, L, D]``; k, v ``[B, Hkv, S, D]`` with Hq a multiple of Hkv. With ``q_offset``,
-    query i sees keys ``j <= q_offset + i`` (causal); without it every key is visible.
-    Returns out ``[B, Hq, L, D]`` and lse ``[B, Hq, L]`` (``-inf`` and zeros where nothing is visible).
-    """
-    b, hq, l, d = q.shape
-    hkv, s = k.shape[1], k.shape[2]
-    g = hq // hkv
-    qf = q.float().reshape(b, hkv, g * l, d)
-    scores = torch.matmul(qf, k.float().transpose(-1, -2)).mul_(scale).reshape(b, hkv, g, l, s)
-    if q_offset is not None:
-        allowed = torch.arange(s, device=q.device)[None, :] <= (q_offset + torch.arange(l, device=q.device))[:, None]
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    p = torch.exp(scores - lse.nan_to_num(neginf=0.0).unsqueeze(-1))
-    out = torch.matmul(p.reshape(b, hkv, g * l, s), v.float()).reshape(b, hq, l, d)
-    return out, lse.reshape(b, hq, l)
-
-
 def merge_attention(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
                     lse2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge two partial attentions over disjoint key sets (``-inf`` lse means empty)."""
@@ -67,15 +49,6 @@ def merge_attention(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
     w1 = torch.exp(lse1 - safe).nan_to_num(0.0).unsqueeze(-1)
     w2 = torch.exp(lse2 - safe).nan_to_num(0.0).unsqueeze(-1)
     return o1 * w1 + o2 * w2, lse
-
-
-def _causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
-    l, s = query.shape[2], key.shape[2]
-    gqa = query.shape[1] != key.shape[1]
-    if l == s:
-        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=gqa)
-    allowed = torch.arange(s, device=query.device)[None, :] <= (s - l + torch.arange(l, device=query.device))[:, None]
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scale, enable_gqa=gqa)
 
 
 def kvstash_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -89,9 +62,9 @@ def kvstash_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         return step.attend(layer, query, key, value, scaling).transpose(1, 2).contiguous(), None
     prefix: PrefixAttention | None = kwargs.get(PREFIX_KWARG)
     if prefix is None:
-        out = _causal_sdpa(query, key, value, scaling)
+        out = causal_attention(query, key, value, scaling)
     else:
-        o_loc, lse_loc = dense_attention(query, key, value, scaling, q_offset=key.shape[2] - query.shape[2])
+        o_loc, lse_loc = fused_attention(query, key, value, scaling, q_offset=key.shape[2] - query.shape[2])
         o_pre, lse_pre = prefix.attend(layer, query, scaling)
         out = merge_attention(o_loc, lse_loc, o_pre, lse_pre)[0].to(query.dtype)
     return out.transpose(1, 2).contiguous(), None

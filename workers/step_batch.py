@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.attention import PrefixAttention, dense_attention, merge_attention
+from workers.attention import PrefixAttention, merge_attention
+from workers.kernels.dense_attention import dense_attention
 from workers.own_kv import OwnKV
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from workers.attention import PrefixAttention, dense_attention
+from workers.attention import PrefixAttention
+from workers.kernels.dense_attention import dense_attention
 from workers.methods.base import Method, ReadReport
 from workers.methods.reads import ReadCounter
 from workers.methods.source import PrefixSource
@@ -22,7 +23,7 @@ class FullPrefixAttention:
         self.counter = ReadCounter(n_layers=lay.n_layers, n_kv_heads=lay.n_kv_heads, token_bytes=lay.token_kv_bytes())
 
     def attend(self, layer: int, q: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Exact attention of q ``[B, Hq, L, D]`` over the layer's prefix."""
+        """Exact attention of q ``[B, Hq, L, D]`` over the layer's prefix (a fused kernel: flash on CUDA)."""
         if layer not in self._kv:
             self._kv[layer] = self.source.layer_kv(layer)
         if layer == 0:

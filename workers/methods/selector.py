@@ -61,6 +61,9 @@ class Selection:
     """``[T, Hkv, m]`` ids of clusters attended through their centroid (Double-P), or None."""
     n_centroids: torch.Tensor | None = None
     """``[T, Hkv]`` how many of ``centroids`` are valid."""
+    n_distinct: torch.Tensor | None = None
+    """Distinct mid tokens of all rows and heads, where ``tokens`` repeats some (None: each row's valid
+    ``tokens`` are distinct, so a single row reads ``counts.sum()``)."""
 
 
 @dataclass(frozen=True)

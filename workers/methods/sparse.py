@@ -4,7 +4,7 @@ Per decode step, layer and KV head, a step attends exactly the sink and tail anc
 mid-region tokens its selector picks (per query token; GQA groups share one pick per KV head),
 plus pseudo-entries: Double-P centroids (extra buffer rows, bias ``log s``, value ``V̄``) and the
 φ completion term (logit ``log Ẑ_R``, value ``N̂_R / Ẑ_R``). All go through one call of the
-sparse attention op (the Triton kernel on CUDA, its float64 torch reference elsewhere).
+sparse attention op (the Triton kernel on CUDA, its float32 torch form elsewhere).
 
 Where the K/V comes from is the source's ``LayerKV``: with a ``PageFetcher`` (the worker's default)
 each step fetches only the pages of the tokens it attends, through the GPU page cache, the pinned
@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 
 from workers.budget import plan_budget
-from workers.kernels.sparse_attention import sparse_decode_attention, sparse_decode_attention_ref
+from workers.kernels.sparse_attention import sparse_decode_attention, sparse_decode_attention_torch
 from workers.methods.base import Method, ReadReport, mid_range
 from workers.methods.layer_kv import StepKV
 from workers.methods.page_step import PagePlan, entry_bias, entry_rows, entry_tokens, page_plan, step_pages
@@ -42,16 +42,16 @@ ROW_ELEMS = 1 << 25
 
 
 def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, idx: torch.Tensor,
-                       n_valid: torch.Tensor, bias: torch.Tensor | None, pseudo_logits: torch.Tensor | None,
+                       n_valid: torch.Tensor | None, bias: torch.Tensor | None, pseudo_logits: torch.Tensor | None,
                        pseudo_values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """q ``[T, Hq, D]`` over rows ``idx [T, Hkv, N]`` of one shared buffer k, v ``[Hkv, S, D]``.
 
     Returns float32 out ``[T, Hq, D]`` and lse ``[T, Hq]``. CUDA tensors run the Triton kernel;
-    others the float64 reference.
+    others its float32 torch form (``sparse_decode_attention_ref``, float64, is the tests' oracle).
     """
     t = q.shape[0]
     kb, vb = k.unsqueeze(0).expand(t, -1, -1, -1), v.unsqueeze(0).expand(t, -1, -1, -1)
-    op = sparse_decode_attention if q.is_cuda else sparse_decode_attention_ref
+    op = sparse_decode_attention if q.is_cuda else sparse_decode_attention_torch
     out, lse = op(q.to(k.dtype), kb, vb, scale=scale, idx=idx, n_valid=n_valid, bias=bias,
                   pseudo_logits=pseudo_logits, pseudo_values=pseudo_values)
     return out.float(), lse.float()
@@ -143,15 +143,22 @@ class SparsePrefixAttention:
         hkv, n = ctx.kv.n_heads, ctx.n_tokens
         rows = q.permute(0, 2, 1, 3).reshape(b * l, hq, d)
         chunk = max(1, ROW_ELEMS // max(1, hq * n))
-        hits = torch.zeros(hkv, n, dtype=torch.int32, device=q.device)
         outs, lses, pseudo = [], [], []
-        for part in rows.split(chunk):
-            sel, o, s = self._attend_rows(layer, ctx, ebias, part, scale)
-            outs.append(o)
-            lses.append(s)
-            mark_tokens(hits, sel.tokens, sel.counts)
+        if rows.shape[0] == 1:  # a decode step: one row's tokens need no marking to be counted
+            sel, o, s = self._attend_rows(layer, ctx, ebias, rows, scale)
+            outs, lses = [o], [s]
+            n_mid = sel.n_distinct if sel.n_distinct is not None else sel.counts.sum()
             pseudo.append(sel.n_centroids.sum() if sel.n_centroids is not None else 0)
-        n_read = (hits > 0).sum() + ctx.anchors.numel() * hkv
+        else:
+            hits = torch.zeros(hkv, n, dtype=torch.int32, device=q.device)
+            for part in rows.split(chunk):
+                sel, o, s = self._attend_rows(layer, ctx, ebias, part, scale)
+                outs.append(o)
+                lses.append(s)
+                mark_tokens(hits, sel.tokens, sel.counts)
+                pseudo.append(sel.n_centroids.sum() if sel.n_centroids is not None else 0)
+            n_mid = (hits > 0).sum()
+        n_read = n_mid + ctx.anchors.numel() * hkv
         phi_rows = rows.shape[0] * hq if self.completion is not None else 0
         self.counter.add_layer(n_read, sum(pseudo) + phi_rows)
         out = torch.cat(outs).reshape(b, l, hq, d).permute(0, 2, 1, 3)
@@ -205,8 +212,10 @@ class SparsePrefixAttention:
         tokens = entry_tokens(plan, picked)
         bias, in_mid = entry_bias(plan, tokens)
         counts = torch.full((t, hkv), n_picked, device=q.device)
-        # Out-of-mid ids become duplicates of their page's mid tokens: read counting sees distinct tokens.
-        sel = Selection(tokens=tokens[..., :n_picked].clamp(ctx.lo, max(ctx.lo, ctx.hi - 1)), counts=counts)
+        # Out-of-mid ids become duplicates of their page's mid tokens: read counting sees distinct tokens
+        # (for a single row, exactly the picked mid tokens: pages are distinct).
+        sel = Selection(tokens=tokens[..., :n_picked].clamp(ctx.lo, max(ctx.lo, ctx.hi - 1)), counts=counts,
+                        n_distinct=in_mid.sum() if t == 1 else None)
         if t == 1:
             k, v, first = ctx.kv.step_pages(step_pages(plan, picked[0]), self._step)
             step = StepKV(k=k, v=v, rows=entry_rows(plan, first)[None], extra_base=0, extra_stride=0)
@@ -220,9 +229,8 @@ class SparsePrefixAttention:
             k_sel, v_sel = step.gather(rows[..., :n_picked])
             log_z, mean = self.completion.term(layer, ctx, qg, scale, k_sel, v_sel, counts, valid=in_mid)
             pl, pv = log_z.reshape(t, hq, 1).contiguous(), mean.reshape(t, hq, 1, d).contiguous()
-        n_valid = torch.full((t, hkv), plan.n_entries, device=q.device)
-        with self._timed("attend"):
-            out, lse = gathered_attention(q, k, v, scale=scale, idx=rows, n_valid=n_valid, bias=bias,
+        with self._timed("attend"):  # every entry is valid (out-of-mid ones are dropped by their bias)
+            out, lse = gathered_attention(q, k, v, scale=scale, idx=rows, n_valid=None, bias=bias,
                                           pseudo_logits=pl, pseudo_values=pv)
         return sel, out, lse
 
