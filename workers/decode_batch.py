@@ -158,7 +158,7 @@ class DecodeEngine:
         demand = Counter(g.tenant for g in runnable)
         cap = max(1, int(self.config.tenant_share * min(demand.values(), default=1)))
         taken: Counter[str] = Counter()
-        batch = []
+        batch: list[Generation] = []
         for g in runnable:
             if len(batch) < self.config.max_batch and taken[g.tenant] < cap:
                 taken[g.tenant] += 1
