@@ -104,8 +104,14 @@ def p95(xs: list[float]) -> float:
 
 def run(args: argparse.Namespace, home: Path) -> dict:
     """Both phases on one worker server; the measurements."""
-    spec = TinyLlamaSpec(seed=0, never_eos=True, max_positions=max(4096, 2 * args.a_tokens))
-    lm = load_model(str(build_tiny_llama(home / "model", spec)), device=args.device, progress=False)
+    positions = max(4096, 2 * args.a_tokens)
+    if args.shape == "tiny":
+        spec = TinyLlamaSpec(seed=0, never_eos=True, max_positions=positions)
+    else:  # Llama-3.1-8B's layer shape, fewer layers: steps cost what a real model's do, not interpreter overhead
+        spec = TinyLlamaSpec(hidden_size=4096, intermediate_size=14336, n_layers=args.layers, n_heads=32,
+                             n_kv_heads=8, max_positions=positions, init_range=0.02, seed=0, never_eos=True)
+    dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    lm = load_model(str(build_tiny_llama(home / "model", spec)), device=args.device, dtype=dtype, progress=False)
     store = KVStore(StoreConfig(home=home / "store", page_size=lm.layout.page_size))
     worker = Worker(store, lm, progress=False)
     cfg = ServerConfig(port=_free_port())
@@ -129,7 +135,8 @@ def run(args: argparse.Namespace, home: Path) -> dict:
     finally:
         server.stop(0)
         store.close()
-    return {"device": str(lm.device), "b_requests": args.b_requests, "b_tokens": args.b_tokens,
+    return {"device": str(lm.device), "shape": args.shape, "layers": spec.n_layers,
+            "b_requests": args.b_requests, "b_tokens": args.b_tokens,
             "a_streams": args.a_streams, "a_tokens": args.a_tokens, "max_per_tenant": args.max_per_tenant,
             "b_p50_alone_s": statistics.median(alone), "b_p95_alone_s": p95(alone),
             "b_p50_loaded_s": statistics.median(loaded), "b_p95_loaded_s": p95(loaded),
@@ -168,6 +175,9 @@ def _free_port() -> int:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--shape", choices=("tiny", "8b"), default="tiny",
+                   help="tiny: the 2-layer test model; 8b: Llama-3.1-8B's layer shape with --layers layers")
+    p.add_argument("--layers", type=int, default=4, help="layers of the 8b shape")
     p.add_argument("--b-requests", type=int, default=200, help="short requests of tenant B per phase")
     p.add_argument("--b-tokens", type=int, default=16)
     p.add_argument("--a-streams", type=int, default=6, help="tenant A's concurrent generations (over its limit)")
@@ -187,7 +197,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)  # the worker's intra-op threads: CPU runs only
     with tempfile.TemporaryDirectory() as tmp:
         r = run(args, Path(tmp))
-    print(f"device: {r['device']} ({r['torch_threads']} torch threads); {r['rounds']} rounds alone/loaded")
+    print(f"device: {r['device']} ({r['torch_threads']} torch threads); model shape {r['shape']}, {r['layers']} "
+          f"layers; {r['rounds']} rounds alone/loaded")
     print(f"tenant B: {r['b_requests']} requests of {r['b_tokens']} tokens one after another; tenant A: "
           f"{r['a_streams']} concurrent generations of {r['a_tokens']} tokens (at most {r['max_per_tenant']} "
           f"admitted; {r['a_refused']} refusals retried)\n")
