@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
-import torch
 
 from store.artifacts import digest
 from store.disk_record import fsync_dir, write_record
@@ -28,6 +27,8 @@ from store.pages import bytes_digest, layer_file_name, pack_layer, page_crc, pag
 from store.prefix_key import PrefixKey
 
 if TYPE_CHECKING:
+    import torch
+
     from store.config import StoreConfig
 
 
