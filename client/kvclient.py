@@ -115,9 +115,9 @@ class EmbeddedBackend:
     def worker(self) -> Worker:
         """The in-process worker (loads the model on first use)."""
         if self._worker is None:
+            lm = _load_model(self.config)  # first: a bad model name or device fails before the engine is imported
             from workers.engine import Worker
 
-            lm = _load_model(self.config)
             self._worker = Worker(self.store, lm, progress=self.config.progress,
                                   offload=self.config.resolved_offload())
         return self._worker

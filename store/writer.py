@@ -19,7 +19,7 @@ import numpy as np
 
 from store.artifacts import digest
 from store.disk_record import fsync_dir, write_record
-from store.errors import InvalidInput
+from store.errors import InvalidInput, StoreFull
 from store.layout import KVLayout
 from store.limits import MAX_ARTIFACT_BYTES, MAX_ARTIFACTS, check_text
 from store.manifest import ArtifactInfo, FileInfo, Manifest
@@ -185,7 +185,13 @@ class PrefixWriter:
         os.rename(self.tmp_dir, final)
         if fsync:
             fsync_dir(self.store.prefixes_dir)
-        self.store._commit(manifest, arts)
+        try:
+            self.store._commit(manifest, arts)
+        except StoreFull:  # the metadata has no room for it: take the directory back (a full disk keeps no
+            gone = self.store.prefixes_dir / tmp_dir_name(self.prefix_id)  # prefix nobody lists)
+            os.rename(final, gone)
+            shutil.rmtree(gone, ignore_errors=True)
+            raise
         return manifest
 
     def abort(self) -> None:

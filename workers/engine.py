@@ -126,13 +126,12 @@ class Worker:
         parts: dict[str, dict[str, torch.Tensor]] = {s.name: {} for s in summarizers}
         shown = PrefillProgress(enabled=self.progress, n_layers=self.lm.layout.n_layers)
         with self.store.write_prefix(key, model_name=self.lm.name, n_tokens=len(ids), tenant=tenant) as w:
-            for layer, k, v in prefill_kv(self.lm, ids, chunk_size=self.chunk_size, progress=self.progress,
-                                          desc=shown.forward_desc):
+            for layer, k, v in shown.layers(prefill_kv(self.lm, ids, chunk_size=self.chunk_size,
+                                                       progress=self.progress, desc=shown.forward_desc)):
                 w.write_layer(layer, k, v)
                 for s in summarizers:
                     for name, t in s.summarize(layer, k, v).items():
                         parts[s.name][f"{layer}.{name}"] = t
-                shown.layer_done()
             with shown.committing():  # pending page writes, fsyncs, artifacts and the metadata commit
                 for s in summarizers:
                     w.put_artifact(s.name, tensors_to_bytes(parts[s.name]))

@@ -6,9 +6,11 @@ import contextlib
 import sys
 import threading
 from collections.abc import Iterator
+from typing import TypeVar
 
 from tqdm.auto import tqdm
 
+T = TypeVar("T")
 PHASES = ("forward", "summaries + pages", "durable write")
 TICK_S = 1.0
 """How often a phase without counts redraws its elapsed time (so a long one shows it is alive)."""
@@ -28,12 +30,15 @@ class PrefillProgress:
         self.enabled, self.n_layers = enabled, n_layers
         self._layers: tqdm | None = None
 
-    def layer_done(self) -> None:
-        """One more layer's summaries computed and pages handed to the writer (the bar opens at the first)."""
-        if self._layers is None:
-            self._layers = tqdm(total=self.n_layers, unit="layer", desc=_desc(1), disable=not self.enabled,
-                                leave=False)
-        self._layers.update(1)
+    def layers(self, items: Iterator[T]) -> Iterator[T]:
+        """``items`` (one per layer), counted as each is done with; the bar opens when the first arrives (the
+        forward pass, which comes before it, has its own)."""
+        for item in items:
+            if self._layers is None:
+                self._layers = tqdm(total=self.n_layers, unit="layer", desc=_desc(1), disable=not self.enabled,
+                                    leave=False)
+            yield item
+            self._layers.update(1)
 
     @contextlib.contextmanager
     def committing(self) -> Iterator[None]:
