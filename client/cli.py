@@ -86,11 +86,13 @@ def _on_sigint(signum: int, frame: Any) -> None:
 
 @contextmanager
 def _warnings_as_lines(sink: list[str]) -> Iterator[None]:
-    """kvstash's UsageWarnings as one ``kvstash: warning:`` line each (and into ``sink`` for --json)."""
+    """kvstash's UsageWarnings as one ``kvstash: warning:`` line per distinct message (and into ``sink`` for
+    --json)."""
     def show(message: Warning | str, category: type[Warning], *rest: Any, **kw: Any) -> None:
         if issubclass(category, UsageWarning):
-            sink.append(str(message))
-            print(f"kvstash: warning: {message}", file=sys.stderr, flush=True)
+            if str(message) not in sink:  # once per command, however many requests it makes (eval)
+                sink.append(str(message))
+                print(f"kvstash: warning: {message}", file=sys.stderr, flush=True)
         else:
             shown(message, category, *rest, **kw)
 

@@ -245,13 +245,13 @@ class KVClient:
         ``gen_len`` is the number of steps a method's one-time summary fetch is amortized over
         when its budget is matched (1: the conservative worst case).
         """
-        if budget is not None and method == FULL_METHOD:
-            warnings.warn(f"method {FULL_METHOD!r} reads the whole prefix: the budget {budget:g} is ignored "
-                          "(pick a sparse method to apply it)", UsageWarning, stacklevel=2)
         req = GenerateRequest(prefix_id=self._prefix_id(prefix), query=query, method=method, raw=raw,
                               decode=DecodeConfig(budget=budget, gen_len=gen_len),
                               sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
                                                       top_p=top_p, seed=seed, stop=tuple(stop)))
+        if budget is not None and method == FULL_METHOD:  # after validation: an invalid budget is an error only
+            warnings.warn(f"method {FULL_METHOD!r} reads the whole prefix: the budget {budget:g} is ignored "
+                          "(pick a sparse method to apply it)", UsageWarning, stacklevel=2)
         stats = GenerationStats()
         return Generation(self.backend.generate(req, stats), stats)
 
