@@ -69,7 +69,7 @@ def main() -> int:
     """Run the demo on the default model and data directory."""
     kv = KVClient()
     model = kv.config.resolved_model()
-    print(f"kvstash demo — model {model}, data in {kv.config.home}, device {kv.config.device}")
+    print(f"kvstash demo — model {model}, data in {kv.config.home}, device {kv.config.resolved_device()}")
     trained = model.rstrip("/").endswith(SHIPPED_MODEL_NAME)
     return demo_trained(kv) if trained else demo_other_model(kv)
 

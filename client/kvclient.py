@@ -5,6 +5,8 @@ Remote clients import no torch: the store and worker are imported when an embedd
 
 from __future__ import annotations
 
+import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -12,12 +14,47 @@ from typing import TYPE_CHECKING, Any
 
 from client.backends import Backend, remote_backend
 from client.config import ClientConfig
-from store.errors import InvalidInput
+from store.errors import CorruptData, InvalidInput, PrefixInUse
 from store.manifest import Manifest
+from workers.model_source import local_model_problem, trained_context
 from workers.requests import LIMITS, DecodeConfig, GenerateRequest, GenerationStats, PrefillRequest, SamplingParams
 
 if TYPE_CHECKING:
     from workers.engine import Worker
+    from workers.model import LoadedModel
+
+LEASE_POLL_S = 0.5
+"""How often ``rm --wait`` looks again at a prefix's leases."""
+
+
+class UsageWarning(UserWarning):
+    """A request kvstash carries out but that is likely not what the caller meant (the CLI prints it as one line)."""
+
+
+@dataclass(frozen=True)
+class PrefixHealth:
+    """Whether a stored prefix can be decoded: what was checked, and what is wrong if anything."""
+
+    prefix_id: str
+    problem: str | None
+    """None: nothing wrong found."""
+    verified: bool
+    """True: every page file was read and hashed; False: only sizes and summaries were checked."""
+    leases: int
+    """Live leases: generations reading it now."""
+
+    @property
+    def ok(self) -> bool:
+        """Nothing wrong was found."""
+        return self.problem is None
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready fields."""
+        return {"ok": self.ok, "problem": self.problem, "verified": self.verified, "leases": self.leases}
+
+
+FULL_METHOD = "full"
+"""The exact-attention method, which reads every prefix token whatever the budget."""
 
 
 class Generation:
@@ -78,18 +115,21 @@ class EmbeddedBackend:
     def worker(self) -> Worker:
         """The in-process worker (loads the model on first use)."""
         if self._worker is None:
+            lm = _load_model(self.config)  # first: a bad model name or device fails before the engine is imported
             from workers.engine import Worker
-            from workers.model import load_model
 
-            lm = load_model(self.config.resolved_model(), device=self.config.device,
-                            dtype=self.config.resolved_dtype(), page_size=self.config.page_size,
-                            progress=self.config.progress)
-            self._worker = Worker(self.store, lm, progress=self.config.progress, offload=self.config.offload)
+            self._worker = Worker(self.store, lm, progress=self.config.progress,
+                                  offload=self.config.resolved_offload())
         return self._worker
 
     def prefill(self, req: PrefillRequest) -> tuple[str, int, bool]:
-        """Prefill in process."""
-        r = self.worker.prefill(req.document, tenant=self.config.tenant)
+        """Prefill in process (a UsageWarning first when the document is longer than the model was trained on)."""
+        worker = self.worker
+        trained = trained_context(worker.lm.name)
+        if trained is not None and (n := len(worker.tokenize_document(req.document))) > trained:
+            warnings.warn(f"the document has {n} tokens; model {worker.lm.name} was trained on up to {trained}: "
+                          "answers beyond that length are unreliable", UsageWarning, stacklevel=3)
+        r = worker.prefill(req.document, tenant=self.config.tenant)
         return r.prefix_id, r.n_tokens, r.cached
 
     def generate(self, req: GenerateRequest, stats: GenerationStats) -> Iterator[str]:
@@ -105,10 +145,48 @@ class EmbeddedBackend:
         """A manifest this tenant may see."""
         return self.store.visible(prefix_id, self.config.tenant)
 
-    def remove(self, prefix_id: str) -> None:
-        """Delete after checking visibility."""
+    def remove(self, prefix_id: str, *, force: bool = False, wait_s: float = 0.0) -> None:
+        """Delete after checking visibility; PrefixInUse while a generation holds a lease on it (after waiting up
+        to ``wait_s`` for the leases to end) unless ``force``."""
         self.manifest(prefix_id)
+        deadline = time.monotonic() + wait_s
+        while not force and (leases := self.store.leases(prefix_id)):
+            if time.monotonic() >= deadline:
+                left = max(le.expires_at for le in leases) - time.time()
+                raise PrefixInUse(f"prefix {prefix_id} is in use: {len(leases)} generation(s) read it (held by "
+                                  f"{', '.join(sorted({le.holder for le in leases}))}; the last lease lapses in "
+                                  f"{max(0.0, left):.0f} s unless renewed); wait for them, pass --wait SECONDS, "
+                                  "or --force to delete under them")
+            time.sleep(LEASE_POLL_S)
         self.store.remove(prefix_id)
+
+    def health(self, prefix_id: str, *, verify: bool = False, summaries: bool = True) -> PrefixHealth:
+        """Check a prefix this tenant may see: page file sizes, its summaries (unless told not to), and with
+        ``verify`` every page's bytes against the manifest's digests."""
+        self.manifest(prefix_id)
+        problem = self.store.quick_check(prefix_id, artifacts=summaries or verify)
+        if problem is None and verify:
+            try:
+                self.store.verify(prefix_id)
+            except (CorruptData, FileNotFoundError) as e:
+                problem = str(e)
+        return PrefixHealth(prefix_id, problem, verify, len(self.store.leases(prefix_id)))
+
+
+def _load_model(config: ClientConfig) -> LoadedModel:
+    """The model ``config`` names, on its device; InvalidInput saying why when it cannot be loaded."""
+    name = config.resolved_model()
+    if (problem := local_model_problem(name)) is not None:
+        raise InvalidInput(problem)
+    device = config.resolved_device()
+    from workers.model import load_model
+
+    try:
+        return load_model(name, device=device, dtype=config.resolved_dtype(), page_size=config.page_size,
+                          progress=config.progress)
+    except (OSError, ValueError, KeyError, ImportError, RuntimeError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise InvalidInput(f"cannot load model {name!r}: {first}") from e
 
 
 class KVClient:
@@ -171,6 +249,9 @@ class KVClient:
                               decode=DecodeConfig(budget=budget, gen_len=gen_len),
                               sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
                                                       top_p=top_p, seed=seed, stop=tuple(stop)))
+        if budget is not None and method == FULL_METHOD:  # after validation: an invalid budget is an error only
+            warnings.warn(f"method {FULL_METHOD!r} reads the whole prefix: the budget {budget:g} is ignored "
+                          "(pick a sparse method to apply it)", UsageWarning, stacklevel=2)
         stats = GenerationStats()
         return Generation(self.backend.generate(req, stats), stats)
 
@@ -191,6 +272,19 @@ class KVClient:
         """The manifest of a stored prefix."""
         return self.backend.manifest(prefix_id)
 
-    def rm(self, prefix_id: str) -> None:
-        """Delete a stored prefix and every file of it."""
-        self.backend.remove(prefix_id)
+    def rm(self, prefix_id: str, *, force: bool = False, wait_s: float = 0.0) -> None:
+        """Delete a stored prefix and every file of it. Embedded: PrefixInUse while a generation reads it (after
+        waiting up to ``wait_s`` seconds for it to end), unless ``force``."""
+        if isinstance(self.backend, EmbeddedBackend):
+            self.backend.remove(prefix_id, force=force, wait_s=wait_s)
+        elif force or wait_s:
+            raise InvalidInput("force and wait_s apply to an embedded store (the server decides for a remote one)")
+        else:
+            self.backend.remove(prefix_id)
+
+    def health(self, prefix_id: str, *, verify: bool = False, summaries: bool = True) -> PrefixHealth:
+        """Whether a stored prefix is intact (embedded only): page file sizes, summaries (unless told not to), and
+        with ``verify`` every page's bytes."""
+        if not isinstance(self.backend, EmbeddedBackend):
+            raise InvalidInput("health checks read the store's files: they need an embedded client")
+        return self.backend.health(prefix_id, verify=verify, summaries=summaries)

@@ -84,6 +84,13 @@ class QuotaExceeded(KVStashError):
     http_status = 429
 
 
+class PrefixInUse(KVStashError):
+    """The prefix is being read (a live lease: a generation decodes it), so it is not removed now."""
+
+    grpc_code = "FAILED_PRECONDITION"
+    http_status = 409
+
+
 class Overloaded(KVStashError):
     """Capacity pressure: too many generations in flight (for this tenant or in all); retry after a while."""
 

@@ -17,9 +17,9 @@ import shutil
 import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from store import disk_record, recovery
 from store.artifacts import digest
@@ -46,6 +46,9 @@ from store.pages import file_digest, unpack_pages
 from store.prefix_key import PrefixKey, check_prefix_id, tenant_salt
 from store.recovery import CheckReport, Problem
 from store.writer import PAGE_CRC_ARTIFACT, PrefixWriter, tmp_dir_name
+
+if TYPE_CHECKING:  # torch is imported by the reads that make tensors: ls, rm and check stay light
+    import torch
 
 __all__ = ["KVStore", "PrefixWriter", "PAGE_CRC_ARTIFACT", "Lease", "PrefixUsage", "EvictionResult", "LeaseHandle",
            "CheckReport", "Problem"]
@@ -365,6 +368,8 @@ class KVStore:
 
         ``crcs`` (from ``page_crcs``) saves re-reading the checksum artifact when one caller verifies many reads.
         """
+        import torch
+
         m = self._read_manifest(prefix_id, manifest)
         lay = m.layout
         n_pages = lay.n_pages(m.n_tokens)
@@ -382,6 +387,8 @@ class KVStore:
     def read_layer(self, prefix_id: str, layer: int, *, verify: bool = False,
                    manifest: Manifest | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """All of one layer's K and V, each ``[kv_heads, n_tokens, head_dim]``."""
+        import torch
+
         m = self._read_manifest(prefix_id, manifest)
         lay = m.layout
         if not 0 <= layer < lay.n_layers:
@@ -428,6 +435,19 @@ class KVStore:
                 raise CorruptData(f"page file {f.name} of prefix {prefix_id} failed its checksum")
         for a in m.artifacts:
             self.artifact(prefix_id, a.name)
+
+    def quick_check(self, prefix_id: str, *, artifacts: bool = True) -> str | None:
+        """What is wrong with a committed prefix that shows without reading its pages (a page file missing or of
+        the wrong size; with ``artifacts``, an artifact failing its checksum), or None. ``verify`` reads it all."""
+        m = self.manifest(prefix_id)
+        if (bad := disk_record.page_file_problem(self.prefix_dir(prefix_id), m)) is not None:
+            return bad
+        try:
+            for a in m.artifacts if artifacts else ():
+                self.artifact(prefix_id, a.name)
+        except (CorruptData, PrefixNotFound) as e:
+            return str(e)
+        return None
 
     def close(self) -> None:
         """Release the metadata backend."""

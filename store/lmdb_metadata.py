@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import struct
 import time
 from collections.abc import Iterator, Mapping
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import lmdb
 
-from store.errors import PrefixNotFound, StoreUnavailable
+from store.errors import PrefixNotFound, StoreFull, StoreUnavailable
 from store.lmdb_file import lmdb_damage, move_aside
 from store.locks import file_lock
 from store.manifest import Manifest
@@ -37,6 +38,10 @@ _DAMAGE = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.
 """What opening, or first reading, a damaged environment raises."""
 
 
+FULL_DISK_BYTES = 1 << 20
+"""Free bytes under which a failed LMDB write is put down to a full disk."""
+
+
 class LmdbMetadata(MetadataBackend):
     """Everything in one LMDB environment; leases use wall-clock time, prefill locks are flocks."""
 
@@ -45,6 +50,7 @@ class LmdbMetadata(MetadataBackend):
         its first reads) is moved aside and a new, empty one created: the store registers its prefixes again
         from their directories."""
         self._lock_dir = lock_dir or path / "locks"
+        self._path = path
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             # One process at a time decides whether the environment is damaged and moves it aside.
@@ -82,7 +88,17 @@ class LmdbMetadata(MetadataBackend):
             with self._env.begin(write=write) as txn:
                 yield txn
         except lmdb.Error as e:
+            if write and (isinstance(e, lmdb.MapFullError) or self._disk_full()):
+                raise StoreFull(f"metadata store could not commit: no space left ({e})") from e
             raise StoreUnavailable(f"metadata store failed: {e}") from e
+
+    def _disk_full(self) -> bool:
+        """Whether the disk under the environment is (nearly) out of space: LMDB reports a write that found no
+        room as an I/O error."""
+        try:
+            return shutil.disk_usage(self._path).free < FULL_DISK_BYTES
+        except OSError:
+            return False
 
     def _backfill_lru(self) -> None:
         """Give manifests committed before LRU accounting existed an entry (last used = created)."""

@@ -10,11 +10,14 @@ import hashlib
 import os
 import zlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from store.layout import KVLayout
+
+if TYPE_CHECKING:  # imported where tensors are made: listing and checking a store needs no torch
+    import torch
 
 HASH_CHUNK = 1 << 20
 
@@ -36,6 +39,8 @@ def page_crc(prefix_id: str, layer: int, head: int, page: int, payload: memoryvi
 
 def pack_layer(layout: KVLayout, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Lay out one layer's K/V ``[kv_heads, n_tokens, head_dim]`` as page-file bytes."""
+    import torch
+
     h, n, d = k.shape
     p = layout.page_size
     n_pages = layout.n_pages(n)

@@ -16,11 +16,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
-import torch
 
 from store.artifacts import digest
 from store.disk_record import fsync_dir, write_record
-from store.errors import InvalidInput
+from store.errors import InvalidInput, StoreFull
 from store.layout import KVLayout
 from store.limits import MAX_ARTIFACT_BYTES, MAX_ARTIFACTS, check_text
 from store.manifest import ArtifactInfo, FileInfo, Manifest
@@ -28,6 +27,8 @@ from store.pages import bytes_digest, layer_file_name, pack_layer, page_crc, pag
 from store.prefix_key import PrefixKey
 
 if TYPE_CHECKING:
+    import torch
+
     from store.config import StoreConfig
 
 
@@ -184,7 +185,13 @@ class PrefixWriter:
         os.rename(self.tmp_dir, final)
         if fsync:
             fsync_dir(self.store.prefixes_dir)
-        self.store._commit(manifest, arts)
+        try:
+            self.store._commit(manifest, arts)
+        except StoreFull:  # the metadata has no room for it: take the directory back (a full disk keeps no
+            gone = self.store.prefixes_dir / tmp_dir_name(self.prefix_id)  # prefix nobody lists)
+            os.rename(final, gone)
+            shutil.rmtree(gone, ignore_errors=True)
+            raise
         return manifest
 
     def abort(self) -> None:

@@ -86,16 +86,16 @@ def test_cli_json_round_trip(tmp_path: Path, tiny_model_dir: Path) -> None:
 def test_cli_errors_are_clear(tmp_path: Path, tiny_model_dir: Path) -> None:
     home = tmp_path / "home"
     r = _cli(["generate", "--prefix", "f" * 32, "Who?", "--json"], home, tiny_model_dir)
-    assert r.returncode == 2
+    assert r.returncode == 3
     assert json.loads(r.stdout)["code"] == "NOT_FOUND" and "no prefix" in r.stderr
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     r = _cli(["prefill", str(empty)], home, tiny_model_dir)
     assert r.returncode == 2 and "empty" in r.stderr
     r = _cli(["prefill", str(tmp_path / "missing.txt")], home, tiny_model_dir)
-    assert r.returncode == 2 and "No such file" in r.stderr
+    assert r.returncode == 2 and "no such file" in r.stderr
     r = _cli(["rm", "a" * 32], home, tiny_model_dir)
-    assert r.returncode == 2
+    assert r.returncode == 3
 
 
 def test_cli_budget_json(capsys) -> None:

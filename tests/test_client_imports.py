@@ -37,5 +37,6 @@ def test_vocabulary_modules_load_no_torch(module: str) -> None:
 def test_embedded_client_still_gets_the_worker(tmp_path: Path, tiny_model_dir: Path) -> None:
     r = _run("import sys; from client import KVClient; "
              f"kv = KVClient(home={str(tmp_path)!r}, model={str(tiny_model_dir)!r}, device='cpu', progress=False); "
-             "assert 'torch' in sys.modules; print(kv.prefill('Some text to keep. ' * 3).n_tokens)")
+             "assert 'torch' not in sys.modules, 'an embedded client loads torch only when its worker is needed'; "
+             "n = kv.prefill('Some text to keep. ' * 3).n_tokens; assert 'torch' in sys.modules; print(n)")
     assert r.returncode == 0 and int(r.stdout) > 0, r.stderr[-2000:]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from store.artifacts import tensors_to_bytes
-from store.errors import ContextTooLong, InvalidInput, ModelMismatch
+from store.errors import ContextTooLong, InvalidInput, LockTimeout, ModelMismatch
 from store.kvstore import KVStore
 from store.manifest import Manifest
 from store.prefix_key import PrefixKey, tenant_salt, token_hash
@@ -24,6 +24,7 @@ from workers.offload import HostTier, OffloadConfig, PageFetcher
 from workers.offload.fast_path import open_device_cache, warm_if_it_fits
 from workers.own_kv import OwnKV
 from workers.prefill import DEFAULT_CHUNK, prefill_kv
+from workers.progress import PrefillProgress
 from workers.requests import DecodeConfig, GenerationStats, SamplingParams
 from workers.sampling import Sampler
 from workers.textstream import TextStream
@@ -102,24 +103,39 @@ class Worker:
         pid = key.prefix_id
         if (m := self.store.find(pid)) is not None:
             return PrefillResult(prefix_id=pid, n_tokens=m.n_tokens, cached=True, manifest=m)
-        with self.store.prefill_lock(pid):  # single flight across processes and hosts sharing the metadata
+        with self._prefill_lock(pid):  # single flight across processes and hosts sharing the metadata
             if (m := self.store.find(pid)) is not None:
                 return PrefillResult(prefix_id=pid, n_tokens=m.n_tokens, cached=True, manifest=m)
             m = self._write_prefix(key, ids, tenant)
         return PrefillResult(prefix_id=pid, n_tokens=len(ids), cached=False, manifest=m)
 
+    @contextlib.contextmanager
+    def _prefill_lock(self, prefix_id: str) -> Iterator[None]:
+        """The prefix's single-flight lock; says so (with progress on) when another prefill of it holds it."""
+        with contextlib.ExitStack() as held:
+            try:
+                held.enter_context(self.store.prefill_lock(prefix_id, wait_s=0))
+            except LockTimeout:
+                PrefillProgress(enabled=self.progress).note(
+                    f"waiting for another prefill of this document (prefix {prefix_id}) to finish")
+                held.enter_context(self.store.prefill_lock(prefix_id))
+            yield
+
     def _write_prefix(self, key: PrefixKey, ids: list[int], tenant: str) -> Manifest:
         summarizers = build_summarizers(self.lm.phi_map)
         parts: dict[str, dict[str, torch.Tensor]] = {s.name: {} for s in summarizers}
+        shown = PrefillProgress(enabled=self.progress, n_layers=self.lm.layout.n_layers)
         with self.store.write_prefix(key, model_name=self.lm.name, n_tokens=len(ids), tenant=tenant) as w:
-            for layer, k, v in prefill_kv(self.lm, ids, chunk_size=self.chunk_size, progress=self.progress):
+            for layer, k, v in shown.layers(prefill_kv(self.lm, ids, chunk_size=self.chunk_size,
+                                                       progress=self.progress, desc=shown.forward_desc)):
                 w.write_layer(layer, k, v)
                 for s in summarizers:
                     for name, t in s.summarize(layer, k, v).items():
                         parts[s.name][f"{layer}.{name}"] = t
-            for s in summarizers:
-                w.put_artifact(s.name, tensors_to_bytes(parts[s.name]))
-            return w.commit()
+            with shown.committing():  # pending page writes, fsyncs, artifacts and the metadata commit
+                for s in summarizers:
+                    w.put_artifact(s.name, tensors_to_bytes(parts[s.name]))
+                return w.commit()
 
     # -- generate --------------------------------------------------------------------------
     def open_prefix(self, prefix_id: str, tenant: str = DEFAULT_TENANT) -> Manifest:

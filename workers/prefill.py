@@ -15,15 +15,16 @@ DEFAULT_CHUNK = 2048
 
 @torch.inference_mode()
 def prefill_kv(lm: LoadedModel, token_ids: list[int], *, chunk_size: int = DEFAULT_CHUNK,
-               progress: bool = True) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """Yield ``(layer, K, V)`` with K, V ``[kv_heads, n_tokens, head_dim]`` as attention saw them."""
+               progress: bool = True, desc: str = "prefill") -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Yield ``(layer, K, V)`` with K, V ``[kv_heads, n_tokens, head_dim]`` as attention saw them (the forward
+    pass's progress bar, when shown, is labelled ``desc``)."""
     if chunk_size <= 0:
         raise ValueError("chunk_size must be positive")
     cache = DynamicCache(config=lm.model.config)
     n = len(token_ids)
     ids = torch.tensor([token_ids], device=lm.device)
     base = lm.model.get_decoder()
-    bar = tqdm(total=n, unit="tok", desc="prefill", disable=not progress, leave=False)
+    bar = tqdm(total=n, unit="tok", desc=desc, disable=not progress, leave=False)
     for start in range(0, n, chunk_size):
         end = min(n, start + chunk_size)
         pos = torch.arange(start, end, device=lm.device)[None]

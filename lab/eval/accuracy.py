@@ -67,6 +67,7 @@ def run_eval(client: EvalTarget, spec: EvalSpec, progress: bool = True) -> list[
     bar = tqdm(total=total, desc="eval", unit="sample", disable=not progress)
     for task, length in _cells(spec):
         for i in range(spec.samples):
+            bar.set_postfix_str(f"{task} at {length} tokens, sample {i + 1}/{spec.samples}", refresh=True)
             sample = generate(task, length, EVAL_SEED_BASE + i, ctx)
             handle = client.prefill(sample.document)
             for method, budget in combos:

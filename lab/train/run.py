@@ -63,12 +63,13 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     return cfg
 
 
-def ship(dest: Path, tokenizer_dir: Path, eos_token: str) -> None:
-    """Copy the tokenizer next to exported weights and write the runtime's prompt format."""
+def ship(dest: Path, tokenizer_dir: Path, eos_token: str, trained_context: int) -> None:
+    """Copy the tokenizer next to exported weights and write the runtime's prompt format and trained length."""
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).resolve() != (dest / name).resolve():
             shutil.copy(tokenizer_dir / name, dest / name)
-    (dest / RUNTIME_FILE).write_text(json.dumps(PROMPT.runtime_config(eos_token), indent=1) + "\n")
+    runtime = {**PROMPT.runtime_config(eos_token), "trained_context": trained_context}  # the CLI warns beyond it
+    (dest / RUNTIME_FILE).write_text(json.dumps(runtime, indent=1) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     train(cfg, args.out, tok, init=args.init, time_budget=args.time_budget, export_to=args.export)
     if args.export and args.ship:
-        ship(args.export, args.tokenizer, tok.eos_token)
+        ship(args.export, args.tokenizer, tok.eos_token, max(n for st in cfg.curriculum for n in st.lengths))
 
 
 if __name__ == "__main__":
