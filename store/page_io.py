@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from store.crc_batch import chunk_crc, chunk_pages, expected_chunk_crcs, page_seeds
 from store.errors import CorruptData
 from store.pages import page_crc
 
@@ -34,8 +35,8 @@ SPLIT_BYTES = 8 << 20
 """With several threads, runs longer than this are split so that threads share one big read."""
 PARALLEL_MIN_BYTES = 256 << 10
 """Below this many bytes per call, threads cost more than they save: read on the calling thread."""
-VERIFY_CHUNK = 32
-"""Pages per verification task at least (``zlib.crc32`` releases the GIL on pages this large)."""
+VERIFY_CHUNK_BYTES = 1 << 20
+"""Bytes of pages one ``zlib.crc32`` call checks (it releases the GIL; a chunk that fails is re-checked per page)."""
 
 
 @dataclass(frozen=True)
@@ -298,27 +299,34 @@ def verify_pages(prefix_id: str, layer: int, n_pages: int, linear: np.ndarray, o
     """Check each page ``out[i]`` against the keyed CRC of (prefix, layer, head, page) ``linear[i]``.
 
     ``crcs`` is the prefix's ``[kv_heads, n_pages]`` table for ``layer``. The first mismatch raises
-    CorruptData naming the page: bytes of another page, layer or prefix never pass.
+    CorruptData naming the page: bytes of another page, layer or prefix never pass. Pages are checked
+    a chunk at a time (``store.crc_batch``: one C call per ``VERIFY_CHUNK_BYTES``, chunks spread over
+    ``threads``); only a chunk that fails is checked page by page, to name the page.
     """
-    heads, pages = np.divmod(linear, n_pages)
+    heads, pages = np.divmod(np.asarray(linear, dtype=np.int64), n_pages)
+    n = int(heads.shape[0])
+    if n == 0:
+        return
     want = crcs[heads, pages]
-    hs, ps = heads.tolist(), pages.tolist()
+    page_bytes = out.shape[1]
+    per_chunk = chunk_pages(page_bytes, VERIFY_CHUNK_BYTES)
+    expected = expected_chunk_crcs(want, page_seeds(prefix_id, layer, heads, pages), page_bytes, per_chunk)
+    rows = out[:n]
+    n_chunks = int(expected.shape[0])
 
-    def check(lo: int, hi: int) -> int:
-        for i in range(lo, hi):
-            if page_crc(prefix_id, layer, hs[i], ps[i], out[i].data) != want[i]:
-                return i
-        return -1
+    def crcs_of(lo: int, hi: int) -> list[int]:
+        return [chunk_crc(rows[c * per_chunk : (c + 1) * per_chunk]) for c in range(lo, hi)]
 
-    n = len(hs)
-    parts = max(1, min(threads, n // VERIFY_CHUNK)) if pool is not None else 1
-    edges = np.linspace(0, n, parts + 1).astype(int).tolist()
-    tasks = [functools.partial(check, a, b) for a, b in zip(edges[:-1], edges[1:])]
-    bad = [i for i in run_all(pool, tasks) if i >= 0]
-    if bad:
-        i = bad[0]
-        raise CorruptData(f"prefix {prefix_id}: layer {layer} head {hs[i]} page {ps[i]} failed its checksum "
-                          "(corrupt, or not the page asked for)")
+    parts = max(1, min(threads, n_chunks)) if pool is not None else 1
+    edges = np.linspace(0, n_chunks, parts + 1).astype(int).tolist()
+    got = [c for part in run_all(pool, [functools.partial(crcs_of, a, b) for a, b in zip(edges[:-1], edges[1:])])
+           for c in part]
+    for c in np.flatnonzero(np.array(got, dtype=np.uint32) != expected).tolist():
+        for i in range(c * per_chunk, min(n, (c + 1) * per_chunk)):
+            h, p = int(heads[i]), int(pages[i])
+            if page_crc(prefix_id, layer, h, p, rows[i].data) != want[i]:
+                raise CorruptData(f"prefix {prefix_id}: layer {layer} head {h} page {p} failed its checksum "
+                                  "(corrupt, or not the page asked for)")
 
 
 @dataclass(frozen=True, kw_only=True)
