@@ -71,9 +71,11 @@ class PageFetcher:
             host.open_prefix(self.prefix_id, lay.n_layers * self.n_keys)
         self.cuda = self.device.type == "cuda"
         self.pin = self.cuda and pin_default(cfg.pin_memory)
-        self._pool = ThreadPoolExecutor(cfg.io_threads) if cfg.io_threads > 1 else None
-        self.reader = reader or open_page_reader(cfg.reader, cuda=self.cuda, pool=self._pool,
-                                                 threads=cfg.io_threads, direct=cfg.direct_io)
+        # One pool serves both: io_depth reads in flight, io_threads CRC chunks (threads start on demand).
+        workers = max(cfg.io_depth, cfg.io_threads)
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvstash-io") if workers > 1 else None
+        self.reader = reader or open_page_reader(cfg.reader, cuda=self.cuda, pool=self._pool, depth=cfg.io_depth,
+                                                 direct=cfg.direct_io)
         self._staging: HostBuffer | None = None
         self._staging_pages = 0
         self._layers: dict[int, LayerCache] = {}
