@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,23 +30,26 @@ def store(tmp_path: Path) -> Iterator[KVStore]:
 
 
 class InFlight:
-    """Wraps ``os.preadv``: each call sleeps a little, and the most calls running at once is recorded."""
+    """Wraps ``os.preadv`` and records the most calls running at once. Until ``expect`` have been in
+    flight together, each call waits (up to a second) for the others: a reader that issues that many
+    at once reaches it whatever the machine's load, one that issues fewer never does."""
 
-    def __init__(self, delay_s: float = 0.002):
-        self.real, self.delay_s = os.preadv, delay_s
+    def __init__(self, expect: int):
+        self.real, self.expect = os.preadv, expect
         self.now = self.most = self.calls = 0
-        self.lock = threading.Lock()
+        self.cond = threading.Condition()
 
     def __call__(self, fd: int, bufs: list, offset: int) -> int:
-        with self.lock:
+        with self.cond:
             self.now += 1
             self.calls += 1
             self.most = max(self.most, self.now)
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: self.most >= self.expect, timeout=1.0)
         try:
-            time.sleep(self.delay_s)  # a disk's latency: reads overlap only if they are issued together
             return self.real(fd, bufs, offset)
         finally:
-            with self.lock:
+            with self.cond:
                 self.now -= 1
 
 
@@ -68,7 +70,7 @@ def test_concurrent_reads_equal_sequential_and_keep_depth_in_flight(store: KVSto
         lin = _random_linear(n_keys, 50, seed)  # scattered pages: many short runs
         seq = np.zeros((lin.size, lay.page_bytes), dtype=np.uint8)
         read_checked(PosixPageReader(), path, size, lin, lay.page_bytes, seq, check)
-        probe = InFlight()
+        probe = InFlight(depth)
         monkeypatch.setattr(os, "preadv", probe)
         with ThreadPoolExecutor(depth) as pool:
             par = np.zeros_like(seq)
@@ -77,20 +79,20 @@ def test_concurrent_reads_equal_sequential_and_keep_depth_in_flight(store: KVSto
         monkeypatch.setattr(os, "preadv", probe.real)
         assert np.array_equal(par, seq)
         assert report.calls == probe.calls > depth
-        assert depth // 2 < probe.most <= depth  # io_depth reads overlap (timing: at least half of them)
+        assert probe.most == depth  # io_depth reads in flight together, never more
 
 
 def test_fetcher_reads_io_depth_pages_at_once(store: KVStore, monkeypatch: pytest.MonkeyPatch) -> None:
     m, kv = write_prefix(store, N)
     lay = m.layout
     cfg = OffloadConfig(gpu_cache_bytes=64 * LAYERS * lay.page_payload_bytes, io_depth=6, io_threads=2)
-    probe = InFlight()
+    probe = InFlight(6)
     monkeypatch.setattr(os, "preadv", probe)
     pages = torch.tensor([[0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 33], [1, 4, 7, 10, 13, 16, 19, 22, 25, 28, 31, 34]])
     with PageFetcher(store, m, "cpu", cfg, None) as f:
         r = f.fetch(1, pages)
         rows = r.token_rows((pages.unsqueeze(-1) * PAGE + torch.arange(PAGE)).reshape(2, -1))
-    assert 3 < probe.most <= 6
+    assert probe.most == 6
     k = r.k.gather(1, rows.unsqueeze(-1).expand(-1, -1, lay.head_dim))
     want = kv[1][0].view(lay.n_kv_heads, -1, PAGE, lay.head_dim)[torch.arange(2)[:, None], pages].flatten(1, 2)
     assert torch.equal(k, want)

@@ -36,6 +36,16 @@ class OffloadConfig:
     warm_host_fraction: float = 0.5
     """When a generation opens, load its whole prefix into the host tier (large sequential reads) if
     it takes at most this fraction of the tier (0: never); a warm prefix enables ``device_plan``."""
+    warm_in_background: bool = True
+    """Warm the prefix (``warm_host_fraction``) on a thread while the generation decodes, its steps served
+    from SSD on demand meanwhile, and switch to ``device_plan`` once it is whole in the tier (False: warm
+    before the first step)."""
+    warm_chunk_bytes: int = 32 << 20
+    """Bytes a warm-up reads, checks and inserts at a time (large sequential reads; a stop takes effect
+    within one chunk)."""
+    summary_cache_bytes: int = 1 << 30
+    """Host memory for the parsed summaries and page-CRC tables of recently opened prefixes (LRU, one per
+    worker; 0: read and parse them at every open). Used by the resident path too."""
     device_plan: str = "auto"
     """Fetch through the device-planned GPU page cache (no host work per fetch) when the prefix is whole
     in the host tier: ``auto`` (CUDA only), ``on`` (also on a CPU: tests), ``off``."""
@@ -49,6 +59,10 @@ class OffloadConfig:
             raise ValueError(f"reader must be one of {READERS}, got {self.reader!r}")
         if not 0 <= self.warm_host_fraction <= 1:
             raise ValueError(f"warm_host_fraction must be in [0, 1], got {self.warm_host_fraction}")
+        if self.warm_chunk_bytes <= 0:
+            raise ValueError(f"warm_chunk_bytes must be positive, got {self.warm_chunk_bytes}")
+        if self.summary_cache_bytes < 0:
+            raise ValueError(f"summary_cache_bytes must be >= 0, got {self.summary_cache_bytes}")
         if self.device_plan not in DEVICE_PLANS:
             raise ValueError(f"device_plan must be one of {DEVICE_PLANS}, got {self.device_plan!r}")
         if not 1 <= self.io_depth <= 256:
