@@ -9,8 +9,9 @@ import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -116,8 +117,8 @@ def test_closing_a_generation_mid_warm_stops_the_warm_up(endless_lm, tmp_path: P
         w = Worker(store, endless_lm, progress=False, offload=_tiers(endless_lm, store, pid))
         baseline = set(threading.enumerate())
         _slow_chunks(monkeypatch, delay_s=0.02)  # ~0.02 s per page: seconds of warm-up
-        gen = w.generate(pid, QUERY, SamplingParams(max_new_tokens=200), method="quest",
-                         decode=DecodeConfig(budget=0.2), raw=True)
+        gen = cast(Generator[str, None, None], w.generate(pid, QUERY, SamplingParams(max_new_tokens=200),
+                                                          method="quest", decode=DecodeConfig(budget=0.2), raw=True))
         next(gen)
         assert warmups[0].running
         gen.close()
@@ -217,3 +218,32 @@ def test_removing_a_prefix_drops_its_summaries(lm, tmp_path: Path) -> None:
         assert len(w.summaries) == 2 and w.summaries.used_bytes > 0
         w.remove_prefix(pid)
         assert len(w.summaries) == 0 and w.summaries.used_bytes == 0 and not store.exists(pid)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_cold_open_switches_to_the_device_planned_cache(tiny_model_dir: Path, tmp_path: Path, warmups,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the GPU: pinned host tier filled by the background warm-up while Triton gathers read it, then
+    the Triton-planned cache; tokens equal those over a prefix warmed before decoding."""
+    from workers.model import load_model
+
+    gpu_lm = load_model(str(tiny_model_dir), device="cuda", dtype="bfloat16", page_size=16, progress=False)
+    with stored_document(gpu_lm, tmp_path / "h", DOC) as (store, pid):
+        warm = _run(Worker(store, gpu_lm, progress=False,
+                           offload=_tiers(gpu_lm, store, pid, device_plan="auto", warm_in_background=False)), pid)
+        gate = threading.Event()
+        _slow_chunks(monkeypatch, gate)
+        steps = itertools.count()
+
+        @contextlib.contextmanager
+        def turn() -> Iterator[None]:
+            if next(steps) == 2:
+                gate.set()
+                assert warmups[0]._thread is not None
+                warmups[0]._thread.join(timeout=60)
+            yield
+
+        cold = _run(Worker(store, gpu_lm, progress=False, offload=_tiers(gpu_lm, store, pid, device_plan="auto")),
+                    pid, turn=turn)
+        assert cold.token_ids == warm.token_ids
+        assert cold.extra["offload_ssd_pages"] > 0 and cold.extra["offload_device_plan_fetches"] > 0
