@@ -333,7 +333,7 @@ def full_ssd_layer_s(w: Workload, store: KVStore, manifest, n_layers: int) -> tu
     staging = HostBuffer(n_layer * lay.page_bytes, pin=DEV.type == "cuda")
     buf = staging.tensor.view(n_layer, lay.page_bytes)
     pool = ThreadPoolExecutor(8)
-    reader = PosixPageReader(pool=pool, threads=8, direct=True)
+    reader = PosixPageReader(pool=pool, depth=8, direct=True)
     plan = plan_runs(np.arange(n_layer))
     drop_caches()
     sync()
@@ -644,7 +644,8 @@ def host_section(args, res, w, store, manifest, lay, gpu_bytes, k0, v0, ceil) ->
     """Rows (b) host, (i), (r-graph), (g); the gather config the sweep picked (for the SSD fetchers)."""
     n_all = lay.n_layers * lay.n_kv_heads * w.n_pages
     tier = HostTier(page_bytes=lay.page_bytes, budget_bytes=n_all * lay.page_bytes)
-    cfg = OffloadConfig(gpu_cache_bytes=gpu_bytes, host_cache_bytes=tier.budget_bytes, io_threads=args.threads)
+    cfg = OffloadConfig(gpu_cache_bytes=gpu_bytes, host_cache_bytes=tier.budget_bytes, io_depth=args.threads,
+                        io_threads=min(args.threads, 64))
     with PageFetcher(store, manifest, DEV, cfg, tier) as warmer:
         t0 = time.perf_counter()
         warm = warmer.warm_host()
@@ -687,7 +688,7 @@ def ssd_section(args, res, w, store, manifest, gpu_bytes, k0, v0, ceil, gather: 
     readers = ["posix"] + (["kvikio"] if kvikio_available() and DEV.type == "cuda" else [])
     for name in readers:
         cfg = OffloadConfig(gpu_cache_bytes=gpu_bytes, host_cache_bytes=0, reader=name, direct_io=True,
-                            io_threads=args.threads)
+                            io_depth=args.threads, io_threads=min(args.threads, 64))
         dropped = drop_caches()
         fetcher = PageFetcher(store, manifest, DEV, cfg, None, gather=gather)
         with guard(res, f"ssd_{name}"):
@@ -783,7 +784,7 @@ def main() -> None:
     p.add_argument("--ssd-seconds", type=float, default=20.0, help="time budget of steady SSD steps per reader")
     p.add_argument("--alpha", type=float, default=0.99, help="query random-walk persistence (step overlap)")
     p.add_argument("--cache-factor", type=int, default=4, help="GPU page cache = this x one step's pages")
-    p.add_argument("--threads", type=int, default=16)
+    p.add_argument("--threads", type=int, default=16, help="SSD reads in flight (io_depth) and CRC threads")
     p.add_argument("--dir", type=Path, default=REPO / "runs" / "bench_offload")
     p.add_argument("--ceiling-bytes", type=int, default=2 << 30)
     p.add_argument("--quick", action="store_true", help="tiny shape (CPU smoke run)")

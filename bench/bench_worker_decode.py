@@ -63,9 +63,10 @@ def rows(gpu_cache_bytes: int, host_bytes: int) -> list[Row]:
         Row("quest, resident", "quest", None),
         Row("quest, SSD cold (fetcher)", "quest",
             OffloadConfig(**base, warm_host_fraction=0.0, device_plan="off")),
-        Row("quest, host warm, fetcher", "quest", OffloadConfig(**base, warm_host_fraction=1.0, device_plan="off")),
+        Row("quest, host warm, fetcher", "quest",
+            OffloadConfig(**base, warm_host_fraction=1.0, warm_in_background=False, device_plan="off")),
         Row("quest, host warm, device-planned", "quest",
-            OffloadConfig(**base, warm_host_fraction=1.0, device_plan="auto")),
+            OffloadConfig(**base, warm_host_fraction=1.0, warm_in_background=False, device_plan="auto")),
     ]
 
 

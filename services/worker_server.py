@@ -139,7 +139,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         """Delete one of the caller's prefixes and its files."""
         with mapped_errors(context):
             self._visible(context, request.prefix_id)
-            self.worker.store.remove(request.prefix_id)
+            self.worker.remove_prefix(request.prefix_id)
             return pb.DeletePrefixResponse(prefix_id=request.prefix_id)
         raise AssertionError("unreachable")
 

@@ -3,8 +3,9 @@
 A layer file stores pages ``[kv_head][page]`` with stride ``page_bytes``, so the *linear* page index
 ``head * n_pages + page`` orders pages as the file does. ``plan_runs`` coalesces sorted linear
 indices into maximal runs of consecutive pages; each run is one read into consecutive rows of a
-staging buffer. Two readers: POSIX ``preadv`` (optionally ``O_DIRECT``, optionally spread over a few
-threads: ``preadv`` releases the GIL) and kvikio (one ``CuFile.pread`` future per run; kvikio's
+staging buffer. Two readers: POSIX ``preadv`` (optionally ``O_DIRECT``; with a pool, up to ``depth``
+reads in flight on as many threads: ``preadv`` releases the GIL, and random 4-16 KiB reads reach an
+SSD's ceiling only with many queued) and kvikio (one ``CuFile.pread`` future per run; kvikio's
 compat mode where the machine has no GPUDirect Storage). Never one future per page.
 
 Fail closed: a missing or wrongly sized file, a short read, an I/O error, or (``verify_pages``) a
@@ -15,7 +16,9 @@ from __future__ import annotations
 
 import abc
 import functools
+import itertools
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, wait
@@ -25,17 +28,18 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from store.crc_batch import chunk_crc, chunk_pages, expected_chunk_crcs, page_seeds
 from store.errors import CorruptData
 from store.pages import page_crc
 
 DIRECT_ALIGN = 4096
 """Buffer, offset and size alignment ``O_DIRECT`` needs (page files are aligned to it)."""
 SPLIT_BYTES = 8 << 20
-"""With several threads, runs longer than this are split so that threads share one big read."""
-PARALLEL_MIN_BYTES = 256 << 10
+"""With several reads in flight, runs longer than this are split so that threads share one big read."""
+PARALLEL_MIN_BYTES = 64 << 10
 """Below this many bytes per call, threads cost more than they save: read on the calling thread."""
-VERIFY_CHUNK = 32
-"""Pages per verification task at least (``zlib.crc32`` releases the GIL on pages this large)."""
+VERIFY_CHUNK_BYTES = 1 << 20
+"""Bytes of pages one ``zlib.crc32`` call checks (it releases the GIL; a chunk that fails is re-checked per page)."""
 
 
 @dataclass(frozen=True)
@@ -88,16 +92,6 @@ def _check_out(out: np.ndarray, plan: ReadPlan, page_bytes: int) -> None:
         raise ValueError("out must be C-contiguous")
 
 
-def _balanced_groups(plan: ReadPlan, n_groups: int) -> list[range]:
-    """Split the runs into at most ``n_groups`` consecutive groups of about equal pages."""
-    if n_groups <= 1 or plan.n_runs <= 1:
-        return [range(plan.n_runs)]
-    cum = np.cumsum(plan.counts)
-    cuts = np.searchsorted(cum, np.linspace(0, cum[-1], n_groups + 1)[1:-1], side="right")
-    bounds = [0, *sorted(set(cuts.tolist()) - {0, plan.n_runs}), plan.n_runs]
-    return [range(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
-
-
 def run_all(pool: Executor | None, tasks: Sequence[Callable[[], Any]]) -> list[Any]:
     """Run ``tasks`` (on ``pool`` when given) and return their results in order.
 
@@ -135,12 +129,13 @@ def _size_error(path: Path, size: int, file_bytes: int) -> CorruptData:
 
 
 class PosixPageReader(PageReader):
-    """``os.preadv`` per run; ``O_DIRECT`` when asked and the file system allows it."""
+    """``os.preadv`` per run, up to ``depth`` in flight on ``pool``'s threads (it needs that many);
+    ``O_DIRECT`` when asked and the file system allows it."""
 
     name = "posix"
 
-    def __init__(self, *, pool: Executor | None = None, threads: int = 1, direct: bool = False):
-        self.pool, self.threads, self.direct = pool, max(1, threads), direct
+    def __init__(self, *, pool: Executor | None = None, depth: int = 1, direct: bool = False):
+        self.pool, self.depth, self.direct = pool, max(1, depth), direct
         self.direct_active = False
         """Whether the last file opened actually uses O_DIRECT (some file systems refuse it)."""
         self._fds: dict[Path, int] = {}
@@ -179,20 +174,28 @@ class PosixPageReader(PageReader):
         if self.direct_active and (out.ctypes.data % DIRECT_ALIGN or page_bytes % DIRECT_ALIGN):
             raise ValueError("O_DIRECT reads need a 4 KiB aligned buffer and page size")
         total = plan.n_pages * page_bytes
-        parallel = self.threads > 1 and self.pool is not None and total >= PARALLEL_MIN_BYTES
-        if parallel and plan.n_runs < self.threads:
+        parallel = self.depth > 1 and self.pool is not None and total >= PARALLEL_MIN_BYTES
+        if parallel and plan.n_runs < self.depth:
             plan = plan_runs(plan.linear, max(1, SPLIT_BYTES // page_bytes))
         flat = out.reshape(-1)
+        starts, counts, first = plan.starts.tolist(), plan.counts.tolist(), plan.linear[plan.starts].tolist()
+        runs = itertools.count()  # a shared queue of runs: each reader takes the next (``next`` is atomic)
+        failed = threading.Event()
 
-        def read_group(runs: range) -> int:
-            for r in runs:
-                row, count = int(plan.starts[r]), int(plan.counts[r])
-                dst = flat[row * page_bytes : (row + count) * page_bytes]
-                _pread_fully(fd, path, dst, int(plan.linear[row]) * page_bytes)
-            return len(runs)
+        def reader() -> int:
+            done = 0
+            try:
+                while not failed.is_set() and (r := next(runs)) < len(starts):
+                    dst = flat[starts[r] * page_bytes : (starts[r] + counts[r]) * page_bytes]
+                    _pread_fully(fd, path, dst, first[r] * page_bytes)
+                    done += 1
+            except BaseException:
+                failed.set()  # the others stop after their read in flight
+                raise
+            return done
 
-        groups = _balanced_groups(plan, self.threads if parallel else 1)
-        return sum(run_all(self.pool if parallel else None, [functools.partial(read_group, g) for g in groups]))
+        n_readers = min(self.depth, plan.n_runs) if parallel else 1
+        return sum(run_all(self.pool if parallel else None, [reader] * n_readers))
 
     def close(self) -> None:
         """Close every open file."""
@@ -283,14 +286,14 @@ def kvikio_available() -> bool:
     return True
 
 
-def open_page_reader(kind: str, *, cuda: bool, pool: Executor | None = None, threads: int = 1,
+def open_page_reader(kind: str, *, cuda: bool, pool: Executor | None = None, depth: int = 1,
                      direct: bool = False) -> PageReader:
     """``auto`` (kvikio when it imports and the device is CUDA, else POSIX), ``posix`` or ``kvikio``."""
     if kind not in ("auto", "posix", "kvikio"):
         raise ValueError(f"reader must be 'auto', 'posix' or 'kvikio', got {kind!r}")
     if kind == "kvikio" or (kind == "auto" and cuda and kvikio_available()):
         return KvikioPageReader()
-    return PosixPageReader(pool=pool, threads=threads, direct=direct)
+    return PosixPageReader(pool=pool, depth=depth, direct=direct)
 
 
 def verify_pages(prefix_id: str, layer: int, n_pages: int, linear: np.ndarray, out: np.ndarray,
@@ -298,27 +301,34 @@ def verify_pages(prefix_id: str, layer: int, n_pages: int, linear: np.ndarray, o
     """Check each page ``out[i]`` against the keyed CRC of (prefix, layer, head, page) ``linear[i]``.
 
     ``crcs`` is the prefix's ``[kv_heads, n_pages]`` table for ``layer``. The first mismatch raises
-    CorruptData naming the page: bytes of another page, layer or prefix never pass.
+    CorruptData naming the page: bytes of another page, layer or prefix never pass. Pages are checked
+    a chunk at a time (``store.crc_batch``: one C call per ``VERIFY_CHUNK_BYTES``, chunks spread over
+    ``threads``); only a chunk that fails is checked page by page, to name the page.
     """
-    heads, pages = np.divmod(linear, n_pages)
+    heads, pages = np.divmod(np.asarray(linear, dtype=np.int64), n_pages)
+    n = int(heads.shape[0])
+    if n == 0:
+        return
     want = crcs[heads, pages]
-    hs, ps = heads.tolist(), pages.tolist()
+    page_bytes = out.shape[1]
+    per_chunk = chunk_pages(page_bytes, VERIFY_CHUNK_BYTES)
+    expected = expected_chunk_crcs(want, page_seeds(prefix_id, layer, heads, pages), page_bytes, per_chunk)
+    rows = out[:n]
+    n_chunks = int(expected.shape[0])
 
-    def check(lo: int, hi: int) -> int:
-        for i in range(lo, hi):
-            if page_crc(prefix_id, layer, hs[i], ps[i], out[i].data) != want[i]:
-                return i
-        return -1
+    def crcs_of(lo: int, hi: int) -> list[int]:
+        return [chunk_crc(rows[c * per_chunk : (c + 1) * per_chunk]) for c in range(lo, hi)]
 
-    n = len(hs)
-    parts = max(1, min(threads, n // VERIFY_CHUNK)) if pool is not None else 1
-    edges = np.linspace(0, n, parts + 1).astype(int).tolist()
-    tasks = [functools.partial(check, a, b) for a, b in zip(edges[:-1], edges[1:])]
-    bad = [i for i in run_all(pool, tasks) if i >= 0]
-    if bad:
-        i = bad[0]
-        raise CorruptData(f"prefix {prefix_id}: layer {layer} head {hs[i]} page {ps[i]} failed its checksum "
-                          "(corrupt, or not the page asked for)")
+    parts = max(1, min(threads, n_chunks)) if pool is not None else 1
+    edges = np.linspace(0, n_chunks, parts + 1).astype(int).tolist()
+    got = [c for part in run_all(pool, [functools.partial(crcs_of, a, b) for a, b in zip(edges[:-1], edges[1:])])
+           for c in part]
+    for c in np.flatnonzero(np.array(got, dtype=np.uint32) != expected).tolist():
+        for i in range(c * per_chunk, min(n, (c + 1) * per_chunk)):
+            h, p = int(heads[i]), int(pages[i])
+            if page_crc(prefix_id, layer, h, p, rows[i].data) != want[i]:
+                raise CorruptData(f"prefix {prefix_id}: layer {layer} head {h} page {p} failed its checksum "
+                                  "(corrupt, or not the page asked for)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from store.crc32 import crc32
 from store.layout import KVLayout
 
 if TYPE_CHECKING:  # imported where tensors are made: listing and checking a store needs no torch
@@ -29,12 +29,12 @@ def layer_file_name(layer: int) -> str:
 
 def page_crc_seed(prefix_id: str, layer: int, head: int, page: int) -> int:
     """The CRC32 a page's payload CRC starts from: that of its identity."""
-    return zlib.crc32(f"{prefix_id}:{layer}:{head}:{page}".encode())
+    return crc32(f"{prefix_id}:{layer}:{head}:{page}".encode())
 
 
 def page_crc(prefix_id: str, layer: int, head: int, page: int, payload: memoryview | bytes) -> int:
     """CRC32 of a page's payload keyed by its identity."""
-    return zlib.crc32(payload, page_crc_seed(prefix_id, layer, head, page)) & 0xFFFFFFFF
+    return crc32(payload, page_crc_seed(prefix_id, layer, head, page)) & 0xFFFFFFFF
 
 
 def pack_layer(layout: KVLayout, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,6 @@ import os
 import shutil
 import time
 import uuid
-import zlib
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from store.artifacts import digest
+from store.crc32 import crc32
 from store.disk_record import fsync_dir, write_record
 from store.errors import InvalidInput, StoreFull
 from store.layout import KVLayout
@@ -250,7 +250,7 @@ class LayerStream:
     def _page(self, payload: bytes | bytearray | memoryview) -> None:
         head, page = divmod(self._next_page, self._n_pages)
         seed = page_crc_seed(self._writer.prefix_id, self.layer, head, page)
-        self._crcs[head, page] = zlib.crc32(payload, seed) & 0xFFFFFFFF
+        self._crcs[head, page] = crc32(payload, seed) & 0xFFFFFFFF
         self._next_page += 1
 
     def close(self) -> None:

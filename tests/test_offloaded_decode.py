@@ -128,7 +128,7 @@ def test_device_planned_fetch_of_a_warm_prefix_equals_resident(stored, resident,
     # Room for one call of every page of a head: each step fits the device-planned cache.
     pages = lay.n_kv_heads * lay.n_pages(store.manifest(pid).n_tokens)
     tiers = OffloadConfig(gpu_cache_bytes=2 * pages * lay.n_layers * lay.page_payload_bytes,
-                          host_cache_bytes=1000 * lay.page_bytes, device_plan="on")
+                          host_cache_bytes=1000 * lay.page_bytes, device_plan="on", warm_in_background=False)
     off = _run(Worker(store, lm, progress=False, offload=tiers), pid, method, 0.1)
     assert off.token_ids == ref.token_ids
     x = off.extra
@@ -196,7 +196,8 @@ def test_cuda_offloaded_greedy_equals_resident(tiny_model_dir: Path, tmp_path: P
     lay = lm.layout
     pages = lay.n_kv_heads * lay.n_pages(store.manifest(pid).n_tokens)
     tiers = (OffloadConfig(gpu_cache_bytes=2 * pages * lay.n_layers * lay.page_payload_bytes,
-                           host_cache_bytes=1000 * lay.page_bytes) if warm else _tiers(lm, 100))
+                           host_cache_bytes=1000 * lay.page_bytes, warm_in_background=False) if warm
+             else _tiers(lm, 100))
     off = _run(Worker(store, lm, progress=False, offload=tiers), pid, method, 0.2)
     assert off.token_ids == ref.token_ids and off.extra["offload_pages_requested"] > 0
     if warm and method != "doublep":

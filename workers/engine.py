@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -21,7 +22,8 @@ from workers.methods.registry import build_summarizers, get_method, prefill_summ
 from workers.methods.source import PrefixSource
 from workers.model import LoadedModel
 from workers.offload import HostTier, OffloadConfig, PageFetcher
-from workers.offload.fast_path import open_device_cache, warm_if_it_fits
+from workers.offload.fast_path import FastOpen
+from workers.offload.summaries import SummaryCache
 from workers.own_kv import OwnKV
 from workers.prefill import DEFAULT_CHUNK, prefill_kv
 from workers.progress import PrefillProgress
@@ -44,7 +46,8 @@ class PrefillResult:
 
 
 def _close_fetch(source: PrefixSource) -> None:
-    """Release a generation's fetch engines (the device cache first: it holds host-tier slots)."""
+    """Release a generation's fetch engines (the device cache first: it holds host-tier slots; closing the
+    fetcher stops its background warm-up)."""
     if source.device_cache is not None:
         source.device_cache.close()
     if source.fetcher is not None:
@@ -65,6 +68,8 @@ class Worker:
         """Tiered per-step page fetch for sparse methods (None: each layer read once and held)."""
         self._host: HostTier | None = None
         self._host_lock = threading.Lock()
+        self.summaries = SummaryCache((offload or DEFAULT_OFFLOAD).summary_cache_bytes)
+        """Parsed summaries and page-CRC tables of recently opened prefixes (host memory, LRU)."""
         if lm.layout.page_size != store.config.page_size:
             raise ValueError("model layout and store disagree on page_size")
 
@@ -137,6 +142,11 @@ class Worker:
                     w.put_artifact(s.name, tensors_to_bytes(parts[s.name]))
                 return w.commit()
 
+    def remove_prefix(self, prefix_id: str) -> None:
+        """Delete a stored prefix and forget its cached summaries."""
+        self.store.remove(prefix_id)
+        self.summaries.drop(prefix_id)
+
     # -- generate --------------------------------------------------------------------------
     def open_prefix(self, prefix_id: str, tenant: str = DEFAULT_TENANT) -> Manifest:
         """The manifest of a prefix this tenant may decode with this model."""
@@ -165,12 +175,13 @@ class Worker:
             raise ContextTooLong(f"prefix ({m.n_tokens}) + query ({len(q_ids)}) tokens exceed the model's context "
                                  f"of {self.lm.max_context}")
         impl = get_method(method, self.lm.phi_map)
-        source = PrefixSource(self.store, m, self.lm.device)
+        source = PrefixSource(self.store, m, self.lm.device, summaries=self.summaries)
         try:
             if impl.fetches_pages and self.offload is not None:
-                source.fetcher = PageFetcher(self.store, m, self.lm.device, self.offload, self.host_tier())
-                warm_if_it_fits(source.fetcher, self.offload)
-                source.device_cache = open_device_cache(source.fetcher, self.offload)
+                source.fetcher = PageFetcher(self.store, m, self.lm.device, self.offload, self.host_tier(),
+                                             summaries=self.summaries)
+                fast = FastOpen(source.fetcher, self.offload)  # warms the host tier (in the background)
+                source.device_cache, source.switch = fast.device_cache, fast.poll
             attn = impl.open(source, decode or DecodeConfig())
             gen = self._generation(attn, source, q_ids, params, min(room, params.max_new_tokens),
                                    stats if stats is not None else GenerationStats(), tenant)

@@ -149,16 +149,19 @@ class FetchedKV(LayerKV):
     """Pages fetched on demand through the generation's ``PageFetcher`` (and its device-planned cache).
 
     ``read_layer(layer)`` reads a whole layer (K, V ``[Hkv, N, D]`` on the device, counted by its owner):
-    the one-time read of the keys a selector holds resident.
+    the one-time read of the keys a selector holds resident. ``device_cache`` may be a callable asked at
+    each step (None until the prefix is warm).
     """
 
     def __init__(self, fetcher: PageFetcher, layer: int, *,
                  read_layer: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-                 device_cache: DevicePageCache | None = None):
+                 device_cache: DevicePageCache | Callable[[], DevicePageCache | None] | None = None):
         lay = fetcher.layout
         super().__init__(n_heads=lay.n_kv_heads, n_tokens=fetcher.n_tokens, head_dim=lay.head_dim,
                          dtype=lay.torch_dtype, device=fetcher.device, page_size=lay.page_size)
-        self.fetcher, self.layer, self.device_cache = fetcher, layer, device_cache
+        self.fetcher, self.layer = fetcher, layer
+        # A callable is asked at each step: the generation switches to the device-planned cache once warm.
+        self._device_cache = device_cache if callable(device_cache) else lambda: device_cache
         self._read_layer = read_layer
         self._extra = False
 
@@ -182,7 +185,7 @@ class FetchedKV(LayerKV):
 
     def step_pages(self, pages: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Through the device-planned cache when it can take them (no host work, no sync), else the fetcher."""
-        dc = self.device_cache
+        dc = self._device_cache()
         if dc is not None and not self._extra and pages.shape[1] <= dc.pages_per_call:
             with self.fetcher.stats.timed("fetch", self.device):
                 res = dc.fetch(self.layer, pages)
@@ -199,7 +202,7 @@ class FetchedKV(LayerKV):
         With the device-planned cache (a warm prefix, no extra entries) the fetch is planned
         on the device when the step's pages fit one call of it; otherwise the ``PageFetcher`` serves.
         """
-        dc = self.device_cache
+        dc = self._device_cache()
         if dc is not None and not self._extra:
             pages, n = pages_of_tokens(tokens, counts, self.n_tokens, self.fetcher.layout.page_size)
             if 0 < n <= dc.pages_per_call:

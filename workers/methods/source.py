@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from store.artifacts import bytes_to_tensors
@@ -11,6 +13,7 @@ from store.manifest import Manifest
 from workers.methods.layer_kv import FetchedKV, LayerKV, ResidentKV
 from workers.offload.device_plan import DevicePageCache
 from workers.offload.fetcher import PageFetcher
+from workers.offload.summaries import SummaryCache
 
 
 class PrefixSource:
@@ -21,13 +24,19 @@ class PrefixSource:
     """
 
     def __init__(self, store: KVStore, manifest: Manifest, device: torch.device, *, verify: bool = True,
-                 fetcher: PageFetcher | None = None, device_cache: DevicePageCache | None = None):
+                 fetcher: PageFetcher | None = None, device_cache: DevicePageCache | None = None,
+                 summaries: SummaryCache | None = None):
         self.store, self.manifest, self.device = store, manifest, device
+        self.summaries = summaries
+        """The worker's cache of parsed artifacts (None: read and parse them here)."""
         self.verify = verify
         """Check each page's keyed CRC on read: corrupt or misplaced bytes fail the request, never decode."""
         self.fetcher = fetcher
         self.device_cache = device_cache
         """Device-planned fetches of a warm prefix (steps that fit it; the fetcher serves the rest)."""
+        self.switch: Callable[[], DevicePageCache | None] | None = None
+        """Polled at steps while ``device_cache`` is None: the device-planned cache once a background
+        warm-up made the prefix warm (``workers.offload.fast_path.FastOpen.poll``)."""
         self.bytes_read = 0
 
     @property
@@ -46,14 +55,25 @@ class PrefixSource:
         self.bytes_read += 2 * k.numel() * k.element_size()
         return k.to(self.device), v.to(self.device)
 
+    def current_device_cache(self) -> DevicePageCache | None:
+        """``device_cache``, opened through ``switch`` when the prefix has become warm since."""
+        if self.device_cache is None and self.switch is not None:
+            self.device_cache = self.switch()
+        return self.device_cache
+
     def layer(self, layer: int) -> LayerKV:
         """Decode-time access to one layer: fetched per step through the fetcher, else read and held."""
         if self.fetcher is not None:
-            return FetchedKV(self.fetcher, layer, read_layer=self.layer_kv, device_cache=self.device_cache)
+            return FetchedKV(self.fetcher, layer, read_layer=self.layer_kv, device_cache=self.current_device_cache)
         return ResidentKV(*self.layer_kv(layer), page_size=self.layout.page_size)
 
     def artifact(self, name: str) -> dict[str, torch.Tensor]:
         """An artifact's tensors (checksum-verified) on the device."""
-        data = self.store.artifact(self.manifest.prefix_id, name)
-        self.bytes_read += len(data)
-        return {k: t.to(self.device) for k, t in bytes_to_tensors(data).items()}
+        if self.summaries is None:
+            data = self.store.artifact(self.manifest.prefix_id, name)
+            self.bytes_read += len(data)
+            return {k: t.to(self.device) for k, t in bytes_to_tensors(data).items()}
+        cached = self.summaries.tensors(self.store, self.manifest, name)
+        info = self.manifest.artifact(name)
+        self.bytes_read += info.size if info is not None else 0
+        return {k: t.to(self.device, copy=True) for k, t in cached.items()}  # a copy: callers may modify theirs

@@ -24,8 +24,11 @@ class OffloadConfig:
     reader: str = "auto"
     """SSD reader: ``auto`` (kvikio when it imports and the device is CUDA, else POSIX), ``posix``,
     ``kvikio``."""
+    io_depth: int = 32
+    """Page reads in flight on the SSD path (POSIX reader: threads of a fetcher's read pool, one blocking
+    ``preadv`` per coalesced run each): random 4-16 KiB reads reach an SSD's ceiling only with many queued."""
     io_threads: int = 4
-    """Threads the POSIX reader and CRC verification spread a step's reads over (1: caller only)."""
+    """Threads the keyed-CRC verification of a read spreads over (1: the calling thread)."""
     direct_io: bool = False
     """Open page files with ``O_DIRECT`` (bypass the OS page cache) where the file system allows."""
     pin_memory: bool | None = None
@@ -33,6 +36,16 @@ class OffloadConfig:
     warm_host_fraction: float = 0.5
     """When a generation opens, load its whole prefix into the host tier (large sequential reads) if
     it takes at most this fraction of the tier (0: never); a warm prefix enables ``device_plan``."""
+    warm_in_background: bool = True
+    """Warm the prefix (``warm_host_fraction``) on a thread while the generation decodes, its steps served
+    from SSD on demand meanwhile, and switch to ``device_plan`` once it is whole in the tier (False: warm
+    before the first step)."""
+    warm_chunk_bytes: int = 32 << 20
+    """Bytes a warm-up reads, checks and inserts at a time (large sequential reads; a stop takes effect
+    within one chunk)."""
+    summary_cache_bytes: int = 1 << 30
+    """Host memory for the parsed summaries and page-CRC tables of recently opened prefixes (LRU, one per
+    worker; 0: read and parse them at every open). Used by the resident path too."""
     device_plan: str = "auto"
     """Fetch through the device-planned GPU page cache (no host work per fetch) when the prefix is whole
     in the host tier: ``auto`` (CUDA only), ``on`` (also on a CPU: tests), ``off``."""
@@ -46,8 +59,14 @@ class OffloadConfig:
             raise ValueError(f"reader must be one of {READERS}, got {self.reader!r}")
         if not 0 <= self.warm_host_fraction <= 1:
             raise ValueError(f"warm_host_fraction must be in [0, 1], got {self.warm_host_fraction}")
+        if self.warm_chunk_bytes <= 0:
+            raise ValueError(f"warm_chunk_bytes must be positive, got {self.warm_chunk_bytes}")
+        if self.summary_cache_bytes < 0:
+            raise ValueError(f"summary_cache_bytes must be >= 0, got {self.summary_cache_bytes}")
         if self.device_plan not in DEVICE_PLANS:
             raise ValueError(f"device_plan must be one of {DEVICE_PLANS}, got {self.device_plan!r}")
+        if not 1 <= self.io_depth <= 256:
+            raise ValueError(f"io_depth must be in [1, 256], got {self.io_depth}")
         if not 1 <= self.io_threads <= 64:
             raise ValueError(f"io_threads must be in [1, 64], got {self.io_threads}")
 
@@ -63,7 +82,8 @@ def add_offload_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host-cache-mb", type=int, default=d.host_cache_bytes >> 20,
                    help="pinned host tier shared by generations (MiB; 0: SSD -> GPU)")
     g.add_argument("--page-reader", choices=READERS, default=d.reader, help="SSD page reader")
-    g.add_argument("--io-threads", type=int, default=d.io_threads)
+    g.add_argument("--io-depth", type=int, default=d.io_depth, help="SSD page reads in flight per generation")
+    g.add_argument("--io-threads", type=int, default=d.io_threads, help="threads of page CRC verification")
     g.add_argument("--no-verify-pages", action="store_true", help="skip the per-page CRC check of SSD reads")
     g.add_argument("--warm-host-fraction", type=float, default=d.warm_host_fraction,
                    help="load a whole prefix into the host tier when it takes at most this fraction of it")
@@ -76,5 +96,6 @@ def offload_from_args(args: argparse.Namespace) -> OffloadConfig | None:
     if args.no_offload:
         return None
     return OffloadConfig(gpu_cache_bytes=args.gpu_cache_mb << 20, host_cache_bytes=args.host_cache_mb << 20,
-                         reader=args.page_reader, io_threads=args.io_threads, verify=not args.no_verify_pages,
+                         reader=args.page_reader, io_depth=args.io_depth, io_threads=args.io_threads,
+                         verify=not args.no_verify_pages,
                          warm_host_fraction=args.warm_host_fraction, device_plan=args.device_plan)

@@ -35,9 +35,9 @@ from workers.offload.gpu_cache import FetchResult, LayerCache
 from workers.offload.host_tier import HostTier
 from workers.offload.memory import HostBuffer, pin_default
 from workers.offload.stats import OffloadStats, StepCounts
+from workers.offload.summaries import SummaryCache
+from workers.offload.warmup import HostWarmup
 from workers.pages import page_mask
-
-WARM_CHUNK_BYTES = 64 << 20
 
 
 class CacheTooSmall(InvalidInput):
@@ -49,7 +49,8 @@ class PageFetcher:
 
     def __init__(self, store: KVStore, manifest: Manifest, device: torch.device | str,
                  config: OffloadConfig | None = None, host: HostTier | None = None, *,
-                 reader: PageReader | None = None, gather: GatherConfig | None = None):
+                 reader: PageReader | None = None, gather: GatherConfig | None = None,
+                 summaries: SummaryCache | None = None):
         self.config = cfg = config or OffloadConfig()
         self.device = torch.device(device)
         self.manifest, self.prefix_id, self.layout = manifest, manifest.prefix_id, manifest.layout
@@ -63,7 +64,11 @@ class PageFetcher:
         self.slots_per_layer = min(budget_slots, self.n_keys)
         """GPU page-cache slots per layer: the budget's share, never more than the layer has pages."""
         self._paths, self._sizes = self._files(store, manifest)
-        self._crcs = store.page_crcs(self.prefix_id) if cfg.verify else None
+        self._crcs = None
+        if cfg.verify and summaries is not None:
+            self._crcs = summaries.page_crcs(store, manifest)
+        elif cfg.verify:
+            self._crcs = store.page_crcs(self.prefix_id, manifest)
         self.host = host
         if host is not None:
             if host.page_bytes != lay.page_bytes:
@@ -71,9 +76,11 @@ class PageFetcher:
             host.open_prefix(self.prefix_id, lay.n_layers * self.n_keys)
         self.cuda = self.device.type == "cuda"
         self.pin = self.cuda and pin_default(cfg.pin_memory)
-        self._pool = ThreadPoolExecutor(cfg.io_threads) if cfg.io_threads > 1 else None
-        self.reader = reader or open_page_reader(cfg.reader, cuda=self.cuda, pool=self._pool,
-                                                 threads=cfg.io_threads, direct=cfg.direct_io)
+        # One pool serves both: io_depth reads in flight, io_threads CRC chunks (threads start on demand).
+        workers = max(cfg.io_depth, cfg.io_threads)
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvstash-io") if workers > 1 else None
+        self.reader = reader or open_page_reader(cfg.reader, cuda=self.cuda, pool=self._pool, depth=cfg.io_depth,
+                                                 direct=cfg.direct_io)
         self._staging: HostBuffer | None = None
         self._staging_pages = 0
         self._layers: dict[int, LayerCache] = {}
@@ -85,6 +92,8 @@ class PageFetcher:
         self.gather = gather or GatherConfig()
         """Tuning of the Triton gather (results do not depend on it)."""
         self.stats = OffloadStats(payload_bytes=lay.page_payload_bytes, page_bytes=lay.page_bytes)
+        self.warmup: HostWarmup | None = None
+        """The background warm-up of this prefix into the host tier, once started."""
 
     def _files(self, store: KVStore, m: Manifest) -> tuple[list[Path], list[int]]:
         want = m.layout.layer_file_bytes(m.n_tokens)
@@ -123,22 +132,31 @@ class PageFetcher:
         returns the bytes read (pages already there are skipped)."""
         if self.host is None or self.host.n_slots == 0:
             return 0
-        chunk = max(1, WARM_CHUNK_BYTES // self.layout.page_bytes)
-        done = 0
-        for layer in range(self.layout.n_layers) if layers is None else layers:
-            for lo in range(0, self.n_keys, chunk):
-                keys = np.arange(lo, min(lo + chunk, self.n_keys), dtype=np.int64)
-                with self.host.lock:
-                    self.host.begin_batch()
-                    keys = keys[self.host.lookup(self.prefix_id, layer * self.n_keys + keys) < 0]
-                    if keys.size:
-                        buf = self._read(layer, keys)
-                        self.host.insert(self.prefix_id, layer * self.n_keys + keys, buf)
-                        done += keys.size * self.layout.page_bytes
-        return done
+        return HostWarmup(self, layers=layers).run()
+
+    def warm_host_in_background(self) -> HostWarmup | None:
+        """Start loading the whole prefix into the host tier on a thread while this fetcher serves steps
+        (None without a host tier). ``close`` stops it."""
+        if self.host is None or self.host.n_slots == 0:
+            return None
+        if self.warmup is None:
+            self.warmup = HostWarmup(self).start()
+        return self.warmup
+
+    def page_file(self, layer: int) -> tuple[Path, int]:
+        """Path and size (as the manifest recorded it) of ``layer``'s page file."""
+        return self._paths[layer], self._sizes[layer]
+
+    def page_check(self, layer: int) -> PageCheck | None:
+        """What reads of ``layer`` are verified against (None with ``verify`` off)."""
+        if self._crcs is None:
+            return None
+        return PageCheck(prefix_id=self.prefix_id, layer=layer, n_pages=self.n_pages, crcs=self._crcs[layer])
 
     def close(self) -> None:
-        """Release files, threads, staging and GPU pools."""
+        """Stop a background warm-up; release files, threads, staging and GPU pools."""
+        if self.warmup is not None:
+            self.warmup.stop()
         self._wait_own()
         if self.host is not None:
             self.host.forget_reader(id(self))
@@ -296,8 +314,7 @@ class PageFetcher:
     def _read(self, layer: int, keys: np.ndarray) -> np.ndarray:
         """Read pages ``keys`` (sorted linear ids) of ``layer`` into staging rows ``[0, n)``, checked."""
         buf = self._staging_rows(keys.size)
-        check = None if self._crcs is None else PageCheck(prefix_id=self.prefix_id, layer=layer, n_pages=self.n_pages,
-                                                          crcs=self._crcs[layer])
+        check = self.page_check(layer)
         done = read_checked(self.reader, self._paths[layer], self._sizes[layer], keys, self.layout.page_bytes, buf,
                             check, pool=self._pool, threads=self.config.io_threads)
         self.stats.read_calls += done.calls

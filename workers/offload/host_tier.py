@@ -134,7 +134,7 @@ class HostTier:
             return None
         self.lru.touch(slots[~new])
         self.wait_readers()
-        self._rows[alloc.slots] = src[new]
+        self._rows[alloc.slots] = src if alloc.slots.size == src.shape[0] else src[new]  # all new: one copy
         slots[new] = alloc.slots
         return slots
 

@@ -1,0 +1,356 @@
+"""Fast open over a saved prefix: time to open + first token, cold vs warm; page-CRC verification and
+random page reads, before vs after. Everything measured side by side in one run; ratios are the result.
+
+1. **CRC verification** of one layer's worth of pages (``--crc-mb``, the model's page size and 8 KiB):
+   *before* = the previous ``verify_pages`` (one ``zlib.crc32`` per page from Python, stdlib zlib,
+   on 1 and ``io_threads`` threads); *batched, stdlib zlib* = one CRC call per 1 MiB chunk checked
+   against the chunk CRC derived from the stored page CRCs; *after* = the same with ``store.crc32``
+   (zlib-ng's SIMD CRC-32 when it is installed), 1 and ``io_threads`` threads.
+2. **Random page reads** over the prefix's layer files: one page per read at random offsets, 1 and
+   ``io_depth`` reads in flight (the fetcher's POSIX reader); page cache dropped first when permitted.
+3. **Open + first token** of a new query over the saved prefix through ``Worker.generate`` (greedy,
+   ``--tokens`` tokens; time to first token = from the call to the end of the first decode step):
+   - *before*: the whole prefix warmed into the host tier first, page CRCs checked per page with
+     stdlib zlib (the previous verification), then decode;
+   - *blocking warm*: the same with the new verification;
+   - *fast open*: decoding starts at once, pages from SSD on demand while the tier warms in the
+     background, switching to the device-planned cache when warm;
+   - *SSD only*: no warm-up at all;
+   - *host-warm*: a second query on the same worker, the prefix whole in its host tier and its
+     summaries cached.
+   Cold rows run on a fresh worker after dropping the OS page cache (root only, and not with
+   ``--quick`` unless ``--drop-cache yes``: the output states it); each row reports its fastest of
+   ``--reps`` runs. Every run must give the same tokens (the bench exits non-zero otherwise).
+
+    python3 bench/bench_open.py --ctx 131072 --layers 8 --json out.json     # H200
+    python3 bench/bench_open.py --quick                                      # CPU, about a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import itertools
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from lab.tiny_random import TinyLlamaSpec, build_tiny_llama  # noqa: E402
+from store import crc_batch, page_io  # noqa: E402
+from store.config import StoreConfig  # noqa: E402
+from store.crc32 import CRC32_IMPL  # noqa: E402
+from store.errors import CorruptData  # noqa: E402
+from store.kvstore import KVStore  # noqa: E402
+from store.page_io import PosixPageReader, plan_runs, run_all, verify_pages  # noqa: E402
+from store.pages import page_crc  # noqa: E402
+from workers.engine import Worker  # noqa: E402
+from workers.model import LoadedModel, load_model  # noqa: E402
+from workers.offload import OffloadConfig  # noqa: E402
+from workers.requests import DecodeConfig, GenerationStats, SamplingParams  # noqa: E402
+
+QUERY = " What does the text say about the river?"
+PID = "0123456789abcdef0123456789abcdef"
+
+
+def drop_os_cache() -> bool:
+    """Drop the OS page cache (root only); whether it worked."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError:
+        return False
+    return True
+
+
+def best_s(fn: Callable[[], object], reps: int = 5) -> float:
+    """Fastest of ``reps`` runs, seconds."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+# -- 1. CRC ----------------------------------------------------------------------------------------
+def verify_per_page(prefix_id: str, layer: int, n_pages: int, linear: np.ndarray, out: np.ndarray,
+                    crcs: np.ndarray, pool: ThreadPoolExecutor | None = None, threads: int = 1) -> None:
+    """The verification before this change: one stdlib ``zlib.crc32`` per page from Python, in ``threads`` parts."""
+    heads, pages = np.divmod(linear, n_pages)
+    want = crcs[heads, pages]
+    hs, ps = heads.tolist(), pages.tolist()
+
+    def check(lo: int, hi: int) -> int:
+        for i in range(lo, hi):
+            seed = zlib.crc32(f"{prefix_id}:{layer}:{hs[i]}:{ps[i]}".encode())
+            if zlib.crc32(out[i].data, seed) & 0xFFFFFFFF != want[i]:
+                return i
+        return -1
+
+    n = len(hs)
+    parts = max(1, min(threads, n // 32)) if pool is not None else 1
+    edges = np.linspace(0, n, parts + 1).astype(int).tolist()
+    if any(i >= 0 for i in run_all(pool, [functools.partial(check, a, b) for a, b in zip(edges[:-1], edges[1:])])):
+        raise CorruptData("page failed its checksum")
+
+
+@contextlib.contextmanager
+def stdlib_crc() -> Iterator[None]:
+    """Run the batched verification with the stdlib's zlib CRC instead of ``store.crc32``'s."""
+    saved = crc_batch.crc32
+    crc_batch.crc32 = zlib.crc32
+    try:
+        yield
+    finally:
+        crc_batch.crc32 = saved
+
+
+def crc_section(page_bytes_list: list[int], nbytes: int, threads: int) -> list[dict]:
+    """GB/s of each verification variant on ``nbytes`` of random pages, per page size."""
+    with ThreadPoolExecutor(threads) as pool:
+        return [r for pb in page_bytes_list for r in _crc_rows(pb, nbytes, pool, threads)]
+
+
+def _crc_rows(pb: int, nbytes: int, pool: ThreadPoolExecutor, threads: int) -> list[dict]:
+    n = max(8, nbytes // pb)
+    out = np.random.default_rng(0).integers(0, 256, (n, pb), dtype=np.uint8)
+    n_pages = n // 8  # 8 KV heads
+    linear = np.arange(8 * n_pages, dtype=np.int64)
+    heads, pages = np.divmod(linear, n_pages)
+    crcs = np.zeros((8, n_pages), dtype=np.uint32)
+    crcs[heads, pages] = [page_crc(PID, 5, h, p, out[i].data) for i, (h, p) in enumerate(zip(heads, pages))]
+    variants: list[tuple[str, Callable[[], None]]] = [
+        ("before: per page, zlib, 1 thread", lambda: verify_per_page(PID, 5, n_pages, linear, out, crcs)),
+        (f"before: per page, zlib, {threads} threads",
+         lambda: verify_per_page(PID, 5, n_pages, linear, out, crcs, pool, threads)),
+        ("batched, zlib, 1 thread", lambda: _with_stdlib(lambda: verify_pages(PID, 5, n_pages, linear, out, crcs))),
+        (f"after: batched, {CRC32_IMPL}, 1 thread", lambda: verify_pages(PID, 5, n_pages, linear, out, crcs)),
+        (f"after: batched, {CRC32_IMPL}, {threads} threads",
+         lambda: verify_pages(PID, 5, n_pages, linear, out, crcs, pool, threads)),
+    ]
+    gbps = [linear.size * pb / best_s(fn) / 1e9 for _, fn in variants]
+    return [{"page_bytes": pb, "variant": name, "gbps": g, "vs_before": g / gbps[0]}
+            for (name, _), g in zip(variants, gbps)]
+
+
+def _with_stdlib(fn: Callable[[], None]) -> None:
+    with stdlib_crc():
+        fn()
+
+
+# -- 2. random reads -------------------------------------------------------------------------------
+def read_section(store: KVStore, pid: str, depths: list[int], n_reads: int, drop: bool) -> tuple[list[dict], bool]:
+    """Random single-page reads over the prefix's layer files at each depth: IOPS and GB/s."""
+    m = store.manifest(pid)
+    lay = m.layout
+    n_keys = lay.n_kv_heads * lay.n_pages(m.n_tokens)
+    rng = np.random.default_rng(1)
+    rows, dropped = [], False
+    per_layer = min(max(1, n_reads // lay.n_layers), n_keys // 2)
+    # Even keys only: no two requested pages are adjacent, so each is its own read.
+    plans = [plan_runs(np.sort(rng.choice(n_keys // 2, size=per_layer, replace=False)) * 2) for _ in m.files]
+    buf = np.zeros((per_layer, lay.page_bytes), dtype=np.uint8)
+    for depth in depths:
+        pool = ThreadPoolExecutor(depth) if depth > 1 else None
+        reader = PosixPageReader(pool=pool, depth=depth)
+        f0 = m.files[0]
+        reader.read(store.prefix_dir(pid) / f0.name, f0.size, plan_runs(np.arange(max(depth, 8)) * 2), lay.page_bytes,
+                    buf)
+        dropped = drop and drop_os_cache()  # (the untimed read above started the pool's threads)
+        t0 = time.perf_counter()
+        calls = sum(reader.read(store.prefix_dir(pid) / f.name, f.size, plan, lay.page_bytes, buf)
+                    for f, plan in zip(m.files, plans))
+        sec = time.perf_counter() - t0
+        reader.close()
+        if pool is not None:
+            pool.shutdown()
+        rows.append({"depth": depth, "reads": calls, "iops": calls / sec, "gbps": calls * lay.page_bytes / sec / 1e9})
+    for r in rows:
+        r["vs_depth1"] = r["iops"] / rows[0]["iops"]
+    return rows, dropped
+
+
+# -- 3. open + first token -------------------------------------------------------------------------
+def generate(worker: Worker, pid: str, n: int) -> tuple[GenerationStats, float, float, float]:
+    """One greedy generation; (stats, open s, time to first token s, total s), all from the call. Open ends
+    when the first decode step starts (the prefix opened, summaries read, a blocking warm-up done)."""
+    st = GenerationStats()
+    steps = itertools.count()
+    at: list[float] = []
+
+    @contextlib.contextmanager
+    def turn() -> Iterator[None]:
+        if next(steps) < 2:
+            at.append(time.perf_counter())
+        yield
+
+    t0 = time.perf_counter()
+    list(worker.generate(pid, QUERY, SamplingParams(max_new_tokens=n), method="quest", raw=True,
+                         decode=DecodeConfig(budget=0.02), stats=st, turn=turn))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    end = time.perf_counter()
+    at += [end] * (2 - len(at))
+    return st, at[0] - t0, at[1] - t0, end - t0
+
+
+def open_section(store: KVStore, lm: LoadedModel, pid: str, base: OffloadConfig, n: int, drop: bool,
+                 reps: int) -> tuple[list[dict], bool]:
+    """Time to first token of each way of opening the prefix (see the module docstring); each row's
+    fastest of ``reps`` runs (every run on a fresh worker)."""
+    blocking = dataclasses.replace(base, warm_in_background=False)
+    rows_cfg: list[tuple[str, OffloadConfig, bool]] = [
+        ("before: warm whole prefix first, per-page zlib CRC", blocking, True),
+        ("blocking warm, batched CRC", blocking, False),
+        ("fast open: background warm, SSD on demand", base, False),
+        ("SSD only (no warm-up)", dataclasses.replace(base, warm_host_fraction=0.0), False),
+    ]
+    rows, dropped = [], False
+    generate(Worker(store, lm, progress=False, offload=blocking), pid, 2)  # untimed: kernel compilation, allocator
+    for name, cfg, old_crc in rows_cfg:
+        runs = []
+        for _ in range(reps):
+            dropped = drop and drop_os_cache()
+            worker = Worker(store, lm, progress=False, offload=cfg)
+            saved = page_io.verify_pages
+            if old_crc:
+                page_io.verify_pages = verify_per_page  # type: ignore[assignment]
+            try:
+                runs.append(_open_row(name, *generate(worker, pid, n), cold=True))
+            finally:
+                page_io.verify_pages = saved
+        rows.append(_fastest(runs))
+    runs = []
+    for _ in range(reps):  # host-warm: a second query on a worker whose tier holds the prefix (a first query warmed it)
+        worker = Worker(store, lm, progress=False, offload=blocking)
+        generate(worker, pid, 1)
+        runs.append(_open_row("host-warm: prefix in the host tier, summaries cached", *generate(worker, pid, n),
+                              cold=False))
+    rows.append(_fastest(runs))
+    for r in rows:
+        r["open_vs_before"] = r["open_s"] / rows[0]["open_s"]
+        r["ttft_vs_before"] = r["ttft_s"] / rows[0]["ttft_s"]
+    return rows, dropped
+
+
+def _fastest(runs: list[dict]) -> dict:
+    """The run with the shortest time to first token; every run's tokens must agree."""
+    best = min(runs, key=lambda r: r["ttft_s"])
+    best["same_tokens_across_reps"] = all(r["tokens"] == runs[0]["tokens"] for r in runs)
+    return best
+
+
+def _open_row(name: str, st: GenerationStats, open_s: float, ttft: float, total: float, *, cold: bool) -> dict:
+    x = st.extra
+    return {"name": name, "cold": cold, "open_s": open_s, "ttft_s": ttft, "total_s": total, "steps": st.steps,
+            "tokens": st.token_ids,
+            "ssd_pages": x.get("offload_ssd_pages", 0.0), "host_pages": x.get("offload_host_pages", 0.0),
+            "device_plan_pages": x.get("offload_device_plan_pages", 0.0)}
+
+
+# -- main ------------------------------------------------------------------------------------------
+def build(args: argparse.Namespace, work: Path) -> tuple[LoadedModel, KVStore, str, float]:
+    """The random-weight model, a store, and the saved document's prefix id; and prefill seconds."""
+    cuda = torch.cuda.is_available()
+    if args.quick:
+        spec = TinyLlamaSpec(hidden_size=512, intermediate_size=512, n_layers=args.layers, n_heads=4, n_kv_heads=4,
+                             max_positions=args.ctx + 1024, init_range=0.02)
+    else:
+        spec = TinyLlamaSpec(hidden_size=4096, intermediate_size=4096, n_layers=args.layers, n_heads=32,
+                             n_kv_heads=8, max_positions=args.ctx + 1024, init_range=0.02)
+    model_dir = build_tiny_llama(work / "model", spec)
+    lm = load_model(str(model_dir), device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32",
+                    page_size=16, progress=False)
+    lm.model.generation_config.eos_token_id = []  # random weights: a fixed number of steps
+    store = KVStore(StoreConfig(home=args.home or work / "home", page_size=16, fsync=False))
+    rng = random.Random(0)
+    words = ["river", "stone", "light", "quiet", "north", "field", "paper", "cloud", "ember", "glass"]
+    doc = ""
+    while len(doc) < args.ctx - 1:
+        doc += rng.choice(words) + " "
+    t0 = time.perf_counter()
+    pid = Worker(store, lm, progress=False, offload=None).prefill(doc[: args.ctx - 1]).prefix_id
+    return lm, store, pid, time.perf_counter() - t0
+
+
+def report(res: dict) -> None:
+    """Print the three tables."""
+    print(f"\ndevice: {res['device']}; CRC-32 implementation: {res['crc_impl']}; prefix {res['n_tokens']} tokens, "
+          f"{res['kv_bytes'] / 1e9:.3f} GB of page files ({res['page_bytes']} B pages), prefill+write "
+          f"{res['prefill_s']:.1f} s; OS page cache dropped before cold rows: {res['cache_dropped']}\n")
+    print("| CRC verification | page bytes | GB/s | vs before (per page, 1 thread) |\n|---|---|---|---|")
+    for r in res["crc"]:
+        print(f"| {r['variant']} | {r['page_bytes']} | {r['gbps']:.2f} | {r['vs_before']:.2f} |")
+    print("\n| random page reads in flight | reads | IOPS | GB/s | vs depth 1 |\n|---|---|---|---|---|")
+    for r in res["reads"]:
+        print(f"| {r['depth']} | {r['reads']} | {r['iops']:.0f} | {r['gbps']:.3f} | {r['vs_depth1']:.2f} |")
+    print(f"\n| open + first token ({res['tokens']} tokens, quest 2%) | open s | vs before | time to first token s "
+          "| vs before | total s | SSD pages | host pages | device-planned pages |\n" + "|---" * 9 + "|")
+    for r in res["open"]:
+        print(f"| {r['name']} | {r['open_s']:.3f} | {r['open_vs_before']:.3f} | {r['ttft_s']:.3f} "
+              f"| {r['ttft_vs_before']:.3f} | {r['total_s']:.3f} | {r['ssd_pages']:.0f} | {r['host_pages']:.0f} "
+              f"| {r['device_plan_pages']:.0f} |")
+    print(f"\nall rows give identical tokens: {res['same_tokens']}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ctx", type=int, default=131072)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=8, help="tokens generated per row")
+    p.add_argument("--reps", type=int, default=3, help="runs per open row (the fastest is reported)")
+    p.add_argument("--crc-mb", type=int, default=256, help="bytes of pages per CRC measurement (MiB)")
+    p.add_argument("--reads", type=int, default=20000, help="random page reads per depth")
+    p.add_argument("--gpu-cache-mb", type=int, default=1024)
+    p.add_argument("--host-cache-mb", type=int, default=16384)
+    p.add_argument("--home", type=Path, default=None, help="store directory (default: a temp dir)")
+    p.add_argument("--quick", action="store_true", help="small shape on the CPU (about a minute)")
+    p.add_argument("--drop-cache", choices=("auto", "yes", "no"), default="auto",
+                   help="drop the OS page cache before cold rows (root only; auto: not with --quick, a shared CPU)")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    if args.quick:
+        args.ctx, args.layers, args.tokens, args.crc_mb, args.reads = 4096, 4, 4, 32, 4000
+        args.gpu_cache_mb, args.host_cache_mb = 8, 512  # the CPU reference kernel converts whole pools
+    drop = args.drop_cache == "yes" or (args.drop_cache == "auto" and not args.quick)
+    work = Path(tempfile.mkdtemp(prefix="kvstash-open-"))
+    lm, store, pid, prefill_s = build(args, work)
+    m = store.manifest(pid)
+    base = OffloadConfig(gpu_cache_bytes=args.gpu_cache_mb << 20, host_cache_bytes=args.host_cache_mb << 20,
+                         warm_host_fraction=1.0)
+    print(f"prefix {m.n_tokens} tokens saved in {prefill_s:.1f} s", flush=True)
+    crc = crc_section(sorted({m.layout.page_bytes, 8192}), args.crc_mb << 20, base.io_threads)
+    print("CRC done", flush=True)
+    reads, dropped = read_section(store, pid, sorted({1, 4, base.io_depth, 2 * base.io_depth}), args.reads, drop)
+    print("reads done", flush=True)
+    opened, dropped2 = open_section(store, lm, pid, base, args.tokens, drop, args.reps)
+    same = all(r["tokens"] == opened[0]["tokens"] and r["same_tokens_across_reps"] for r in opened)
+    res = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "crc_impl": CRC32_IMPL,
+           "n_tokens": m.n_tokens, "kv_bytes": sum(f.size for f in m.files), "page_bytes": m.layout.page_bytes,
+           "prefill_s": prefill_s, "cache_dropped": dropped and dropped2, "tokens": args.tokens,
+           "crc": crc, "reads": reads, "open": opened, "same_tokens": same}
+    report(res)
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=2))
+    store.close()
+    if not same:
+        sys.exit("rows disagree: how the prefix was opened changed the output")
+
+
+if __name__ == "__main__":
+    main()
