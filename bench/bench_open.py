@@ -199,9 +199,10 @@ def generate(worker: Worker, pid: str, n: int) -> tuple[GenerationStats, float, 
             at.append(time.perf_counter())
         yield
 
+    worker.engine.turn = turn  # held around each decode step
     t0 = time.perf_counter()
     list(worker.generate(pid, QUERY, SamplingParams(max_new_tokens=n), method="quest", raw=True,
-                         decode=DecodeConfig(budget=0.02), stats=st, turn=turn))
+                         decode=DecodeConfig(budget=0.02), stats=st))
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     end = time.perf_counter()

@@ -42,8 +42,9 @@ def _tiers(lm, store: KVStore, pid: str, **kw) -> OffloadConfig:
 def _run(worker: Worker, pid: str, *, method: str = "quest", new: int = 8,
          turn=contextlib.nullcontext) -> GenerationStats:  # noqa: ANN001 - a StepTurn
     st = GenerationStats()
+    worker.engine.turn = turn  # held around each decode step
     list(worker.generate(pid, QUERY, SamplingParams(max_new_tokens=new), method=method,
-                         decode=DecodeConfig(budget=0.2), stats=st, raw=True, turn=turn))
+                         decode=DecodeConfig(budget=0.2), stats=st, raw=True))
     return st
 
 

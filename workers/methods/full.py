@@ -43,5 +43,8 @@ class FullAttention(Method):
     name = "full"
 
     def open(self, source: PrefixSource, config: DecodeConfig) -> PrefixAttention:
-        """State for one generation."""
-        return FullPrefixAttention(source)
+        """State for one generation, every layer's K/V read (the opener pays, not a shared decode step)."""
+        attn = FullPrefixAttention(source)
+        for layer in range(source.layout.n_layers):
+            attn._kv[layer] = source.layer_kv(layer)
+        return attn

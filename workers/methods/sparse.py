@@ -281,4 +281,7 @@ class SparseMethod(Method):
             if completion:
                 counter.info["phi_r_once"] = plan.r_phi_once
         counter.add_once("summaries", source.bytes_read - before)
-        return SparsePrefixAttention(source, config, selector, completion, k, counter)
+        attn = SparsePrefixAttention(source, config, selector, completion, k, counter)
+        for layer in range(lay.n_layers):  # summaries and plans now: the opener pays, not a shared decode step
+            attn._layer(layer)
+        return attn
