@@ -34,8 +34,9 @@ def _tiers(lm, store: KVStore, pid: str, **kw) -> OffloadConfig:
     """Host tier holding the whole prefix; GPU cache with room for one call of every page of a head."""
     lay = lm.layout
     pages = lay.n_kv_heads * lay.n_pages(store.manifest(pid).n_tokens)
+    kw = {"device_plan": "on", **kw}
     return OffloadConfig(gpu_cache_bytes=2 * pages * lay.n_layers * lay.page_payload_bytes,
-                         host_cache_bytes=1000 * lay.page_bytes, device_plan="on", io_depth=4, io_threads=2,
+                         host_cache_bytes=1000 * lay.page_bytes, io_depth=4, io_threads=2,
                          warm_chunk_bytes=lay.page_bytes, **kw)
 
 

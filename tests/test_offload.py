@@ -224,7 +224,7 @@ def test_gpu_budget_is_respected_and_overflow_is_a_clear_error(store: KVStore) -
 def test_host_tier_is_shared_across_generations_under_its_budget(store: KVStore) -> None:
     m, _ = write_prefix(store, PAGE * 12)
     m2, _ = write_prefix(store, PAGE * 12, seed=1)
-    tier = HostTier(page_bytes=m.layout.page_bytes, budget_bytes=10 * m.layout.page_bytes + 100)
+    tier = HostTier(page_bytes=m.layout.page_bytes, budget_bytes=10 * m.layout.page_bytes + 100, pin=False)
     assert tier.n_slots == 10 and not tier.pinned
     pages = torch.tensor([[0, 1, 2], [3, 4, 5]])
     with PageFetcher(store, m, "cpu", _cfg(8), tier) as f:
