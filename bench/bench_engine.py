@@ -11,9 +11,11 @@ steps):
   host tier (the prefix warmed when the generation opens), fetches planned on the device;
 - ``quest, SSD cold``: the same with nothing warm: pages from the page files per step.
 
-Printed: per-generation ms per token (median step after the query's forward), tokens per second of
-all generations together, and each row's ratio to the dense row at the same batch size. Rows must
-give the same tokens alone and batched.
+Printed: per-generation ms per token (median step after the query's forward), decode tokens per
+second of the batch (batch / median step), tokens per second over the whole batch's wall time
+(opening included), and each row's ratio to the dense row at the same batch size; and whether the
+first generation's tokens are the same alone and batched (on the CPU they must be; bf16 GEMMs of
+another batch size round differently, so on a GPU a random-weight model's near-ties can flip).
 
     python3 bench/bench_engine.py --ctx 32768 --layers 8 --batch 8 --json out.json
     python3 bench/bench_engine.py --quick            # CPU smoke run
@@ -101,6 +103,7 @@ def measure(store: KVStore, lm: LoadedModel, pids: list[str], row: Row, budget: 
         steady = [t for st in stats for t in st.step_seconds[1:]]
         out[label] = {"ms_per_token": 1e3 * statistics.median(steady),
                       "tokens_per_s": sum(st.new_tokens for st in stats) / wall,
+                      "decode_tokens_per_s": len(group) / statistics.median(steady),
                       "batch_max": max(st.extra.get("batch_max", 1.0) for st in stats),
                       "read_fraction": sum(st.bytes_fetched for st in stats)
                       / max(1, sum(st.bytes_full for st in stats)),
@@ -151,19 +154,20 @@ def main() -> None:
               f"{r['bn']['tokens_per_s']:.1f} tokens/s", flush=True)
     d1, dn = results[0]["b1"], results[0]["bn"]
     print(f"\nbudget {args.budget:.0%}; median step after each query's forward; {args.tokens} tokens per generation\n")
-    print(f"| path | batch 1 ms/token | vs dense | batch {args.batch} ms/token | batch {args.batch} tokens/s "
-          "| vs dense | read fraction | same tokens batched |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"| path | batch 1 ms/token | vs dense | batch {args.batch} ms/step | decode tokens/s | vs dense "
+          "| tokens/s with opening | vs dense | read fraction | same tokens batched |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         b1, bn = r["b1"], r["bn"]
         print(f"| {r['name']} | {b1['ms_per_token']:.2f} | {b1['ms_per_token'] / d1['ms_per_token']:.2f} "
-              f"| {bn['ms_per_token']:.2f} | {bn['tokens_per_s']:.1f} | {bn['tokens_per_s'] / dn['tokens_per_s']:.2f} "
-              f"| {bn['read_fraction']:.3f} | {r['same_tokens']} |")
+              f"| {bn['ms_per_token']:.2f} | {bn['decode_tokens_per_s']:.1f} "
+              f"| {bn['decode_tokens_per_s'] / dn['decode_tokens_per_s']:.2f} | {bn['tokens_per_s']:.1f} "
+              f"| {bn['tokens_per_s'] / dn['tokens_per_s']:.2f} | {bn['read_fraction']:.3f} | {r['same_tokens']} |")
     if args.json:
         args.json.write_text(json.dumps({"ctx": args.ctx, "layers": spec.n_layers, "batch": args.batch,
                                          "budget": args.budget, "prefill_s": prefill_s, "rows": results}, indent=2))
     store.close()
-    if not all(r["same_tokens"] for r in results):
+    if not cuda and not all(r["same_tokens"] for r in results):
         sys.exit("batched tokens differ from the same generation alone")
 
 
