@@ -22,7 +22,7 @@ from services.grpc_common import ServerConfig, build_server, mapped_errors, serv
 from services.scheduler import FairScheduler, SchedulerConfig, Ticket
 from services.store_flags import add_store_limit_args, store_limits
 from store.config import StoreConfig, default_home
-from store.errors import InvalidInput, TooLarge
+from store.errors import InvalidInput, PrefixInUse, TooLarge
 from store.kvstore import KVStore
 from store.manifest import Manifest
 from workers.engine import Worker
@@ -139,6 +139,9 @@ class WorkerService(pb_grpc.WorkerServicer):
         """Delete one of the caller's prefixes and its files."""
         with mapped_errors(context):
             self._visible(context, request.prefix_id)
+            if leases := self.worker.store.leases(request.prefix_id):  # a generation reads it: not under its feet
+                raise PrefixInUse(f"prefix {request.prefix_id} is in use by {len(leases)} generation(s); "
+                                  "retry when they end")
             self.worker.remove_prefix(request.prefix_id)
             return pb.DeletePrefixResponse(prefix_id=request.prefix_id)
         raise AssertionError("unreachable")

@@ -114,3 +114,23 @@ def test_a_step_turn_that_raises_stops_the_generation_and_releases_its_lease(wor
     finally:
         worker.engine.turn = contextlib.nullcontext
     assert turns == 4 and stats.steps == 3 and worker.store.leases(pid) == []
+
+
+def test_deleting_a_prefix_a_generation_reads_is_refused_until_it_ends(stub) -> None:
+    pid = _prefill(stub, MD_A)
+    call = _long(stub, pid)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.DeletePrefix(pb.PrefixRef(prefix_id=pid), metadata=MD_A, timeout=30)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "in use" in e.value.details()
+    call.cancel()
+    deadline = time.monotonic() + 30
+    while True:  # the lease goes when the cancelled generation stops at its next step
+        try:
+            stub.DeletePrefix(pb.PrefixRef(prefix_id=pid), metadata=MD_A, timeout=30)
+            break
+        except grpc.RpcError as err:
+            assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and time.monotonic() < deadline
+            time.sleep(0.05)
+    with pytest.raises(grpc.RpcError) as gone:
+        stub.GetManifest(pb.PrefixRef(prefix_id=pid), metadata=MD_A, timeout=30)
+    assert gone.value.code() == grpc.StatusCode.NOT_FOUND
