@@ -18,7 +18,8 @@ random page reads, before vs after. Everything measured side by side in one run;
    - *SSD only*: no warm-up at all;
    - *host-warm*: a second query on the same worker, the prefix whole in its host tier and its
      summaries cached.
-   Cold rows run on a fresh worker after dropping the OS page cache (root only, and not with
+   Cold rows run on a fresh worker (its host tier allocated and pinned first, as the worker server
+   does at start) after dropping the OS page cache (root only, and not with
    ``--quick`` unless ``--drop-cache yes``: the output states it); each row reports its fastest of
    ``--reps`` runs. Every run must give the same tokens (the bench exits non-zero otherwise).
 
@@ -228,6 +229,7 @@ def open_section(store: KVStore, lm: LoadedModel, pid: str, base: OffloadConfig,
         for _ in range(reps):
             dropped = drop and drop_os_cache()
             worker = Worker(store, lm, progress=False, offload=cfg)
+            worker.host_tier()  # a serving worker pins its host tier at start, before any request
             saved = page_io.verify_pages
             if old_crc:
                 page_io.verify_pages = verify_per_page  # type: ignore[assignment]

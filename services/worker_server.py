@@ -202,6 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     device = args.device or default_device()
     lm = load_model(args.model or default_model(), device=device, dtype=default_dtype(device), progress=False)
     worker = Worker(store, lm, secret=tenant_secret(), progress=False, offload=offload_from_args(args))
+    worker.host_tier()  # allocate and pin it now: pinning GBs takes seconds no request should wait for
     cfg = ServerConfig(host=args.host, port=args.port, tls_cert=args.tls_cert, tls_key=args.tls_key)
     scheduling = SchedulerConfig(max_per_tenant=args.max_per_tenant, max_active=args.max_active,
                                  retry_after_s=args.retry_after_seconds)
