@@ -13,6 +13,7 @@ from store.layout import KVLayout
 from workers.attention import KVSTASH_ATTENTION, register_attention
 from workers.fingerprint import model_fingerprint
 from workers.methods.phi_maps import FeatureMap, load_feature_map
+from workers.model_source import hub_offline
 from workers.prompt import PromptFormat
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -57,8 +58,10 @@ def load_model(name_or_path: str, *, device: str = "cpu", dtype: str = "auto", p
     if not progress:
         hf_logging.disable_progress_bar()
     torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype)
+    offline = hub_offline(name_or_path)  # a hub id with no hub in reach: the local cache, without retries
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=offline)
+    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype,
+                                                                  local_files_only=offline)
     model.to(device).eval()  # type: ignore[arg-type]
     # The hook does plain causal SDPA when no prefix is attached, so one setting serves prefill and decode.
     model.set_attn_implementation(KVSTASH_ATTENTION)

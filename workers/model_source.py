@@ -62,3 +62,41 @@ def trained_context(name_or_path: str) -> int | None:
     except (OSError, ValueError, AttributeError):
         return None
     return value if isinstance(value, int) and value > 0 else None
+
+
+HUB_PROBE_TIMEOUT_S = 3.0
+"""How long loading waits to learn whether the model hub can be reached at all."""
+
+
+def hub_offline(name_or_path: str, timeout_s: float = HUB_PROBE_TIMEOUT_S) -> bool:
+    """Whether ``name_or_path`` is a hub id to load from the local cache only, because the hub cannot be
+    reached (or ``HF_HUB_OFFLINE`` is set); ``InvalidInput`` at once when it cannot be reached and the
+    model is not cached (instead of the hub client's minute of retries)."""
+    if Path(name_or_path).expanduser().exists():
+        return False
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    cached = isinstance(try_to_load_from_cache(name_or_path, "config.json"), str)
+    if constants.HF_HUB_OFFLINE:
+        return True
+    if _reachable(constants.ENDPOINT, timeout_s):
+        return False
+    if not cached:
+        raise InvalidInput(f"cannot load model {name_or_path!r}: the model hub ({constants.ENDPOINT}) cannot be "
+                           "reached and the model is not in the local cache; name a local model directory, "
+                           "or download it where there is network")
+    return True
+
+
+def _reachable(url: str, timeout_s: float) -> bool:
+    """Whether a TCP connection to ``url``'s host opens within ``timeout_s``."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parts.hostname or "", port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
