@@ -158,7 +158,11 @@ class EmbeddedBackend:
                                   f"{max(0.0, left):.0f} s unless renewed); wait for them, pass --wait SECONDS, "
                                   "or --force to delete under them")
             time.sleep(LEASE_POLL_S)
-        self.store.remove(prefix_id)
+        try:  # a generation may have started since the check: the delete itself refuses a leased prefix
+            self.store.remove(prefix_id, unless_leased=not force)
+        except PrefixInUse as e:
+            raise PrefixInUse(f"prefix {prefix_id} is in use: a generation started reading it; retry, or --force "
+                              "to delete under it") from e
 
     def health(self, prefix_id: str, *, verify: bool = False, summaries: bool = True) -> PrefixHealth:
         """Check a prefix this tenant may see: page file sizes, its summaries (unless told not to), and with

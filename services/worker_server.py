@@ -139,10 +139,10 @@ class WorkerService(pb_grpc.WorkerServicer):
         """Delete one of the caller's prefixes and its files."""
         with mapped_errors(context):
             self._visible(context, request.prefix_id)
-            if leases := self.worker.store.leases(request.prefix_id):  # a generation reads it: not under its feet
-                raise PrefixInUse(f"prefix {request.prefix_id} is in use by {len(leases)} generation(s); "
-                                  "retry when they end")
-            self.worker.remove_prefix(request.prefix_id)
+            try:  # never under a generation's feet: refused atomically while one holds a lease
+                self.worker.remove_prefix(request.prefix_id, unless_leased=True)
+            except PrefixInUse as e:
+                raise PrefixInUse(f"prefix {request.prefix_id} is in use by a generation; retry when it ends") from e
             return pb.DeletePrefixResponse(prefix_id=request.prefix_id)
         raise AssertionError("unreachable")
 

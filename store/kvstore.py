@@ -234,23 +234,25 @@ class KVStore:
             ms = [m for m in ms if _owned(m, tenant, secret)]
         return sorted(ms, key=lambda m: m.created_at, reverse=True)
 
-    def remove(self, prefix_id: str) -> None:
+    def remove(self, prefix_id: str, *, unless_leased: bool = False) -> None:
         """Delete a prefix: its on-disk manifest first (so it can never be registered again), then its
-        metadata (so it is never half-visible), then its files."""
+        metadata (so it is never half-visible), then its files. With ``unless_leased``, ``PrefixInUse`` when a
+        generation holds a lease on it, checked atomically with the metadata delete (a lease taken after the
+        delete finds no prefix), and nothing is removed."""
         with self.prefill_lock(prefix_id):
             m = self._meta.manifest(prefix_id)
             if m is None:
                 raise PrefixNotFound(f"no prefix {prefix_id!r}")
-            self._unregister(m)
+            self._unregister(m, unless_leased=unless_leased)
             self._drop_dir(prefix_id)
 
-    def _unregister(self, m: Manifest) -> None:
+    def _unregister(self, m: Manifest, *, unless_leased: bool = False) -> None:
         """Remove the on-disk manifest, then the metadata of a prefix (caller holds its prefill lock); the
-        on-disk manifest comes back when the metadata delete fails."""
+        on-disk manifest comes back when the metadata delete fails (or is refused: a live lease)."""
         d = self.prefix_dir(m.prefix_id)
         disk_record.unpublish(d, fsync=self.config.fsync)
         try:
-            self._meta.delete(m.prefix_id)
+            self._meta.delete(m.prefix_id, unless_leased=unless_leased)
         except BaseException:
             if d.is_dir():  # its artifact files are still there
                 disk_record.publish(d, m, fsync=self.config.fsync)

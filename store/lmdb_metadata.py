@@ -13,7 +13,7 @@ from pathlib import Path
 
 import lmdb
 
-from store.errors import PrefixNotFound, StoreFull, StoreUnavailable
+from store.errors import PrefixInUse, PrefixNotFound, StoreFull, StoreUnavailable
 from store.lmdb_file import lmdb_damage, move_aside
 from store.locks import file_lock
 from store.manifest import Manifest
@@ -163,9 +163,12 @@ class LmdbMetadata(MetadataBackend):
         self._delete_range(txn, self._leases, f"{prefix_id}.".encode())
         return bool(existed)
 
-    def delete(self, prefix_id: str) -> bool:
-        """Remove manifest, artifacts, LRU entry, pin and leases in one transaction."""
+    def delete(self, prefix_id: str, *, unless_leased: bool = False) -> bool:
+        """Remove manifest, artifacts, LRU entry, pin and leases in one transaction (none while leased, when
+        ``unless_leased``: ``PrefixInUse``)."""
         with self._txn(write=True) as txn:
+            if unless_leased and (live := self._live_leases(txn, prefix_id, time.time())):
+                raise PrefixInUse(f"prefix {prefix_id} is in use: {len(live)} live lease(s)")
             return self._delete_all(txn, prefix_id)
 
     # -- leases --------------------------------------------------------------------------

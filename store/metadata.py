@@ -96,8 +96,9 @@ class MetadataBackend(abc.ABC):
         """The bytes of one artifact, or None."""
 
     @abc.abstractmethod
-    def delete(self, prefix_id: str) -> bool:
-        """Remove a prefix's manifest, artifacts, pin and leases; False when it did not exist."""
+    def delete(self, prefix_id: str, *, unless_leased: bool = False) -> bool:
+        """Remove a prefix's manifest, artifacts, pin and leases; False when it did not exist. With
+        ``unless_leased``, ``PrefixInUse`` instead when it has a live lease (checked atomically with the delete)."""
 
     @abc.abstractmethod
     def acquire_lease(self, prefix_id: str, holder: str, ttl_s: float) -> str:

@@ -36,7 +36,7 @@ from redis.exceptions import LockError, RedisError
 from redis.lock import Lock
 from redis.retry import Retry
 
-from store.errors import LockTimeout, PrefixNotFound, StoreUnavailable
+from store.errors import LockTimeout, PrefixInUse, PrefixNotFound, StoreUnavailable
 from store.locks import Renewer
 from store.manifest import Manifest
 from store.metadata import (
@@ -86,12 +86,14 @@ end
 if live then return 1 end
 return 0"""
 
-# KEYS: leases, holders, manifest, artifacts, prefixes, bytes, usage, pinned; ARGV: pid, force (1/0)
+# KEYS: leases, holders, manifest, artifacts, prefixes, bytes, usage, pinned; ARGV: pid, mode
+# (1: delete whatever holds it; 0: evict: not pinned or leased, else 0; 2: not leased, else -1)
 _DELETE = _NOW + """
 if redis.call('EXISTS', KEYS[3]) == 0 then return 0 end
-if ARGV[2] == '0' then
-  if redis.call('SISMEMBER', KEYS[8], ARGV[1]) == 1 then return 0 end
-  if redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf') > 0 then return 0 end
+if ARGV[2] == '0' and redis.call('SISMEMBER', KEYS[8], ARGV[1]) == 1 then return 0 end
+if ARGV[2] ~= '1' and redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf') > 0 then
+  if ARGV[2] == '2' then return -1 end
+  return 0
 end
 local size = tonumber(redis.call('HGET', KEYS[6], ARGV[1]) or '0')
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4])
@@ -228,9 +230,13 @@ class RedisMetadata(MetadataBackend):
                 self._prefixes, self._bytes, self._usage, self._pinned]
 
     @_redis_errors
-    def delete(self, prefix_id: str) -> bool:
-        """Remove everything of a prefix atomically, leased or not."""
-        return bool(self._delete(keys=self._delete_keys(prefix_id), args=[prefix_id, 1]))
+    def delete(self, prefix_id: str, *, unless_leased: bool = False) -> bool:
+        """Remove everything of a prefix atomically: leased or not, or (``unless_leased``) ``PrefixInUse``
+        when it has a live lease."""
+        done = int(self._delete(keys=self._delete_keys(prefix_id), args=[prefix_id, 2 if unless_leased else 1]))
+        if done < 0:
+            raise PrefixInUse(f"prefix {prefix_id} is in use: it has live leases")
+        return bool(done)
 
     # -- leases --------------------------------------------------------------------------
     @_redis_errors

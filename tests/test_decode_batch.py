@@ -175,3 +175,17 @@ def test_a_tenant_with_many_generations_gets_no_more_per_step_than_the_others(en
     for s in streams:
         "".join(s)
     assert alone.extra["batch_max"] == 3  # one tenant alone is batched whole
+
+
+def test_a_stream_holds_its_prefix_from_generate_and_lets_go_even_unread(worker: Worker, pids: list[str]) -> None:
+    from store.errors import PrefixInUse
+
+    s = worker.generate(pids[0], QUERIES[0], SamplingParams(max_new_tokens=4), method="quest")
+    assert len(worker.store.leases(pids[0])) == 1  # leased before its first step
+    with pytest.raises(PrefixInUse):
+        worker.remove_prefix(pids[0], unless_leased=True)
+    assert worker.store.find(pids[0]) is not None  # refused: nothing removed
+    s.close()  # never iterated
+    assert worker.store.leases(pids[0]) == []
+    worker.remove_prefix(pids[0], unless_leased=True)
+    assert worker.store.find(pids[0]) is None

@@ -16,7 +16,7 @@ import pytest
 from redis_server import RedisServer, redis_server  # noqa: F401 - the fixture
 
 from store.artifacts import digest
-from store.errors import InvalidInput, LockTimeout, PrefixNotFound
+from store.errors import InvalidInput, LockTimeout, PrefixInUse, PrefixNotFound
 from store.layout import KVLayout
 from store.manifest import ArtifactInfo, FileInfo, Manifest
 from store.metadata import MetadataBackend, PrefixUsage
@@ -190,6 +190,21 @@ def test_delete_and_listing(meta: MetadataBackend) -> None:
     assert meta.delete(ids[0]) is False
     assert {m.prefix_id for m in meta.manifests()} == set(ids[1:]) and meta.usage() == 4 * 105
     assert sorted(meta.prefix_ids()) == sorted(ids[1:])
+
+
+def test_delete_unless_leased_refuses_while_a_lease_lives(env: Env, meta: MetadataBackend) -> None:
+    pid = commit(meta, 30, 100, {"x": b"12345"})
+    meta.pin(pid)  # a pin does not stop a delete, only eviction
+    lease = env.open().acquire_lease(pid, "gen", 60)
+    with pytest.raises(PrefixInUse):
+        meta.delete(pid, unless_leased=True)
+    assert meta.manifest(pid) is not None and meta.artifact(pid, "x") == b"12345" and meta.usage() == 105
+    assert [x.lease_id for x in meta.leases(pid)] == [lease]
+    assert meta.release_lease(lease) is True
+    assert meta.delete(pid, unless_leased=True) is True and meta.manifest(pid) is None
+    with pytest.raises(PrefixNotFound):  # a lease after the delete finds nothing to hold
+        meta.acquire_lease(pid, "gen", 60)
+    assert meta.delete(pid, unless_leased=True) is False
 
 
 # -- leases ----------------------------------------------------------------------------------

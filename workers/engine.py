@@ -5,12 +5,13 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 
 import torch
 
 from store.artifacts import tensors_to_bytes
+from store.capacity import LeaseHandle
 from store.errors import ContextTooLong, InvalidInput, LockTimeout, ModelMismatch
 from store.kvstore import KVStore
 from store.manifest import Manifest
@@ -142,9 +143,10 @@ class Worker:
                     w.put_artifact(s.name, tensors_to_bytes(parts[s.name]))
                 return w.commit()
 
-    def remove_prefix(self, prefix_id: str) -> None:
-        """Delete a stored prefix and forget its cached summaries."""
-        self.store.remove(prefix_id)
+    def remove_prefix(self, prefix_id: str, *, unless_leased: bool = False) -> None:
+        """Delete a stored prefix and forget its cached summaries (``PrefixInUse`` instead while a generation
+        reads it, when ``unless_leased``)."""
+        self.store.remove(prefix_id, unless_leased=unless_leased)
         self.summaries.drop(prefix_id)
 
     # -- generate --------------------------------------------------------------------------
@@ -176,6 +178,10 @@ class Worker:
                                  f"of {self.lm.max_context}")
         impl = get_method(method, self.lm.phi_map)
         source = PrefixSource(self.store, m, self.lm.device, summaries=self.summaries)
+        held = contextlib.ExitStack()
+        # Leased before anything is read: eviction, and a delete that respects leases, keep away from here on.
+        lease = held.enter_context(self.store.lease(m.prefix_id))
+        held.callback(_close_fetch, source)  # runs first: the fetch engines go before the lease
         try:
             if impl.fetches_pages and self.offload is not None:
                 source.fetcher = PageFetcher(self.store, m, self.lm.device, self.offload, self.host_tier(),
@@ -186,9 +192,9 @@ class Worker:
             gen = self._generation(attn, source, q_ids, params, min(room, params.max_new_tokens),
                                    stats if stats is not None else GenerationStats(), tenant)
         except BaseException:
-            _close_fetch(source)
+            held.close()
             raise
-        return GenerationStream(self.engine, gen, self._run(gen, source))
+        return GenerationStream(self.engine, gen, self._run(gen, source, lease), held)
 
     def _generation(self, attn: PrefixAttention, source: PrefixSource, q_ids: list[int], params: SamplingParams,
                     max_new: int, stats: GenerationStats, tenant: str) -> Generation:
@@ -202,30 +208,35 @@ class Worker:
                           stats=stats, tenant=tenant,
                           full_step_bytes=source.n_tokens * lay.token_kv_bytes() * lay.n_kv_heads * lay.n_layers)
 
-    def _run(self, gen: Generation, source: PrefixSource) -> Iterator[str]:
-        # A live lease keeps eviction away from the prefix while it is decoded; released however the stream ends.
+    def _run(self, gen: Generation, source: PrefixSource, lease: LeaseHandle) -> Generator[str, None, None]:
+        self.engine.start(gen)
         try:
-            with self.store.lease(source.manifest.prefix_id) as lease:
-                self.engine.start(gen)
-                try:
-                    while (piece := self.engine.next_piece(gen)) is not None:
-                        lease.keepalive()
-                        yield piece
-                finally:
-                    self.engine.close(gen)
-            _finish_stats(gen, source)
+            while (piece := self.engine.next_piece(gen)) is not None:
+                lease.keepalive()
+                yield piece
         finally:
-            _close_fetch(source)
+            self.engine.close(gen)
+        _finish_stats(gen, source)
 
 
 class GenerationStream(Iterator[str]):
-    """The text pieces of one generation; ``cancel()`` may be called from any thread."""
+    """The text pieces of one generation; ``cancel()`` may be called from any thread. What it holds (its lease,
+    its fetch engines) is released when it ends, fails or is closed, also when it was never iterated."""
 
-    def __init__(self, engine: DecodeEngine, gen: Generation, pieces: Iterator[str]):
-        self._engine, self._gen, self._pieces = engine, gen, pieces
+    def __init__(self, engine: DecodeEngine, gen: Generation, pieces: Generator[str, None, None],
+                 held: contextlib.ExitStack):
+        self._engine, self._gen, self._pieces, self._held = engine, gen, pieces, held
 
     def __next__(self) -> str:
-        return next(self._pieces)
+        try:
+            return next(self._pieces)
+        except BaseException:  # ended (StopIteration) or failed: let go of the prefix now
+            self._held.close()
+            raise
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at collection: best effort (the lease also lapses on its own)
+            self._held.close()
 
     def cancel(self) -> None:
         """Stop the generation: the consumer's next wait ends with ``Cancelled``."""
@@ -233,9 +244,10 @@ class GenerationStream(Iterator[str]):
 
     def close(self) -> None:
         """End the generation now and release what it holds (from the consuming thread)."""
-        close = getattr(self._pieces, "close", None)
-        if close is not None:
-            close()
+        try:
+            self._pieces.close()
+        finally:
+            self._held.close()
 
 
 def _finish_stats(gen: Generation, source: PrefixSource) -> None:
