@@ -84,6 +84,10 @@ class Generation:
     cancelled: bool = False
     error: BaseException | None = None
     started: float = field(default_factory=time.perf_counter)
+    wake: threading.Condition | None = None
+    """Notified when a step changed this generation (set by ``DecodeEngine.start``)."""
+    waiting: bool = False
+    """Whether its consumer waits on ``wake``."""
     batch_sizes: list[int] = field(default_factory=list)
 
     @property
@@ -97,39 +101,44 @@ class DecodeEngine:
 
     def __init__(self, lm: LoadedModel, config: EngineConfig | None = None, turn: StepTurn = contextlib.nullcontext):
         self.lm, self.config, self.turn = lm, config or EngineConfig(), turn
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        """Notified when a step ends (``close`` waits for the step that may be using its generation)."""
         self._running: deque[Generation] = deque()
         self._stepping = False
 
     def start(self, gen: Generation) -> None:
         """Join the next step."""
-        with self._cond:
+        with self._lock:
+            gen.wake = threading.Condition(self._lock)
             self._running.append(gen)
 
     def cancel(self, gen: Generation) -> None:
         """Stop a generation: its waiting consumer gets ``Cancelled``; it takes no further step."""
-        with self._cond:
+        with self._lock:
             gen.cancelled = True
-            self._cond.notify_all()
+            if gen.wake is not None:
+                gen.wake.notify()
 
     def close(self, gen: Generation) -> None:
         """Take a generation out for good (waits for a step that may be using it to end)."""
-        with self._cond:
+        with self._lock:
             gen.cancelled = gen.cancelled or not gen.done
             while self._stepping and gen in self._running:
-                self._cond.wait()
+                self._idle.wait()
             if gen in self._running:
                 self._running.remove(gen)
 
     def running(self) -> int:
         """Generations in the engine now."""
-        with self._cond:
+        with self._lock:
             return len(self._running)
 
     def next_piece(self, gen: Generation) -> str | None:
         """The generation's next text piece, or None when it has ended; steps the engine while waiting."""
+        assert gen.wake is not None, "start() the generation first"
         while True:
-            with self._cond:
+            with self._lock:
                 if gen.pieces:
                     return gen.pieces.popleft()
                 if gen.error is not None:
@@ -139,16 +148,31 @@ class DecodeEngine:
                 if gen.cancelled:
                     raise Cancelled("the generation was cancelled")
                 if self._stepping:
-                    self._cond.wait()
+                    gen.waiting = True
+                    gen.wake.wait()
+                    gen.waiting = False
                     continue
                 self._stepping = True
                 batch = self._take_batch()
             try:
                 self._step(batch)
             finally:
-                with self._cond:
+                with self._lock:
                     self._stepping = False
-                    self._cond.notify_all()
+                    self._wake_after_step(gen, batch)
+
+    def _wake_after_step(self, stepper: Generation, batch: list[Generation]) -> None:
+        """Wake the consumers a step concerns, and one more to take the next step when the stepper will not
+        (lock held). Only these: every consumer woken per step would fight the stepper for the interpreter."""
+        self._idle.notify_all()
+        for g in batch:
+            if g.wake is not None:
+                g.wake.notify()
+        if stepper.runnable and not stepper.pieces:
+            return  # it steps again itself
+        nxt = next((g for g in self._running if g.waiting and g.runnable and g not in batch), None)
+        if nxt is not None and nxt.wake is not None:
+            nxt.wake.notify()
 
     # -- one step (called with _stepping held, outside the lock) ------------------------------------
     def _take_batch(self) -> list[Generation]:
@@ -210,18 +234,18 @@ class DecodeEngine:
                 sampled = [g for g, s in zip(members, segments, strict=True) if s.end - s.start == len(g.pending)]
                 tokens = [g.sampler(logits[i]) for i, g in enumerate(sampled)]  # syncs: the step is done
         except SegmentFailed as e:  # one generation's method failed: fail it alone, the others retry
-            with self._cond:
+            with self._lock:
                 g = e.key
                 assert isinstance(g, Generation)
                 g.error = e.cause
             return
         except BaseException as e:  # the model itself failed: every generation of the step fails
-            with self._cond:
+            with self._lock:
                 for g in members:
                     g.error = e
             return
         seconds = time.perf_counter() - t0
-        with self._cond:
+        with self._lock:
             for g, s in zip(members, segments, strict=True):
                 n = s.end - s.start
                 g.own.commit(n)
