@@ -79,10 +79,16 @@ def _run_cli(argv: list[str]) -> dict:
 
 def test_budget_command_prints_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
     out = _run_cli(["budget", "--prefill-len", "16384", "--fraction", "0.01", "--head-dim", "128", "--phi-dim",
-                    "128", "--sink", "4", "--tail", "16", "--gen-len", "1", "--json"])
+                    "128", "--sink", "4", "--tail", "16", "--gen-len", "1", "--phi-bytes", "2", "--kv-bytes", "2",
+                    "--json"])  # the paper's setting: cache and KV both bf16
     assert {k: out[k] for k in ("n_budget", "k_topk", "n_off", "k_hyb")} == {
         "n_budget": 164, "k_topk": 144, "n_off": 65, "k_hyb": 79}
     assert capsys.readouterr().out == ""  # with --json, main() prints the returned dict
     json.dumps(out)
-    text = _run_cli(["budget", "--prefill-len", "16384", "--fraction", "0.03", "--head-dim", "64"])
+    text = _run_cli(["budget", "--prefill-len", "16384", "--fraction", "0.03", "--head-dim", "64", "--phi-dim", "64",
+                     "--phi-bytes", "2"])
     assert text["k_hyb"] == 439 and json.loads(capsys.readouterr().out)["k_hyb"] == 439
+    # Defaults: d_phi of the shipped model's distilled map (16), its float32 cache next to a bf16 KV cache:
+    # R_once = (16/2 + 16/64) * 2 = 16.5, n_off = 17, n(0.03) = 492, k_hyb = 492 - 20 - 17.
+    shipped = _run_cli(["budget", "--prefill-len", "16384", "--fraction", "0.03", "--head-dim", "64", "--json"])
+    assert (shipped["phi_dim"], shipped["r_phi_once"], shipped["n_off"], shipped["k_hyb"]) == (16, 16.5, 17, 455)

@@ -189,3 +189,13 @@ def test_a_stream_holds_its_prefix_from_generate_and_lets_go_even_unread(worker:
     assert worker.store.leases(pids[0]) == []
     worker.remove_prefix(pids[0], unless_leased=True)
     assert worker.store.find(pids[0]) is None
+
+
+def test_an_infeasible_phi_plan_is_refused_with_the_numbers(worker: Worker, pids: list[str]) -> None:
+    from store.errors import InvalidInput
+
+    with pytest.raises(InvalidInput, match=r"allows \d+ token equivalents per step, fewer than the 4 sink \+ 16 tail"):
+        worker.generate(pids[0], QUERIES[0], method="topk+phi", decode=DecodeConfig(budget=0.01))
+    assert worker.store.leases(pids[0]) == []  # nothing held after the refusal
+    "".join(worker.generate(pids[0], QUERIES[0], SamplingParams(max_new_tokens=2), method="topk",
+                            decode=DecodeConfig(budget=0.01)))  # selection only: no φ fetch to pay for

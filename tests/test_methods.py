@@ -86,7 +86,7 @@ def test_single_row_step_counts_reads_like_marking(method: str, fraction: float)
     """A one-token step counts its reads without marking: the same count as two rows of that token."""
     kv, q = planted(n=403, d=16, hkv=2, g=2, n_q=1, seed=9)
     src = MemorySource.build(kv, METHODS[method].summarizers)
-    cfg = DecodeConfig(budget=fraction)
+    cfg = DecodeConfig(budget=fraction, sink=2, tail=4, gen_len=256)  # φ plans feasible at 5 % of a short prefix
     one = get_method(method).open(src, cfg)
     one.attend(0, q, 0.25)
     two = get_method(method).open(src, cfg)

@@ -21,6 +21,7 @@ from typing import ClassVar
 
 import torch
 
+from store.errors import InvalidInput
 from workers.budget import plan_budget
 from workers.kernels.sparse_attention import sparse_decode_attention, sparse_decode_attention_torch
 from workers.methods.base import Method, ReadReport, mid_range
@@ -276,6 +277,12 @@ class SparseMethod(Method):
             phi_dim = completion.phi_dim if completion else 0
             ratio = completion.elem_bytes / lay.elem_bytes if completion else 1
             plan = plan_budget(fraction=fraction, phi_dim=phi_dim, elem_ratio=ratio, **plan_args)
+            if completion is not None and not plan.hybrid_feasible:  # the paper's "-": no matched-read plan exists
+                raise InvalidInput(
+                    f"budget {fraction} of {source.n_tokens} tokens allows {plan.n_budget} token equivalents per "
+                    f"step, fewer than the {config.sink} sink + {config.tail} tail anchors plus the φ cache's "
+                    f"one-time fetch amortized over gen_len={config.gen_len} ({plan.n_off}): raise the budget or "
+                    f"gen_len, or use {self.name.split('+')[0]} without φ completion")
             k = plan.k_exact(completion is not None)
             counter.info.update({"budget_fraction": fraction, "budget_n": plan.n_budget, "budget_k": k})
             if completion:
