@@ -10,6 +10,7 @@ and opening a store registers the ones its metadata lost (``store.recovery``).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import hmac
 import logging
 import os
@@ -46,6 +47,9 @@ from store.pages import file_digest, unpack_pages
 from store.prefix_key import PrefixKey, check_prefix_id, tenant_salt
 from store.recovery import CheckReport, Problem
 from store.writer import PAGE_CRC_ARTIFACT, PrefixWriter, tmp_dir_name
+
+QUOTA_LOCK_WAIT_S = 60.0
+"""Longest a commit waits for another commit of the same tenant to pass its quota check."""
 
 if TYPE_CHECKING:  # torch is imported by the reads that make tensors: ls, rm and check stay light
     import torch
@@ -170,6 +174,24 @@ class KVStore:
         free = shutil.disk_usage(self.prefixes_dir).free
         if page_bytes > free:
             raise StoreFull(f"a prefix of {page_bytes} bytes does not fit in the {free} bytes free on disk")
+        self._check_tenant_quota(tenant, page_bytes)
+
+    @contextlib.contextmanager
+    def quota_guard(self, tenant: str, page_bytes: int) -> Iterator[None]:
+        """Held around a commit: ``tenant``'s quotas checked again under a per-tenant lock (the metadata
+        backend's, so across processes and hosts), so concurrent writes of one tenant that each passed the
+        early check cannot together exceed them. QuotaExceeded before anything becomes visible."""
+        cfg = self.config
+        if cfg.max_bytes_per_tenant is None and cfg.max_prefixes_per_tenant is None:
+            yield
+            return
+        name = "quota-" + hashlib.blake2b(tenant.encode(), digest_size=16).hexdigest()  # no tenant text in a path
+        with self._meta.prefill_lock(name, wait_s=QUOTA_LOCK_WAIT_S):
+            self._check_tenant_quota(tenant, page_bytes)
+            yield
+
+    def _check_tenant_quota(self, tenant: str, page_bytes: int) -> None:
+        cfg = self.config
         if cfg.max_bytes_per_tenant is None and cfg.max_prefixes_per_tenant is None:
             return
         # A scan of the registry: quotas are checked once per write, which is far costlier anyway.

@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -23,6 +24,7 @@ from store.errors import InvalidInput, StoreFull
 from store.layout import KVLayout
 from store.limits import MAX_ARTIFACT_BYTES, MAX_ARTIFACTS, check_text
 from store.manifest import ArtifactInfo, FileInfo, Manifest
+from store.metadata import prefix_bytes
 from store.pages import bytes_digest, layer_file_name, pack_layer, page_crc, page_crc_seed, write_bytes_durably
 from store.prefix_key import PrefixKey
 
@@ -45,6 +47,10 @@ class WriterHome(Protocol):
 
     def _commit(self, manifest: Manifest, artifacts: Mapping[str, bytes]) -> None:
         """Register a prefix whose directory is in place."""
+        ...
+
+    def quota_guard(self, tenant: str, page_bytes: int) -> AbstractContextManager[None]:
+        """Held around a commit: the tenant's quotas re-checked atomically with it."""
         ...
 
 PAGE_CRC_ARTIFACT = "page_crc"
@@ -175,6 +181,12 @@ class PrefixWriter:
             artifacts=tuple(ArtifactInfo(name=n, size=len(b), blake2b=digest(b)) for n, b in sorted(arts.items())),
             created_at=time.time(), tenant=self.tenant,
         )
+        with self.store.quota_guard(self.tenant, prefix_bytes(manifest)):  # quotas hold across concurrent commits
+            self._publish(manifest, arts)
+        return manifest
+
+    def _publish(self, manifest: Manifest, arts: dict[str, bytes]) -> None:
+        """Write the record, rename the directory into place, register it (taken back when the metadata is full)."""
         fsync = self.store.config.fsync
         write_record(self.tmp_dir, manifest, arts, fsync=fsync)
         final = self.store.prefix_dir(self.prefix_id)
@@ -192,7 +204,6 @@ class PrefixWriter:
             os.rename(final, gone)
             shutil.rmtree(gone, ignore_errors=True)
             raise
-        return manifest
 
     def abort(self) -> None:
         """Discard everything written so far."""

@@ -93,3 +93,33 @@ def test_two_stores_share_redis_metadata(redis_server: RedisServer, tmp_path: Pa
     assert not a.exists(pid)
     a.close()
     b.close()
+
+
+def test_concurrent_writes_of_one_tenant_cannot_together_exceed_its_quota(store_config: StoreConfig) -> None:
+    import dataclasses
+
+    from test_store import _key, _kv
+
+    from store.errors import QuotaExceeded
+
+    s = KVStore(dataclasses.replace(store_config, max_prefixes_per_tenant=1))
+    try:
+        writers = []
+        for seed in (1, 2):  # both pass the early check: nothing is stored yet
+            key, kv = _key(40, seed, s.config.page_size), _kv(40, seed=seed)
+            cm = s.write_prefix(key, model_name="m", n_tokens=40, tenant="t")
+            w = cm.__enter__()
+            for layer, (k, v) in enumerate(kv):
+                w.write_layer(layer, k, v)
+            writers.append((key.prefix_id, cm, w))
+        (first, cm1, w1), (second, cm2, w2) = writers
+        w1.commit()
+        cm1.__exit__(None, None, None)
+        with pytest.raises(QuotaExceeded, match="quota is 1"):
+            w2.commit()
+        cm2.__exit__(None, None, None)
+        assert [m.prefix_id for m in s.list_prefixes("t")] == [first]
+        assert not s.prefix_dir(second).exists()
+        assert not any(p.name.startswith(".tmp-") for p in s.prefixes_dir.iterdir())  # nothing half-written left
+    finally:
+        s.close()
