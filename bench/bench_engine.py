@@ -37,8 +37,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.bench_worker_decode import Row, drop_os_cache  # noqa: E402
-from lab.tiny_random import TinyLlamaSpec, build_tiny_llama  # noqa: E402
+from bench.bench_worker_decode import Row  # noqa: E402
+from bench.common import QUICK_SPEC, drop_os_cache, llama8b_attention_spec  # noqa: E402
+from lab.tiny_random import build_tiny_llama  # noqa: E402
 from store.config import StoreConfig  # noqa: E402
 from store.kvstore import KVStore  # noqa: E402
 from workers.engine import Worker  # noqa: E402
@@ -127,13 +128,11 @@ def main() -> None:
     args = p.parse_args()
     cuda = torch.cuda.is_available()
     if args.quick:
-        spec = TinyLlamaSpec(hidden_size=64, intermediate_size=128, n_layers=2, n_heads=4, n_kv_heads=2,
-                             max_positions=4096, init_range=0.02)
+        spec = QUICK_SPEC
         args.ctx, args.tokens, args.batch = 1500, 6, 3
         args.gpu_cache_mb, args.host_cache_mb = 64, 256
     else:
-        spec = TinyLlamaSpec(hidden_size=4096, intermediate_size=4096, n_layers=args.layers, n_heads=32, n_kv_heads=8,
-                             max_positions=args.ctx + 1024, init_range=0.02)
+        spec = llama8b_attention_spec(args.layers, args.ctx + 1024)
     work = Path(tempfile.mkdtemp(prefix="kvstash-bench-"))
     lm = load_model(str(build_tiny_llama(work / "model", spec)), device="cuda" if cuda else "cpu",
                     dtype="bfloat16" if cuda else "float32", page_size=16, progress=False)

@@ -33,6 +33,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.common import llama8b_attention_spec  # noqa: E402
 from lab.tiny_random import TinyLlamaSpec, build_tiny_llama  # noqa: E402
 from services.auth import ApiKeys  # noqa: E402
 from services.convert import retry_after_of  # noqa: E402
@@ -108,8 +109,7 @@ def run(args: argparse.Namespace, home: Path) -> dict:
     if args.shape == "tiny":
         spec = TinyLlamaSpec(seed=0, never_eos=True, max_positions=positions)
     else:  # Llama-3.1-8B's layer shape, fewer layers: steps cost what a real model's do, not interpreter overhead
-        spec = TinyLlamaSpec(hidden_size=4096, intermediate_size=14336, n_layers=args.layers, n_heads=32,
-                             n_kv_heads=8, max_positions=positions, init_range=0.02, seed=0, never_eos=True)
+        spec = llama8b_attention_spec(args.layers, positions, intermediate_size=14336, never_eos=True)
     dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     lm = load_model(str(build_tiny_llama(home / "model", spec)), device=args.device, dtype=dtype, progress=False)
     store = KVStore(StoreConfig(home=home / "store", page_size=lm.layout.page_size))

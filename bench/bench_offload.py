@@ -52,6 +52,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.common import drop_os_cache  # noqa: E402
 from store.config import StoreConfig  # noqa: E402
 from store.kvstore import KVStore  # noqa: E402
 from store.layout import KVLayout  # noqa: E402
@@ -94,16 +95,6 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def drop_caches() -> bool:
-    """Drop the OS page cache (root only); whether it worked."""
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    except OSError:
-        return False
-    return True
-
-
 # -- ceilings ------------------------------------------------------------------------------------
 def h2d_ceiling(nbytes: int) -> float:
     """Pinned host -> GPU copy, GB/s (median of 5)."""
@@ -134,7 +125,7 @@ def disk_ceilings(path: Path, nbytes: int) -> tuple[float, float, str]:
         f.flush()
         os.fsync(f.fileno())
     write = nbytes / (time.perf_counter() - t0) / 1e9
-    dropped = drop_caches()
+    dropped = drop_os_cache()
     aligned = mmap.mmap(-1, chunk)
     mode = "O_DIRECT" if hasattr(os, "O_DIRECT") else "buffered"
     try:
@@ -335,7 +326,7 @@ def full_ssd_layer_s(w: Workload, store: KVStore, manifest, n_layers: int) -> tu
     pool = ThreadPoolExecutor(8)
     reader = PosixPageReader(pool=pool, depth=8, direct=True)
     plan = plan_runs(np.arange(n_layer))
-    drop_caches()
+    drop_os_cache()
     sync()
     t0 = time.perf_counter()
     read_s = 0.0
@@ -689,7 +680,7 @@ def ssd_section(args, res, w, store, manifest, gpu_bytes, k0, v0, ceil, gather: 
     for name in readers:
         cfg = OffloadConfig(gpu_cache_bytes=gpu_bytes, host_cache_bytes=0, reader=name, direct_io=True,
                             io_depth=args.threads, io_threads=min(args.threads, 64))
-        dropped = drop_caches()
+        dropped = drop_os_cache()
         fetcher = PageFetcher(store, manifest, DEV, cfg, None, gather=gather)
         with guard(res, f"ssd_{name}"):
             cold = sparse_tokens(w, fetcher, range(0, 1))

@@ -35,7 +35,6 @@ import dataclasses
 import functools
 import itertools
 import json
-import os
 import random
 import sys
 import tempfile
@@ -51,6 +50,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.common import drop_os_cache, llama8b_attention_spec  # noqa: E402
 from lab.tiny_random import TinyLlamaSpec, build_tiny_llama  # noqa: E402
 from store import crc_batch, page_io  # noqa: E402
 from store.config import StoreConfig  # noqa: E402
@@ -66,16 +66,6 @@ from workers.requests import DecodeConfig, GenerationStats, SamplingParams  # no
 
 QUERY = " What does the text say about the river?"
 PID = "0123456789abcdef0123456789abcdef"
-
-
-def drop_os_cache() -> bool:
-    """Drop the OS page cache (root only); whether it worked."""
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    except OSError:
-        return False
-    return True
 
 
 def best_s(fn: Callable[[], object], reps: int = 5) -> float:
@@ -274,8 +264,7 @@ def build(args: argparse.Namespace, work: Path) -> tuple[LoadedModel, KVStore, s
         spec = TinyLlamaSpec(hidden_size=512, intermediate_size=512, n_layers=args.layers, n_heads=4, n_kv_heads=4,
                              max_positions=args.ctx + 1024, init_range=0.02)
     else:
-        spec = TinyLlamaSpec(hidden_size=4096, intermediate_size=4096, n_layers=args.layers, n_heads=32,
-                             n_kv_heads=8, max_positions=args.ctx + 1024, init_range=0.02)
+        spec = llama8b_attention_spec(args.layers, args.ctx + 1024)
     model_dir = build_tiny_llama(work / "model", spec)
     lm = load_model(str(model_dir), device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32",
                     page_size=16, progress=False)

@@ -37,7 +37,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from lab.tiny_random import TinyLlamaSpec, build_tiny_llama  # noqa: E402
+from bench.common import QUICK_SPEC, drop_os_cache, llama8b_attention_spec  # noqa: E402
+from lab.tiny_random import build_tiny_llama  # noqa: E402
 from store.config import StoreConfig  # noqa: E402
 from store.kvstore import KVStore  # noqa: E402
 from workers.engine import Worker  # noqa: E402
@@ -81,16 +82,6 @@ def generate(worker: Worker, pid: str, row: Row, budget: float, n: int) -> tuple
     return st, time.perf_counter() - t0
 
 
-def drop_os_cache() -> bool:
-    """Drop the OS page cache so "cold" reads come from the disk (needs root; False when not allowed)."""
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
 def measure(store: KVStore, lm: LoadedModel, pid: str, row: Row, budget: float, short: int, long: int) -> dict:
     """Median per-step latency after the query's forward, of one row. Each generation runs on a fresh
     worker (its own host tier), after one discarded warm-up generation (kernel compilation, allocator)."""
@@ -131,12 +122,10 @@ def main() -> None:
     args = p.parse_args()
     cuda = torch.cuda.is_available()
     if args.quick:
-        spec = TinyLlamaSpec(hidden_size=64, intermediate_size=128, n_layers=2, n_heads=4, n_kv_heads=2,
-                             max_positions=4096, init_range=0.02)
+        spec = QUICK_SPEC
         args.ctx, args.short, args.long = 1500, 2, 6
     else:
-        spec = TinyLlamaSpec(hidden_size=4096, intermediate_size=4096, n_layers=args.layers, n_heads=32, n_kv_heads=8,
-                             max_positions=args.ctx + 1024, init_range=0.02)
+        spec = llama8b_attention_spec(args.layers, args.ctx + 1024)
     work = Path(tempfile.mkdtemp(prefix="kvstash-bench-"))
     model_dir = build_tiny_llama(work / "model", spec)
     lm = load_model(str(model_dir), device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32",

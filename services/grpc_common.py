@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -142,8 +143,10 @@ def watch_health(health_servicer: Any, service_names: list[str], probe: Callable
     return thread
 
 
-def serve_forever(server: grpc.Server, health_servicer: Any, name: str, address: str, drain_s: float = 10.0) -> None:
-    """Start, log, and serve until SIGTERM or SIGINT; then NOT_SERVING, no new calls, drain in-flight ones."""
+def serve_forever(server: grpc.Server, health_servicer: Any, name: str, address: str, drain_s: float = 10.0,
+                  close: Callable[[], None] | None = None) -> NoReturn:
+    """Start, log, and serve until SIGTERM or SIGINT; then NOT_SERVING, no new calls, drain in-flight ones,
+    ``close`` what the service holds, and exit 0."""
     stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stopping.set())
@@ -154,4 +157,11 @@ def serve_forever(server: grpc.Server, health_servicer: Any, name: str, address:
     print(f"{name} draining (up to {drain_s:g} s)", flush=True)
     health_servicer.enter_graceful_shutdown()
     server.stop(grace=drain_s).wait()
+    if close is not None:
+        close()
     print(f"{name} stopped", flush=True)
+    logging.shutdown()
+    # Everything is drained and closed: skip interpreter finalization, where native threads still parked in
+    # gRPC's and torch's pools can abort the process ("terminate called without an active exception",
+    # seen in about one SIGTERM in four), which would turn a clean drain into exit status 134.
+    os._exit(0)

@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = ServerConfig(host=args.host, port=args.port, tls_cert=args.tls_cert, tls_key=args.tls_key)
     server, health = build_store_server(store, cfg, token, tenant_secret())
     watch_health(health, [pb.DESCRIPTOR.services_by_name["KVStore"].full_name], store.usage)  # metadata reachable
-    serve_forever(server, health, "kvstash-store", cfg.address, cfg.drain_s)
+    serve_forever(server, health, "kvstash-store", cfg.address, cfg.drain_s, close=store.close)
 
 
 if __name__ == "__main__":

@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
                                  retry_after_s=args.retry_after_seconds)
     server, health = build_worker_server(worker, cfg, keys, limits, scheduling)
     watch_health(health, [pb.DESCRIPTOR.services_by_name["Worker"].full_name], store.usage)  # metadata reachable
-    serve_forever(server, health, "kvstash-worker", cfg.address, cfg.drain_s)
+    serve_forever(server, health, "kvstash-worker", cfg.address, cfg.drain_s, close=store.close)
 
 
 if __name__ == "__main__":

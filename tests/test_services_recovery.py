@@ -96,7 +96,7 @@ def test_sigterm_drains_in_flight_streams_and_exits_0(topo: Topology) -> None:
         topo.procs["worker"].send_signal(signal.SIGTERM)
         rest = [ln for ln in lines if ln]
     assert "event: done" in rest and "event: error" not in rest  # the stream in flight finished
-    assert topo.procs["worker"].wait(30) == 0
+    assert topo.procs["worker"].wait(30) == 0, topo.log("worker")[-4000:]
     assert "draining" in topo.log("worker")
     topo.restart("worker")
     topo.procs["store"].send_signal(signal.SIGTERM)
