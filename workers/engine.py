@@ -236,7 +236,7 @@ class GenerationStream(Iterator[str]):
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # at collection: best effort (the lease also lapses on its own)
-            self._held.close()
+            self.close()  # out of the engine first (waits out a step using it), then the fetch engines and lease
 
     def cancel(self) -> None:
         """Stop the generation: the consumer's next wait ends with ``Cancelled``."""
