@@ -166,7 +166,8 @@ def test_worker_refuses_to_start_open(bare_env: pytest.MonkeyPatch) -> None:
 
 def test_store_refuses_to_start_without_a_service_token(bare_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
     served: list[str] = []
-    bare_env.setattr(store_server, "serve_forever", lambda server, health, name, address, *_: served.append(address))
+    bare_env.setattr(store_server, "serve_forever",
+                     lambda server, health, name, address, *_, **__: served.append(address))
     bare_env.setattr(store_server, "watch_health", lambda *_: None)  # its thread would keep the store open
     args = ["--port", str(free_port()), "--home", str(tmp_path / "home")]
     with pytest.raises(SystemExit, match="KVSTASH_SERVICE_TOKEN.*--insecure"):
