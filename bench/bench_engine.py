@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import tempfile
@@ -38,17 +37,21 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.bench_worker_decode import Row  # noqa: E402
-from bench.common import QUICK_SPEC, drop_os_cache, llama8b_attention_spec  # noqa: E402
-from lab.tiny_random import build_tiny_llama  # noqa: E402
+from bench.common import (  # noqa: E402
+    QUICK_SPEC,
+    document,
+    drop_os_cache,
+    llama8b_attention_spec,
+    load_random_model,
+)
 from store.config import StoreConfig  # noqa: E402
 from store.kvstore import KVStore  # noqa: E402
 from workers.engine import Worker  # noqa: E402
-from workers.model import LoadedModel, load_model  # noqa: E402
+from workers.model import LoadedModel  # noqa: E402
 from workers.offload import OffloadConfig  # noqa: E402
 from workers.requests import DecodeConfig, GenerationStats, SamplingParams  # noqa: E402
 
 QUERY = " What does the text say about the river?"
-WORDS = ["river", "stone", "light", "quiet", "north", "field", "paper", "cloud", "ember", "glass"]
 
 
 def rows(gpu_cache_bytes: int, host_bytes: int) -> list[Row]:
@@ -60,15 +63,6 @@ def rows(gpu_cache_bytes: int, host_bytes: int) -> list[Row]:
             OffloadConfig(**base, warm_host_fraction=1.0, device_plan="auto")),
         Row("quest, SSD cold (fetcher)", "quest", OffloadConfig(**base, warm_host_fraction=0.0, device_plan="off")),
     ]
-
-
-def document(n_chars: int, seed: int) -> str:
-    """A random word document of about ``n_chars`` characters (the tiny tokenizer is byte-level)."""
-    rng = random.Random(seed)
-    doc = ""
-    while len(doc) < n_chars:
-        doc += rng.choice(WORDS) + " "
-    return doc[:n_chars]
 
 
 def run_together(worker: Worker, pids: list[str], row: Row, budget: float,
@@ -134,9 +128,7 @@ def main() -> None:
     else:
         spec = llama8b_attention_spec(args.layers, args.ctx + 1024)
     work = Path(tempfile.mkdtemp(prefix="kvstash-bench-"))
-    lm = load_model(str(build_tiny_llama(work / "model", spec)), device="cuda" if cuda else "cpu",
-                    dtype="bfloat16" if cuda else "float32", page_size=16, progress=False)
-    lm.model.generation_config.eos_token_id = []  # random weights: decode a fixed number of steps, never stop early
+    lm = load_random_model(spec, work)
     store = KVStore(StoreConfig(home=args.home or work / "home", page_size=16))
     writer = Worker(store, lm, progress=False, offload=None)
     t0 = time.perf_counter()

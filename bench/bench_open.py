@@ -35,7 +35,6 @@ import dataclasses
 import functools
 import itertools
 import json
-import random
 import sys
 import tempfile
 import time
@@ -50,8 +49,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import drop_os_cache, llama8b_attention_spec  # noqa: E402
-from lab.tiny_random import TinyLlamaSpec, build_tiny_llama  # noqa: E402
+from bench.common import document, drop_os_cache, llama8b_attention_spec, load_random_model  # noqa: E402
+from lab.tiny_random import TinyLlamaSpec  # noqa: E402
 from store import crc_batch, page_io  # noqa: E402
 from store.config import StoreConfig  # noqa: E402
 from store.crc32 import CRC32_IMPL  # noqa: E402
@@ -60,7 +59,7 @@ from store.kvstore import KVStore  # noqa: E402
 from store.page_io import PosixPageReader, plan_runs, run_all, verify_pages  # noqa: E402
 from store.pages import page_crc  # noqa: E402
 from workers.engine import Worker  # noqa: E402
-from workers.model import LoadedModel, load_model  # noqa: E402
+from workers.model import LoadedModel  # noqa: E402
 from workers.offload import OffloadConfig  # noqa: E402
 from workers.requests import DecodeConfig, GenerationStats, SamplingParams  # noqa: E402
 
@@ -259,24 +258,15 @@ def _open_row(name: str, st: GenerationStats, open_s: float, ttft: float, total:
 # -- main ------------------------------------------------------------------------------------------
 def build(args: argparse.Namespace, work: Path) -> tuple[LoadedModel, KVStore, str, float]:
     """The random-weight model, a store, and the saved document's prefix id; and prefill seconds."""
-    cuda = torch.cuda.is_available()
     if args.quick:
         spec = TinyLlamaSpec(hidden_size=512, intermediate_size=512, n_layers=args.layers, n_heads=4, n_kv_heads=4,
                              max_positions=args.ctx + 1024, init_range=0.02)
     else:
         spec = llama8b_attention_spec(args.layers, args.ctx + 1024)
-    model_dir = build_tiny_llama(work / "model", spec)
-    lm = load_model(str(model_dir), device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32",
-                    page_size=16, progress=False)
-    lm.model.generation_config.eos_token_id = []  # random weights: a fixed number of steps
+    lm = load_random_model(spec, work)
     store = KVStore(StoreConfig(home=args.home or work / "home", page_size=16, fsync=False))
-    rng = random.Random(0)
-    words = ["river", "stone", "light", "quiet", "north", "field", "paper", "cloud", "ember", "glass"]
-    doc = ""
-    while len(doc) < args.ctx - 1:
-        doc += rng.choice(words) + " "
     t0 = time.perf_counter()
-    pid = Worker(store, lm, progress=False, offload=None).prefill(doc[: args.ctx - 1]).prefix_id
+    pid = Worker(store, lm, progress=False, offload=None).prefill(document(args.ctx - 1)).prefix_id
     return lm, store, pid, time.perf_counter() - t0
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import tempfile
@@ -37,12 +36,17 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import QUICK_SPEC, drop_os_cache, llama8b_attention_spec  # noqa: E402
-from lab.tiny_random import build_tiny_llama  # noqa: E402
+from bench.common import (  # noqa: E402
+    QUICK_SPEC,
+    document,
+    drop_os_cache,
+    llama8b_attention_spec,
+    load_random_model,
+)
 from store.config import StoreConfig  # noqa: E402
 from store.kvstore import KVStore  # noqa: E402
 from workers.engine import Worker  # noqa: E402
-from workers.model import LoadedModel, load_model  # noqa: E402
+from workers.model import LoadedModel  # noqa: E402
 from workers.offload import OffloadConfig  # noqa: E402
 from workers.requests import DecodeConfig, GenerationStats, SamplingParams  # noqa: E402
 
@@ -127,17 +131,9 @@ def main() -> None:
     else:
         spec = llama8b_attention_spec(args.layers, args.ctx + 1024)
     work = Path(tempfile.mkdtemp(prefix="kvstash-bench-"))
-    model_dir = build_tiny_llama(work / "model", spec)
-    lm = load_model(str(model_dir), device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32",
-                    page_size=16, progress=False)
-    lm.model.generation_config.eos_token_id = []  # random weights: decode a fixed number of steps, never stop early
+    lm = load_random_model(spec, work)
     store = KVStore(StoreConfig(home=args.home or work / "home", page_size=16))
-    rng = random.Random(0)
-    words = ["river", "stone", "light", "quiet", "north", "field", "paper", "cloud", "ember", "glass"]
-    doc = ""
-    while len(doc) < args.ctx - 1:
-        doc += rng.choice(words) + " "
-    doc = doc[: args.ctx - 1]
+    doc = document(args.ctx - 1)
     t0 = time.perf_counter()
     pre = Worker(store, lm, progress=False, offload=None).prefill(doc)
     prefill_s = time.perf_counter() - t0

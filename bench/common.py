@@ -1,11 +1,13 @@
-"""What several benches share: the model shapes they run and dropping the OS page cache."""
+"""What several benches share: the random models and documents they run, and dropping the OS page cache."""
 
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 
-from lab.tiny_random import TinyLlamaSpec
+from lab.tiny_random import TinyLlamaSpec, build_tiny_llama
+from workers.model import LoadedModel, load_model
 
 QUICK_SPEC = TinyLlamaSpec(hidden_size=64, intermediate_size=128, n_layers=2, n_heads=4, n_kv_heads=2,
                            max_positions=4096, init_range=0.02)
@@ -28,3 +30,27 @@ def drop_os_cache() -> bool:
     except OSError:
         return False
     return True
+
+
+WORDS = ["river", "stone", "light", "quiet", "north", "field", "paper", "cloud", "ember", "glass"]
+
+
+def document(n_chars: int, seed: int = 0) -> str:
+    """A random word document of ``n_chars`` characters (the random models' tokenizer is byte-level)."""
+    rng = random.Random(seed)
+    doc = ""
+    while len(doc) < n_chars:
+        doc += rng.choice(WORDS) + " "
+    return doc[:n_chars]
+
+
+def load_random_model(spec: TinyLlamaSpec, work: Path, page_size: int = 16) -> LoadedModel:
+    """A random-weight model built into ``work`` and loaded through the product's loader (bf16 on CUDA, fp32 on
+    the CPU), its EOS switched off so every generation decodes the steps it was asked for."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    lm = load_model(str(build_tiny_llama(work / "model", spec)), device="cuda" if cuda else "cpu",
+                    dtype="bfloat16" if cuda else "float32", page_size=page_size, progress=False)
+    lm.model.generation_config.eos_token_id = []
+    return lm
