@@ -25,7 +25,7 @@ from workers.model import LoadedModel
 from workers.offload import HostTier, OffloadConfig, PageFetcher
 from workers.offload.fast_path import FastOpen
 from workers.offload.summaries import SummaryCache
-from workers.own_kv import OwnKV
+from workers.own_kv import FIRST_STEPS, OwnKV
 from workers.prefill import DEFAULT_CHUNK, prefill_kv
 from workers.progress import PrefillProgress
 from workers.requests import DecodeConfig, GenerationStats, SamplingParams
@@ -199,9 +199,8 @@ class Worker:
     def _generation(self, attn: PrefixAttention, source: PrefixSource, q_ids: list[int], params: SamplingParams,
                     max_new: int, stats: GenerationStats, tenant: str) -> Generation:
         lm, lay = self.lm, self.lm.layout
-        own = OwnKV(lay, len(q_ids) + max_new, lm.device, lm.model.dtype)
+        own = OwnKV(lay, len(q_ids) + max_new, lm.device, lm.model.dtype, initial=len(q_ids) + FIRST_STEPS)
         stats.prompt_tokens, stats.finish_reason = len(q_ids), "length"
-        stats.extra["own_kv_bytes"] = float(own.nbytes)
         text = TextStream(lm.tokenizer, params.stop or lm.prompt.stop)
         return Generation(prefix=attn, own=own, pending=list(q_ids), position=source.n_tokens,
                           sampler=Sampler(params, lm.device), text=text, eos_ids=lm.eos_ids, max_new=max_new,
@@ -263,6 +262,7 @@ def _finish_stats(gen: Generation, source: PrefixSource) -> None:
     else:
         st.bytes_fetched = source.bytes_read
         st.prefix_tokens_per_step = [source.n_tokens * lay.n_layers * lay.n_kv_heads] * st.steps
+    st.extra["own_kv_bytes"] = float(gen.own.nbytes)  # what its own tokens' K/V came to
     if gen.batch_sizes:
         st.extra["batch_mean"] = sum(gen.batch_sizes) / len(gen.batch_sizes)
         st.extra["batch_max"] = float(max(gen.batch_sizes))

@@ -1,9 +1,11 @@
-"""The model's own K/V of one generation (its query and generated tokens), in preallocated buffers.
+"""The model's own K/V of one generation (its query and generated tokens), in one growing buffer.
 
 The stored prefix is attended through the decode method; only the tokens a generation adds live
-here. Buffers are allocated for the generation's whole length (query + ``max_new_tokens``) when it
-starts, so a decode step never allocates; a step writes its tokens at the current length and the
-length moves only when the step completes (``commit``), so a step that fails leaves no trace.
+here. The buffer starts with room for the query and a few steps and doubles when a step needs
+more, up to the generation's whole length (query + ``max_new_tokens``): a long ``max_new_tokens``
+costs memory only as tokens are generated, and growing is rare (log steps). A step writes its
+tokens at the current length and the length moves only when the step completes (``commit``), so
+a step that fails leaves no trace.
 """
 
 from __future__ import annotations
@@ -12,22 +14,28 @@ import torch
 
 from store.layout import KVLayout
 
+FIRST_STEPS = 64
+"""Generated tokens the buffer has room for from the start (beyond the query)."""
+
 
 class OwnKV:
-    """Per-layer K and V ``[kv_heads, capacity, head_dim]`` of one generation's own tokens."""
+    """Per-layer K and V ``[kv_heads, tokens, head_dim]`` of one generation's own tokens."""
 
-    def __init__(self, layout: KVLayout, capacity: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, layout: KVLayout, capacity: int, device: torch.device, dtype: torch.dtype,
+                 initial: int | None = None):
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
-        shape = (layout.n_layers, 2, layout.n_kv_heads, capacity, layout.head_dim)
-        self._buf = torch.empty(shape, device=device, dtype=dtype)
         self.capacity = capacity
+        """The most tokens it will ever hold."""
         self.length = 0
         """Tokens committed by completed steps."""
+        size = min(capacity, max(1, initial if initial is not None else capacity))
+        self._buf = torch.empty((layout.n_layers, 2, layout.n_kv_heads, size, layout.head_dim), device=device,
+                                dtype=dtype)
 
     @property
     def nbytes(self) -> int:
-        """Bytes the buffers hold (allocated once)."""
+        """Bytes the buffer holds now."""
         return self._buf.numel() * self._buf.element_size()
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,10 +44,20 @@ class OwnKV:
         end = self.length + k.shape[1]
         if end > self.capacity:
             raise ValueError(f"own KV full: {end} tokens > capacity {self.capacity}")
+        if end > self._buf.shape[3]:
+            self._grow(end)
         buf = self._buf[layer]
         buf[0, :, self.length:end].copy_(k)
         buf[1, :, self.length:end].copy_(v)
         return buf[0, :, :end], buf[1, :, :end]
+
+    def _grow(self, need: int) -> None:
+        """Room for ``need`` tokens at least: double, within the capacity, keeping what is written."""
+        size = min(self.capacity, max(need, 2 * self._buf.shape[3]))
+        new = self._buf.new_empty((*self._buf.shape[:3], size, self._buf.shape[4]))
+        # Every layer's committed tokens (and anything a step wrote before growing) move over.
+        new[:, :, :, : self._buf.shape[3]].copy_(self._buf)
+        self._buf = new
 
     def commit(self, n: int) -> None:
         """A step that wrote ``n`` tokens in every layer completed."""
