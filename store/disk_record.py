@@ -6,6 +6,7 @@ data, or an LMDB file was deleted or damaged) is in ``prefixes/<id>/``::
     layer_NNN.kv       page files (``store.pages``)
     artifact_NNN.bin   artifact i of the manifest (sorted by name; names never become file names)
     manifest.json      {"format", "manifest": <Manifest JSON>, "blake2b": <digest of that JSON>}
+    pinned             present while the prefix is pinned (empty; so a pin survives metadata loss)
 
 ``manifest.json`` is written last (temp file, fsync, rename, fsync of the directory), before the
 directory itself is renamed into place: a directory with a valid manifest is a committed prefix.
@@ -24,6 +25,7 @@ from store.manifest import Manifest
 from store.pages import layer_file_name
 
 MANIFEST_FILE = "manifest.json"
+PIN_FILE = "pinned"
 RECORD_FORMAT = 1
 MAX_MANIFEST_BYTES = 16 << 20
 """A manifest file larger than this is not one of ours (read no further)."""
@@ -79,6 +81,25 @@ def unpublish(directory: Path, *, fsync: bool) -> None:
         os.unlink(directory / MANIFEST_FILE)
         if fsync:
             fsync_dir(directory)
+
+
+def mark_pinned(directory: Path, pinned: bool, *, fsync: bool) -> None:
+    """Create or remove ``directory``'s pin marker (durably when ``fsync``)."""
+    path = directory / PIN_FILE
+    if pinned:
+        _write_file(path, b"", fsync)
+    else:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return
+    if fsync:
+        fsync_dir(directory)
+
+
+def is_marked_pinned(directory: Path) -> bool:
+    """Whether ``directory`` holds a pin marker."""
+    return (directory / PIN_FILE).is_file()
 
 
 def read_manifest(directory: Path) -> Manifest:

@@ -321,11 +321,28 @@ class KVStore:
 
     def pin(self, prefix_id: str) -> None:
         """Exempt a committed prefix from eviction; PrefixNotFound otherwise."""
-        self._meta.pin(check_prefix_id(prefix_id))
+        d = self.prefix_dir(check_prefix_id(prefix_id))
+        with self.prefill_lock(prefix_id):
+            # The marker first: a crash in between leaves it pinned on disk, which recovery honours (the
+            # safe side: an operator unpins again; a lost pin could let eviction delete it).
+            if d.is_dir():
+                disk_record.mark_pinned(d, True, fsync=self.config.fsync)
+            try:
+                self._meta.pin(prefix_id)
+            except BaseException:
+                if d.is_dir():
+                    disk_record.mark_pinned(d, False, fsync=self.config.fsync)
+                raise
 
     def unpin(self, prefix_id: str) -> bool:
         """Make a prefix evictable again; False when it was not pinned."""
-        return self._meta.unpin(check_prefix_id(prefix_id))
+        d = self.prefix_dir(check_prefix_id(prefix_id))
+        with self.prefill_lock(prefix_id):
+            was = self._meta.unpin(prefix_id)
+            marked = d.is_dir() and disk_record.is_marked_pinned(d)
+            if marked:
+                disk_record.mark_pinned(d, False, fsync=self.config.fsync)
+            return was or marked
 
     def usage_of(self, prefix_id: str) -> PrefixUsage | None:
         """Accounting of one prefix (bytes, last use, pinned, live leases), or None when not committed."""

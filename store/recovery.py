@@ -157,7 +157,14 @@ def _register(store: StoreRoom, directory: Path) -> Problem | None:
     except InvalidRecord as e:
         return Problem(kind=ORPHAN, name=directory.name, detail=str(e))
     store._meta.commit(m, artifacts)
+    _restore_pin(store, directory)
     return Problem(kind=UNREGISTERED, name=directory.name, detail="registered from its directory", fixed=True)
+
+
+def _restore_pin(store: StoreRoom, directory: Path) -> None:
+    """Pin a just-registered prefix again when its directory says it was pinned."""
+    if disk_record.is_marked_pinned(directory):
+        store._meta.pin(directory.name)
 
 
 def recover(store: StoreRoom) -> CheckReport:
@@ -230,6 +237,7 @@ def _check_unregistered(store: StoreRoom, d: Path, repair: bool, hash_pages: boo
         return Problem(kind=CORRUPT, name=d.name, detail=f"{bad} (not registered)", fixed=repair)
     if repair:
         store._meta.commit(m, artifacts)
+        _restore_pin(store, d)
     return Problem(kind=UNREGISTERED, name=d.name, detail="committed directory the metadata does not list",
                    fixed=repair)
 

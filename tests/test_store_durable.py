@@ -90,6 +90,31 @@ def test_deleted_lmdb_is_rebuilt_from_disk(tmp_path: Path) -> None:
     store.close()
 
 
+@pytest.mark.parametrize("backend", ["lmdb", "redis"])
+def test_pins_survive_metadata_loss(tmp_path: Path, backend: str, request: pytest.FixtureRequest) -> None:
+    """A pinned prefix is pinned again after its metadata is rebuilt from disk; an unpinned one is not."""
+    url = request.getfixturevalue("redis_server").url if backend == "redis" else None
+    cfg = _cfg(tmp_path / "home", metadata_url=url)
+    store = KVStore(cfg)
+    ids = list(_fill(store, 3))
+    store.pin(ids[0])
+    store.pin(ids[1])
+    assert store.unpin(ids[1])
+    store.close()
+    if url is None:
+        shutil.rmtree(tmp_path / "home" / "meta")
+    else:
+        client = redis.Redis.from_url(url)
+        client.flushall()
+        client.close()
+    store = KVStore(cfg)
+    assert sorted(m.prefix_id for m in store.list_prefixes()) == sorted(ids)
+    assert [store.usage_of(pid).pinned for pid in ids] == [True, False, False]  # type: ignore[union-attr]
+    assert set(store.evict_to(0).evicted) == set(ids[1:]) and store.find(ids[0]) is not None
+    assert store.unpin(ids[0]) and not store.unpin(ids[0])
+    store.close()
+
+
 @pytest.mark.parametrize("damage", ["truncated", "not_lmdb"])
 def test_damaged_lmdb_is_moved_aside_and_rebuilt_without_a_crash(tmp_path: Path, damage: str) -> None:
     home = tmp_path / "home"
