@@ -8,7 +8,8 @@ steps):
 
 - ``full, resident``: exact attention over each prefix's K/V read once into device memory (dense);
 - ``quest, host warm, device-planned``: Quest at ``--budget``, pages fetched per step from the pinned
-  host tier (the prefix warmed when the generation opens), fetches planned on the device;
+  host tier (the prefix warmed when the generation opens), fetches planned on the device; each layer's
+  select + fetch + attend replayed from a CUDA graph, and the same eager;
 - ``quest, SSD cold``: the same with nothing warm: pages from the page files per step.
 
 Printed: per-generation ms per token (median step after the query's forward), decode tokens per
@@ -24,11 +25,13 @@ another batch size round differently, so on a GPU a random-weight model's near-t
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -46,6 +49,7 @@ from bench.common import (  # noqa: E402
 )
 from store.config import StoreConfig  # noqa: E402
 from store.kvstore import KVStore  # noqa: E402
+from workers.decode_batch import EngineConfig  # noqa: E402
 from workers.engine import Worker  # noqa: E402
 from workers.model import LoadedModel  # noqa: E402
 from workers.offload import OffloadConfig  # noqa: E402
@@ -54,18 +58,26 @@ from workers.requests import DecodeConfig, GenerationStats, SamplingParams  # no
 QUERY = " What does the text say about the river?"
 
 
-def rows(gpu_cache_bytes: int, host_bytes: int) -> list[Row]:
+@dataclass(frozen=True)
+class EngineRow(Row):
+    graphs: bool = True
+    """``EngineConfig.cuda_graphs``: fixed-shape prefix steps replayed from CUDA graphs."""
+
+
+def rows(gpu_cache_bytes: int, host_bytes: int) -> list[EngineRow]:
     """The configurations compared (see the module docstring); the first is the dense baseline."""
     base = {"gpu_cache_bytes": gpu_cache_bytes, "host_cache_bytes": host_bytes}
+    warm = OffloadConfig(**base, warm_host_fraction=1.0, device_plan="auto")
     return [
-        Row("full, resident (dense)", "full", None),
-        Row("quest, host warm, device-planned", "quest",
-            OffloadConfig(**base, warm_host_fraction=1.0, device_plan="auto")),
-        Row("quest, SSD cold (fetcher)", "quest", OffloadConfig(**base, warm_host_fraction=0.0, device_plan="off")),
+        EngineRow("full, resident (dense)", "full", None),
+        EngineRow("quest, host warm, device-planned, CUDA graphs", "quest", warm),
+        EngineRow("quest, host warm, device-planned, eager", "quest", warm, graphs=False),
+        EngineRow("quest, SSD cold (fetcher)", "quest", OffloadConfig(**base, warm_host_fraction=0.0,
+                                                                      device_plan="off")),
     ]
 
 
-def run_together(worker: Worker, pids: list[str], row: Row, budget: float,
+def run_together(worker: Worker, pids: list[str], row: EngineRow, budget: float,
                  n: int) -> tuple[list[GenerationStats], float]:
     """Generations over ``pids`` at once (one thread pulls each in turn: every step serves all);
     returns their stats and the wall seconds of the whole batch."""
@@ -85,17 +97,19 @@ def run_together(worker: Worker, pids: list[str], row: Row, budget: float,
     return stats, time.perf_counter() - t0
 
 
-def measure(store: KVStore, lm: LoadedModel, pids: list[str], row: Row, budget: float, n: int) -> dict:
+def measure(store: KVStore, lm: LoadedModel, pids: list[str], row: EngineRow, budget: float, n: int) -> dict:
     """One row at batch 1 and at ``len(pids)``: ms per token and tokens per second (fresh worker each)."""
     cold = row.offload is not None and row.offload.warm_host_fraction == 0
     out: dict = {"name": row.name, "method": row.method}
     for label, group in (("b1", pids[:1]), ("bn", pids)):
         if cold:
             drop_os_cache()
-        worker = Worker(store, lm, progress=False, offload=row.offload)
+        worker = Worker(store, lm, progress=False, offload=row.offload, engine=EngineConfig(cuda_graphs=row.graphs))
         run_together(worker, group[:1], row, budget, 2)  # warm-up: kernels, allocator
         stats, wall = run_together(worker, group, row, budget, n)
         steady = [t for st in stats for t in st.step_seconds[1:]]
+        del worker  # its pinned host tier goes before the next worker pins one
+        gc.collect()
         out[label] = {"ms_per_token": 1e3 * statistics.median(steady),
                       "tokens_per_s": sum(st.new_tokens for st in stats) / wall,
                       "decode_tokens_per_s": len(group) / statistics.median(steady),

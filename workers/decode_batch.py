@@ -51,6 +51,10 @@ class EngineConfig:
     fewest (1: every tenant gets the same tokens per step). A step costs more the more it serves, so
     without the bound one tenant's flood of generations would slow every other tenant's steps."""
 
+    cuda_graphs: bool = True
+    """On a CUDA device, replay each generation's fixed-shape prefix steps (Quest under a budget, over a warm
+    or resident prefix) from per-layer CUDA graphs instead of launching their kernels one by one."""
+
     def __post_init__(self) -> None:
         if self.max_batch < 1:
             raise ValueError("max_batch must be >= 1")

@@ -18,7 +18,7 @@ from store.manifest import Manifest
 from store.prefix_key import PrefixKey, tenant_salt, token_hash
 from workers.attention import PrefixAttention
 from workers.decode_batch import DecodeEngine, EngineConfig, Generation
-from workers.methods.base import ReportsReads
+from workers.methods.base import ReportsReads, UsesCudaGraphs
 from workers.methods.registry import build_summarizers, get_method, prefill_summarizers
 from workers.methods.source import PrefixSource
 from workers.model import LoadedModel
@@ -189,6 +189,8 @@ class Worker:
                 fast = FastOpen(source.fetcher, self.offload)  # warms the host tier (in the background)
                 source.device_cache, source.switch = fast.device_cache, fast.poll
             attn = impl.open(source, decode or DecodeConfig())
+            if self.engine.config.cuda_graphs and isinstance(attn, UsesCudaGraphs):
+                attn.use_cuda_graphs()
             gen = self._generation(attn, source, q_ids, params, min(room, params.max_new_tokens),
                                    stats if stats is not None else GenerationStats(), tenant)
         except BaseException:

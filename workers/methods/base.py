@@ -49,6 +49,15 @@ class ReportsReads(Protocol):
         ...
 
 
+@runtime_checkable
+class UsesCudaGraphs(Protocol):
+    """A ``PrefixAttention`` that can replay its fixed-shape decode steps from CUDA graphs."""
+
+    def use_cuda_graphs(self) -> None:
+        """Capture and replay its decode steps from now on (where they have fixed shapes)."""
+        ...
+
+
 class Summarizer(abc.ABC):
     """Prefill-time summary of each layer's K/V (stored as the artifact ``name``)."""
 

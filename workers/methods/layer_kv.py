@@ -98,6 +98,11 @@ class LayerKV(abc.ABC):
     def set_extra(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Per-head extra entries ``[Hkv, M, D]`` (Double-P centroids) every later step can attend."""
 
+    def graph_key(self, n_pages: int) -> object | None:
+        """What a CUDA graph of a single-row ``step_pages`` of ``n_pages`` pages depends on, or None when such a
+        step cannot be captured now (it would do host work: a fetch from the host tier's reader or SSD)."""
+        return None
+
     @abc.abstractmethod
     def step_pages(self, pages: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Make whole pages ``[Hkv, n]`` (ids per head, unique per head) attendable for a single-row step:
@@ -133,6 +138,10 @@ class ResidentKV(LayerKV):
         """Append the extra entries after each head's tokens."""
         self._pools = (torch.cat([self.k, k.to(self.dtype)], 1), torch.cat([self.v, v.to(self.dtype)], 1))
         self._n_extra = k.shape[1]
+
+    def graph_key(self, n_pages: int) -> object | None:
+        """Always capturable on a CUDA device: the pools are the resident layer."""
+        return ("resident", id(self)) if self.device.type == "cuda" else None
 
     def step_pages(self, pages: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Pages are rows of the resident layer already."""
@@ -182,6 +191,13 @@ class FetchedKV(LayerKV):
         """Store the entries in the layer's GPU page cache, after its page slots."""
         self.fetcher.set_extra_rows(self.layer, k.to(self.dtype), v.to(self.dtype))
         self._extra = True
+
+    def graph_key(self, n_pages: int) -> object | None:
+        """Capturable once the device-planned cache serves this layer's steps (the prefix is warm)."""
+        dc = self._device_cache()
+        if dc is None or self._extra or n_pages > dc.pages_per_call or self.device.type != "cuda":
+            return None
+        return ("device_plan", id(dc))
 
     def step_pages(self, pages: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Through the device-planned cache when it can take them (no host work, no sync), else the fetcher."""

@@ -32,6 +32,7 @@ from workers.methods.phi_maps import FeatureMap
 from workers.methods.reads import KV_ONCE, ReadCounter, mark_tokens
 from workers.methods.selector import LayerContext, Selection, Selector
 from workers.methods.source import PrefixSource
+from workers.methods.step_graphs import StepGraphs, run_graphed
 from workers.offload.device_plan import DevicePageCache
 from workers.offload.fetcher import PageFetcher
 from workers.requests import DecodeConfig
@@ -102,6 +103,13 @@ class SparsePrefixAttention:
         self._ctx: dict[int, tuple[LayerContext, torch.Tensor | None]] = {}
         self._plans: dict[int, PagePlan] = {}
         self._step = -1
+        self.graphs: StepGraphs | None = None
+        """CUDA graphs of the fixed-shape single-row steps (None: every step eager)."""
+
+    def use_cuda_graphs(self) -> None:
+        """Replay fixed-shape decode steps from per-layer CUDA graphs (on a CUDA device; see ``step_graphs``)."""
+        if self.source.device.type == "cuda":
+            self.graphs = StepGraphs()
 
     def read_report(self) -> ReadReport:
         """Reads made so far (per step and one-time)."""
@@ -145,6 +153,22 @@ class SparsePrefixAttention:
         rows = q.permute(0, 2, 1, 3).reshape(b * l, hq, d)
         chunk = max(1, ROW_ELEMS // max(1, hq * n))
         outs, lses, pseudo = [], [], []
+        plan = self._plans.get(layer)
+        key = None
+        if rows.shape[0] == 1 and self.graphs is not None and plan is not None and ebias is None:
+            key = ctx.kv.graph_key(plan.n_pages + plan.anchor_pages.shape[1])
+        if key is not None:  # a fixed-shape decode step: replayed from the layer's CUDA graph
+            assert self.graphs is not None and plan is not None
+            n_anchor = ctx.anchors.numel() * hkv
+
+            def step(r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                sel, o, s = self._attend_pages(layer, ctx, plan, r, scale)
+                assert sel.n_distinct is not None
+                return o, s, sel.n_distinct + n_anchor
+
+            o, s, n_read = run_graphed(self.graphs, layer, key, rows, step)
+            self.counter.add_layer(n_read, rows.shape[0] * hq if self.completion is not None else 0)
+            return o.reshape(b, l, hq, d).permute(0, 2, 1, 3), s.reshape(b, l, hq).permute(0, 2, 1)
         if rows.shape[0] == 1:  # a decode step: one row's tokens need no marking to be counted
             sel, o, s = self._attend_rows(layer, ctx, ebias, rows, scale)
             outs, lses = [o], [s]
