@@ -60,6 +60,8 @@ QUERY = " What does the text say about the river?"
 
 @dataclass(frozen=True)
 class EngineRow(Row):
+    key: str = ""
+    """Short name for ``--rows``."""
     graphs: bool = True
     """``EngineConfig.cuda_graphs``: fixed-shape prefix steps replayed from CUDA graphs."""
 
@@ -69,11 +71,11 @@ def rows(gpu_cache_bytes: int, host_bytes: int) -> list[EngineRow]:
     base = {"gpu_cache_bytes": gpu_cache_bytes, "host_cache_bytes": host_bytes}
     warm = OffloadConfig(**base, warm_host_fraction=1.0, device_plan="auto")
     return [
-        EngineRow("full, resident (dense)", "full", None),
-        EngineRow("quest, host warm, device-planned, CUDA graphs", "quest", warm),
-        EngineRow("quest, host warm, device-planned, eager", "quest", warm, graphs=False),
+        EngineRow("full, resident (dense)", "full", None, key="dense"),
+        EngineRow("quest, host warm, device-planned, CUDA graphs", "quest", warm, key="graphs"),
+        EngineRow("quest, host warm, device-planned, eager", "quest", warm, key="eager", graphs=False),
         EngineRow("quest, SSD cold (fetcher)", "quest", OffloadConfig(**base, warm_host_fraction=0.0,
-                                                                      device_plan="off")),
+                                                                      device_plan="off"), key="cold"),
     ]
 
 
@@ -101,7 +103,7 @@ def measure(store: KVStore, lm: LoadedModel, pids: list[str], row: EngineRow, bu
     """One row at batch 1 and at ``len(pids)``: ms per token and tokens per second (fresh worker each)."""
     cold = row.offload is not None and row.offload.warm_host_fraction == 0
     out: dict = {"name": row.name, "method": row.method}
-    for label, group in (("b1", pids[:1]), ("bn", pids)):
+    for label, group in (("b1", pids[:1]), ("bn", pids)) if len(pids) > 1 else (("b1", pids),):
         if cold:
             drop_os_cache()
         worker = Worker(store, lm, progress=False, offload=row.offload, engine=EngineConfig(cuda_graphs=row.graphs))
@@ -117,6 +119,7 @@ def measure(store: KVStore, lm: LoadedModel, pids: list[str], row: EngineRow, bu
                       "read_fraction": sum(st.bytes_fetched for st in stats)
                       / max(1, sum(st.bytes_full for st in stats)),
                       "tokens": [st.token_ids for st in stats]}
+    out.setdefault("bn", out["b1"])
     out["same_tokens"] = out["bn"]["tokens"][0] == out["b1"]["tokens"][0]
     return out
 
@@ -131,6 +134,9 @@ def main() -> None:
     p.add_argument("--gpu-cache-mb", type=int, default=4096)
     p.add_argument("--host-cache-mb", type=int, default=32768)
     p.add_argument("--home", type=Path, default=None, help="store directory (default: a temp dir)")
+    p.add_argument("--full-mlp", action="store_true", help="Llama-3.1-8B's MLP width (14336) too, not 4096")
+    p.add_argument("--rows", default="dense,graphs,eager,cold",
+                   help="comma-separated rows to run (dense always runs: the ratios are to it)")
     p.add_argument("--quick", action="store_true", help="tiny shape on the CPU (smoke run)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
@@ -140,7 +146,7 @@ def main() -> None:
         args.ctx, args.tokens, args.batch = 1500, 6, 3
         args.gpu_cache_mb, args.host_cache_mb = 64, 256
     else:
-        spec = llama8b_attention_spec(args.layers, args.ctx + 1024)
+        spec = llama8b_attention_spec(args.layers, args.ctx + 1024, intermediate_size=14336 if args.full_mlp else 4096)
     work = Path(tempfile.mkdtemp(prefix="kvstash-bench-"))
     lm = load_random_model(spec, work)
     store = KVStore(StoreConfig(home=args.home or work / "home", page_size=16))
@@ -152,7 +158,10 @@ def main() -> None:
           f"{spec.n_heads}/{spec.n_kv_heads} heads; {args.batch} prefixes of {args.ctx} tokens; prefill+write "
           f"{prefill_s:.1f} s each", flush=True)
     results = []
+    wanted = {"dense", *args.rows.split(",")}
     for row in rows(args.gpu_cache_mb << 20, args.host_cache_mb << 20):
+        if row.key not in wanted:
+            continue
         r = measure(store, lm, pids, row, args.budget, args.tokens)
         results.append(r)
         print(f"  {row.name}: batch 1 {r['b1']['ms_per_token']:.2f} ms/token; batch {args.batch} "
