@@ -90,7 +90,7 @@ def decay_scan(x: torch.Tensor, g: torch.Tensor, cu_seqlens: torch.Tensor | None
         use_triton = x.is_cuda and triton_available()
     if not use_triton:
         return decay_scan_ref(x, g, cu_seqlens, h0)
-    return _DecayScan.apply(x, g, cu_seqlens, h0, config)  # type: ignore[no-any-return]
+    return _DecayScan.apply(x, g, cu_seqlens, h0, config)
 
 
 class _DecayScan(torch.autograd.Function):
