@@ -17,6 +17,7 @@ METHOD_HELP = {
     "full": "exact attention over every prefix token (reads it all; ignores --budget)",
     "topk": "sink/tail anchors + the top-k prefix tokens by attention score",
     "quest": "sink/tail anchors + the pages whose key bounds score highest (Quest)",
+    "moba": "sink/tail anchors + the 64-token blocks whose mean key scores highest (MoBA)",
     "doublep": "sink/tail anchors + hierarchical top-p over key clusters (adaptive without --budget)",
     "topk+phi": "topk, plus a feature-map estimate of the tokens it does not read",
     "quest+phi": "quest, plus a feature-map estimate of the pages it does not read",

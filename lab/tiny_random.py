@@ -79,3 +79,24 @@ def build_tiny_llama(path: Path, spec: TinyLlamaSpec | None = None) -> Path:
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def build_tiny_rat(path: Path, spec: TinyLlamaSpec | None = None, *, gate_std: float = 0.5) -> Path:
+    """A tiny random RAT+ model (``workers.ratplus``): the tiny Llama's weights and random memory gates (weights
+    ``N(0, gate_std)``, biases ``N(0, 1)``: gates anywhere in (0, 1)), saved like any user's model."""
+    from workers.ratplus import RatConfig, RatForCausalLM
+
+    spec = spec or TinyLlamaSpec()
+    plain = build_tiny_llama(path / "_plain", spec)
+    fields = {k: v for k, v in LlamaConfig.from_pretrained(plain).to_dict().items()
+              if k not in ("model_type", "architectures", "transformers_version")}
+    model = RatForCausalLM.from_pretrained(plain, config=RatConfig(**fields)).eval()
+    g = torch.Generator().manual_seed(spec.seed + 1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gate = layer.self_attn.memory_gate
+            gate.weight.copy_(torch.randn(gate.weight.shape, generator=g) * gate_std)
+            gate.bias.copy_(torch.randn(gate.bias.shape, generator=g))
+    model.save_pretrained(path)
+    byte_level_tokenizer().save_pretrained(path)
+    return path

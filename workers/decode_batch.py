@@ -29,6 +29,7 @@ from store.errors import Cancelled
 from workers.attention import STEP_KWARG, PrefixAttention
 from workers.model import LoadedModel
 from workers.own_kv import OwnKV
+from workers.ratplus import MEMORY_KWARG, has_decaying_memory
 from workers.requests import GenerationStats
 from workers.sampling import Sampler
 from workers.step_batch import Segment, SegmentFailed, StepBatch
@@ -110,6 +111,8 @@ class DecodeEngine:
         """Notified when a step ends (``close`` waits for the step that may be using its generation)."""
         self._running: deque[Generation] = deque()
         self._stepping = False
+        self._memory = has_decaying_memory(lm.model.config)
+        """Whether the model continues a decaying memory (its step also gets the segments' states)."""
 
     def start(self, gen: Generation) -> None:
         """Join the next step."""
@@ -230,10 +233,12 @@ class DecodeEngine:
         t0 = time.perf_counter()
         try:
             with self.turn():
+                step = StepBatch(segments)
+                hooks: dict[str, object] = {STEP_KWARG: step, **({MEMORY_KWARG: step} if self._memory else {})}
                 out = self.lm.model(input_ids=torch.tensor([ids], device=dev),
                                     position_ids=torch.tensor([positions], device=dev),
                                     use_cache=False, logits_to_keep=torch.tensor(rows, dtype=torch.long, device=dev),
-                                    **{STEP_KWARG: StepBatch(segments)})
+                                    **hooks)
                 logits = out.logits[0].float()
                 sampled = [g for g, s in zip(members, segments, strict=True) if s.end - s.start == len(g.pending)]
                 tokens = [g.sampler(logits[i]) for i, g in enumerate(sampled)]  # syncs: the step is done

@@ -28,6 +28,7 @@ from workers.offload.summaries import SummaryCache
 from workers.own_kv import FIRST_STEPS, OwnKV
 from workers.prefill import DEFAULT_CHUNK, prefill_kv
 from workers.progress import PrefillProgress
+from workers.ratplus import has_decaying_memory
 from workers.requests import DecodeConfig, GenerationStats, SamplingParams
 from workers.sampling import Sampler
 from workers.textstream import TextStream
@@ -202,6 +203,8 @@ class Worker:
                     max_new: int, stats: GenerationStats, tenant: str) -> Generation:
         lm, lay = self.lm, self.lm.layout
         own = OwnKV(lay, len(q_ids) + max_new, lm.device, lm.model.dtype, initial=len(q_ids) + FIRST_STEPS)
+        if has_decaying_memory(lm.model.config):  # its first own token continues the prefix's memory state
+            own.seed = source.last_token_kv().to(lm.model.dtype)
         stats.prompt_tokens, stats.finish_reason = len(q_ids), "length"
         text = TextStream(lm.tokenizer, params.stop or lm.prompt.stop)
         return Generation(prefix=attn, own=own, pending=list(q_ids), position=source.n_tokens,

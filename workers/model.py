@@ -15,6 +15,7 @@ from workers.fingerprint import model_fingerprint
 from workers.methods.phi_maps import FeatureMap, load_feature_map
 from workers.model_source import hub_offline
 from workers.prompt import PromptFormat
+from workers.ratplus import register_rat
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -55,6 +56,7 @@ def load_model(name_or_path: str, *, device: str = "cpu", dtype: str = "auto", p
                progress: bool = True) -> LoadedModel:
     """Load a causal LM and its tokenizer through ``from_pretrained`` and describe its KV layout."""
     register_attention()
+    register_rat()  # RAT+ checkpoints (model_type "kvstash_rat") load from our own code, never remote code
     if not progress:
         hf_logging.disable_progress_bar()
     torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)

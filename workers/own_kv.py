@@ -32,6 +32,9 @@ class OwnKV:
         size = min(capacity, max(1, initial if initial is not None else capacity))
         self._buf = torch.empty((layout.n_layers, 2, layout.n_kv_heads, size, layout.head_dim), device=device,
                                 dtype=dtype)
+        self.seed: torch.Tensor | None = None
+        """``[layers, 2, kv_heads, head_dim]``: the prefix's last stored K, V, which a model with a decaying
+        memory continues from before its first own token (None: zeros)."""
 
     @property
     def nbytes(self) -> int:
@@ -58,6 +61,16 @@ class OwnKV:
         # Every layer's committed tokens (and anything a step wrote before growing) move over.
         new[:, :, :, : self._buf.shape[3]].copy_(self._buf)
         self._buf = new
+
+    def last(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V ``[kv_heads, head_dim]`` of the last committed own token, else ``seed``'s (zeros without one)."""
+        if self.length > 0:
+            kv = self._buf[layer, :, :, self.length - 1]
+        elif self.seed is not None:
+            kv = self.seed[layer]
+        else:
+            kv = self._buf.new_zeros(self._buf.shape[1:3] + self._buf.shape[4:])
+        return kv[0], kv[1]
 
     def commit(self, n: int) -> None:
         """A step that wrote ``n`` tokens in every layer completed."""

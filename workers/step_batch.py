@@ -44,6 +44,15 @@ class StepBatch:
     def __init__(self, segments: list[Segment]):
         self.segments = segments
 
+    def memory_segments(self, layer: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """For a model with a decaying memory (``workers.ratplus.MemorySegments``): the segments' bounds and the
+        K, V ``[S, Hkv, D]`` each continues from (its last own token, else its prefix's last token)."""
+        states = [s.own.last(layer) for s in self.segments]
+        bounds = [0] + [s.end for s in self.segments]
+        if any(s.start != b for s, b in zip(self.segments, bounds, strict=False)):
+            raise ValueError("packed segments must be contiguous from 0")
+        return bounds, torch.stack([k for k, _ in states]), torch.stack([v for _, v in states])
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q ``[1, Hq, T, D]``, k, v ``[1, Hkv, T, D]`` of the packed tokens -> out ``[1, Hq, T, D]`` (q's dtype)."""
         out = torch.empty_like(q)

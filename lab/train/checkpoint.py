@@ -8,7 +8,9 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
+
+from lab.train.config import ModelConfig
 
 STATE_FILE = "state.pt"
 TRAINER_STATE = "trainer_state.json"
@@ -54,9 +56,20 @@ def stage_history(src: Path | None) -> list[dict]:
     return [*data.get("history", []), {"step": data["step"], "train_config": data["train_config"]}]
 
 
-def load_export(src: Path) -> tuple[LlamaForCausalLM, int]:
-    """An exported model in float32, and the step it was exported at."""
-    model = LlamaForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="sdpa")
+def load_export(src: Path, memory: ModelConfig | None = None) -> tuple[LlamaForCausalLM, int]:
+    """An exported model in float32, and the step it was exported at. With ``memory`` (a model config with
+    ``memory_max_length``) a plain export becomes RAT+: its weights, plus memory gates at their init."""
+    from workers.ratplus import RatConfig, RatForCausalLM, has_decaying_memory
+
+    config = AutoConfig.from_pretrained(src)
+    model: LlamaForCausalLM
+    if memory is not None and memory.memory_max_length is not None and not has_decaying_memory(config):
+        fields = {k: v for k, v in config.to_dict().items()
+                  if k not in ("model_type", "architectures", "transformers_version", "dtype")}
+        rat = RatConfig(**fields, memory_max_length=memory.memory_max_length, memory_gate_bias=memory.memory_gate_bias)
+        model = RatForCausalLM.from_pretrained(src, config=rat, dtype=torch.float32, attn_implementation="sdpa")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="sdpa")  # type: ignore[assignment]
     return model, export_step(src)
 
 

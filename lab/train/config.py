@@ -24,14 +24,27 @@ class ModelConfig:
     """Longest sequence the config declares (RoPE itself has no hard limit)."""
     rms_norm_eps: float = 1e-5
     initializer_range: float = 0.02
+    memory_max_length: float | None = None
+    """None: a plain Llama. Else RAT+ (``workers.ratplus``): a decaying memory over keys and values in every
+    layer, with this longest effective length."""
+    memory_gate_bias: float = -3.0
+    """RAT+ only: the memory gates' initial logit (near-plain start; see ``RatConfig``)."""
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
 
     def to_llama(self, pad_id: int, bos_id: int, eos_id: int) -> LlamaConfig:
-        """The transformers LlamaConfig (tied embeddings, no biases)."""
-        return LlamaConfig(
+        """The transformers config (tied embeddings, no biases): a ``RatConfig`` when the model has memory."""
+        cls: type[LlamaConfig] = LlamaConfig
+        extra: dict[str, Any] = {}
+        if self.memory_max_length is not None:
+            from workers.ratplus import RatConfig
+
+            cls, extra = RatConfig, {"memory_max_length": self.memory_max_length,
+                                     "memory_gate_bias": self.memory_gate_bias}
+        return cls(
+            **extra,
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
@@ -147,6 +160,8 @@ class TrainConfig:
     agg_weight: float | None = None
     """None: aggregation answers are ordinary answer tokens. A number: they get their own mean
     cross-entropy, added with this weight (see `objective.compute_loss`)."""
+    memory_lr_scale: float = 10.0
+    """Learning-rate multiplier of the RAT+ memory gates (new parameters; the paper: 10× the others)."""
     seed: int = 0
     checkpoint_every: int = 200
     log_every: int = 20
@@ -214,11 +229,20 @@ AGGREGATION_FINETUNE = TrainConfig(
     steps=2400,
 )
 
+COMPARE_FINETUNE = replace(AGGREGATION_FINETUNE, mix=COMPARE_MIX, steps=2000)
+
+CONTINUED = replace(COMPARE_FINETUNE, lr=1.5e-4, warmup_steps=40, steps=2000)
+"""Continued training of the shipped model (issue 17: RAT+ and its plain baseline): stage 3's data mix and
+curriculum; lr a tenth of stage 1's peak with 2% warm-up (the paper's OLMo2 recipe, scaled), the memory
+gates at ``memory_lr_scale`` × that."""
+
 PRESETS: dict[str, TrainConfig] = {
     "base": TrainConfig(),
     "aggregation": AGGREGATION_FINETUNE,
-    "compare": replace(AGGREGATION_FINETUNE, mix=COMPARE_MIX, steps=2000),
+    "compare": COMPARE_FINETUNE,
+    "continued": CONTINUED,
 }
 """Named recipes: `base` trains from scratch; `aggregation` fine-tunes exported weights (`--init`)
 for `steps` more steps on an aggregation-heavy mix at short lengths first; `compare` is the same
-recipe with half of the aggregation rows the query-dependent word comparison."""
+recipe with half of the aggregation rows the query-dependent word comparison; `continued` is the
+RAT+ / plain continued training (`lab.train.continued`)."""

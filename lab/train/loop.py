@@ -31,11 +31,20 @@ def lr_at(cfg: TrainConfig, step: int, restart: int | None = None) -> float:
     return cfg.lr * warm * cosine
 
 
+MEMORY_PARAMS = "memory_gate."
+"""Name part of the RAT+ memory gates' parameters (trained at ``memory_lr_scale`` × the learning rate)."""
+
+
 def make_optimizer(cfg: TrainConfig, model) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    rest = [p for p in model.parameters() if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    """AdamW with weight decay on matrices only; the memory gates (RAT+) in groups of their own learning rate."""
+    named = list(model.named_parameters())
+    groups = []
+    for memory in (False, True):
+        mine = [p for n, p in named if (MEMORY_PARAMS in n) == memory]
+        scale = cfg.memory_lr_scale if memory else 1.0
+        groups += [{"params": [p for p in mine if p.ndim >= 2], "weight_decay": cfg.weight_decay, "lr_scale": scale},
+                   {"params": [p for p in mine if p.ndim < 2], "weight_decay": 0.0, "lr_scale": scale}]
+    groups = [g for g in groups if g["params"]]
     fused = next(model.parameters()).is_cuda
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=fused)
 
@@ -49,7 +58,7 @@ def restore(cfg: TrainConfig, out: Path, init: Path | None, tokenizer, device: s
         model.load_state_dict(state["model"])
         step = state["step"]
     elif init is not None:
-        model, step = ckpt.load_export(init)
+        model, step = ckpt.load_export(init, cfg.model)
         restart = step
     else:
         model, step = build_model(cfg.model, tokenizer, cfg.seed), 0
@@ -69,8 +78,10 @@ def train(
     time_budget: float = math.inf,
     export_to: Path | None = None,
     device: str | None = None,
+    stop_at: int | None = None,
 ) -> list[dict]:
-    """Train from where `out` left off until `cfg.steps` or `time_budget` seconds; returns the log."""
+    """Train from where `out` left off until `cfg.steps` (or `stop_at`, keeping `cfg`'s schedule) or
+    `time_budget` seconds; returns the log."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = True
     model, opt, step, restart = restore(cfg, out, init, tokenizer, device)
@@ -81,7 +92,7 @@ def train(
     for batch in loader(cfg, tokenizer, step, pin=device == "cuda"):
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         for group in opt.param_groups:
-            group["lr"] = lr_at(cfg, step, restart)
+            group["lr"] = lr_at(cfg, step, restart) * group.get("lr_scale", 1.0)
         with autocast:
             parts = compute_loss(model, batch, cfg.lm_weight, cfg.agg_weight)
         parts.loss.backward()
@@ -112,7 +123,7 @@ def train(
                 f.write(json.dumps(rec) + "\n")
         if step % cfg.checkpoint_every == 0:
             ckpt.save_state(out, model, opt, step, cfg.to_dict())
-        if time.time() - t0 > time_budget:
+        if time.time() - t0 > time_budget or (stop_at is not None and step >= stop_at):
             break
     ckpt.save_state(out, model, opt, step, cfg.to_dict())
     if export_to is not None:

@@ -13,10 +13,15 @@ from lab.train.encode import AGGREGATE, ANSWER, LM
 
 
 def build_model(cfg: ModelConfig, tokenizer, seed: int) -> LlamaForCausalLM:
-    """A freshly initialized Llama for `tokenizer`'s special ids, using SDPA attention."""
+    """A freshly initialized Llama (RAT+ when `cfg` has memory) for `tokenizer`'s special ids, using SDPA."""
     torch.manual_seed(seed)
     config = cfg.to_llama(tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id)
     config._attn_implementation = "sdpa"
+    if cfg.memory_max_length is not None:
+        from workers.ratplus import RatConfig, RatForCausalLM
+
+        assert isinstance(config, RatConfig)
+        return RatForCausalLM(config)
     return LlamaForCausalLM(config)
 
 

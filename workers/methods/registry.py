@@ -6,6 +6,7 @@ from store.errors import UnknownMethod
 from workers.methods.base import Method, Summarizer
 from workers.methods.doublep import DoubleP, DoublePPhi
 from workers.methods.full import FullAttention
+from workers.methods.moba import Moba
 from workers.methods.phi import PhiSummarizer
 from workers.methods.phi_maps import FeatureMap
 from workers.methods.quest import Quest, QuestPhi
@@ -18,6 +19,7 @@ METHODS: dict[str, type[Method]] = {
         FullAttention,
         TopK,
         Quest,
+        Moba,
         DoubleP,
         TopKPhi,
         QuestPhi,

@@ -10,6 +10,7 @@ from store.artifacts import bytes_to_tensors
 from store.kvstore import KVStore
 from store.layout import KVLayout
 from store.manifest import Manifest
+from store.pages import unpack_pages
 from workers.methods.layer_kv import FetchedKV, LayerKV, ResidentKV
 from workers.offload.device_plan import DevicePageCache
 from workers.offload.fetcher import PageFetcher
@@ -54,6 +55,23 @@ class PrefixSource:
         k, v = self.store.read_layer(self.manifest.prefix_id, layer, manifest=self.manifest, verify=self.verify)
         self.bytes_read += 2 * k.numel() * k.element_size()
         return k.to(self.device), v.to(self.device)
+
+    def last_token_kv(self) -> torch.Tensor:
+        """``[layers, 2, kv_heads, head_dim]`` on the device: every layer's K and V of the prefix's last token
+        (one page per layer and KV head read, checked like any page)."""
+        lay, m = self.layout, self.manifest
+        page, row = divmod(m.n_tokens - 1, lay.page_size)
+        crcs = self.store.page_crcs(m.prefix_id, m) if self.verify else None
+        raw = torch.empty(lay.n_kv_heads, lay.page_bytes, dtype=torch.uint8)
+        out = torch.empty(lay.n_layers, 2, lay.n_kv_heads, lay.head_dim, dtype=lay.torch_dtype)
+        for layer in range(lay.n_layers):
+            for head in range(lay.n_kv_heads):
+                self.store.read_pages(m.prefix_id, layer, head, [page], raw[head:head + 1], verify=self.verify,
+                                      manifest=m, crcs=crcs)
+            k, v = unpack_pages(lay, raw)  # [kv_heads, page_size, head_dim]
+            out[layer, 0], out[layer, 1] = k[:, row], v[:, row]
+        self.bytes_read += raw.numel() * lay.n_layers
+        return out.to(self.device)
 
     def current_device_cache(self) -> DevicePageCache | None:
         """``device_cache``, opened through ``switch`` when the prefix has become warm since."""

@@ -1,0 +1,103 @@
+"""RAT+ (decaying memory): Auto loading from local code, and greedy decoding through the product (chunked
+prefill into the store, packed engine steps continuing the memory from the stored prefix) equal to a plain
+transformers ``generate`` of the same model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from lab.tiny_random import TinyLlamaSpec, build_tiny_rat
+from store.kvstore import KVStore
+from workers.engine import Worker
+from workers.model import LoadedModel, load_model
+from workers.ratplus import RatForCausalLM, has_decaying_memory
+from workers.requests import GenerationStats, SamplingParams
+
+WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
+
+
+@pytest.fixture(scope="module")
+def rat_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_rat(tmp_path_factory.mktemp("models") / "tiny-rat", TinyLlamaSpec(seed=0, never_eos=True))
+
+
+@pytest.fixture(scope="module")
+def rat_lm(rat_dir: Path) -> LoadedModel:
+    return load_model(str(rat_dir), page_size=16, progress=False)
+
+
+@pytest.fixture(scope="module")
+def reference(rat_dir: Path):
+    return AutoModelForCausalLM.from_pretrained(rat_dir).eval()
+
+
+@pytest.fixture()
+def rat_worker(store: KVStore, rat_lm: LoadedModel) -> Worker:
+    return Worker(store, rat_lm, chunk_size=40, progress=False)
+
+
+def _document(n_words: int, seed: int) -> str:
+    g = torch.Generator().manual_seed(seed)
+    return " ".join(WORDS[i] for i in torch.randint(len(WORDS), (n_words,), generator=g).tolist())
+
+
+def _reference_ids(reference, lm: LoadedModel, doc: str, query: str, n_new: int) -> list[int]:
+    ids = lm.tokenizer(doc).input_ids + lm.tokenizer(query, add_special_tokens=False).input_ids
+    out = reference.generate(torch.tensor([ids]), max_new_tokens=n_new, do_sample=False, eos_token_id=None,
+                             pad_token_id=lm.tokenizer.pad_token_id)
+    return out[0, len(ids):].tolist()
+
+
+def test_loads_through_auto_classes(rat_dir: Path, rat_lm: LoadedModel, reference) -> None:
+    assert isinstance(reference, RatForCausalLM) and isinstance(rat_lm.model, RatForCausalLM)
+    assert has_decaying_memory(rat_lm.model.config)
+    assert rat_lm.layout.n_layers == 2 and rat_lm.layout.n_kv_heads == 2
+    gates = [layer.self_attn.memory_gate for layer in reference.model.layers]
+    assert all(g.weight.abs().max() > 0 for g in gates)  # the saved gates came back (not re-initialised)
+
+
+def test_memory_changes_the_model(reference) -> None:
+    """The gates matter: closing them (g = 0, k̃ = k) changes the logits (so the tests below can fail)."""
+    ids = torch.arange(3, 60)[None]
+    with torch.no_grad():
+        before = reference(ids).logits
+        saved = [layer.self_attn.memory_gate.bias.clone() for layer in reference.model.layers]
+        for layer in reference.model.layers:
+            layer.self_attn.memory_gate.bias.fill_(-1e4)
+        closed = reference(ids).logits
+        for layer, b in zip(reference.model.layers, saved, strict=True):
+            layer.self_attn.memory_gate.bias.copy_(b)
+    assert (before - closed).abs().max() > 1e-2
+
+
+# Document lengths straddle page (16) and prefill-chunk (40) boundaries.
+@pytest.mark.parametrize(("n_words", "seed", "query"), [(2, 0, "?"), (9, 1, " which one"), (30, 2, " last:")])
+def test_greedy_equals_transformers_generate(rat_worker: Worker, rat_lm: LoadedModel, reference, n_words: int,
+                                            seed: int, query: str) -> None:
+    doc = _document(n_words, seed)
+    n_new = 12
+    pre = rat_worker.prefill(doc)
+    stats = GenerationStats()
+    list(rat_worker.generate(pre.prefix_id, query, SamplingParams(max_new_tokens=n_new), stats=stats, raw=True))
+    assert stats.token_ids == _reference_ids(reference, rat_lm, doc, query, n_new)
+
+
+def test_packed_generations_each_continue_their_own_memory(rat_worker: Worker, rat_lm: LoadedModel,
+                                                           reference) -> None:
+    """Two generations over different prefixes share engine steps (a query chunk beside a decoding token)."""
+    docs, queries, n_new = [_document(25, 5), _document(12, 6)], [" first", " a much longer second query"], 10
+    stats = [GenerationStats(), GenerationStats()]
+    streams = [rat_worker.generate(rat_worker.prefill(d).prefix_id, q, SamplingParams(max_new_tokens=n_new),
+                                   stats=s, raw=True) for d, q, s in zip(docs, queries, stats, strict=True)]
+    live = list(streams)
+    while live:
+        for s in list(live):
+            if next(s, None) is None:
+                live.remove(s)
+    assert max(stats[0].extra.get("batch_max", 1), stats[1].extra.get("batch_max", 1)) == 2
+    for d, q, s in zip(docs, queries, stats, strict=True):
+        assert s.token_ids == _reference_ids(reference, rat_lm, d, q, n_new)
