@@ -9,6 +9,7 @@ from workers.methods.full import FullAttention
 from workers.methods.phi import PhiSummarizer
 from workers.methods.phi_maps import FeatureMap
 from workers.methods.quest import Quest, QuestPhi
+from workers.methods.snapkv import SnapKV
 from workers.methods.sparse import SparseMethod
 from workers.methods.topk import TopK, TopKPhi
 
@@ -22,6 +23,7 @@ METHODS: dict[str, type[Method]] = {
         TopKPhi,
         QuestPhi,
         DoublePPhi,
+        SnapKV,
     )
 }
 
