@@ -22,6 +22,7 @@ METHOD_HELP = {
     "quest+phi": "quest, plus a feature-map estimate of the pages it does not read",
     "doublep+phi": "doublep, plus a feature-map estimate of the clusters it does not read",
     "snapkv": "query-time cache: the query's attention keeps --budget-tokens prefix entries per KV head (SnapKV)",
+    "lookahead": "query-time cache: trained lookahead tokens after the query pick the kept entries (LookaheadKV)",
 }
 """Every decode method (``workers.methods.registry.METHODS``; a test keeps the two in step) in one line each."""
 
