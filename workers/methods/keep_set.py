@@ -56,7 +56,7 @@ def prefix_attention_mass(q: torch.Tensor, k: torch.Tensor, scale: float) -> tor
     hq, n_rows, d = q.shape
     hkv = k.shape[0]
     logits = torch.matmul(q.float().reshape(hkv, -1, d), k.float().transpose(-1, -2)) * scale
-    probs = torch.softmax(logits, dim=-1).reshape(hq, n_rows, -1)
+    probs = torch.softmax(logits, dim=-1).reshape(hq, n_rows, k.shape[1])
     return probs.sum(1)
 
 

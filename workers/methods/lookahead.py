@@ -34,20 +34,24 @@ class LookaheadPass:
     """The attention of one lookahead forward (a ``StepAttention``): causal over the query's K/V and the lookahead
     tokens, exact over the prefix, recording each query head's attention mass over the prefix."""
 
-    def __init__(self, own_kv: LayerKV, prefix_kv: LayerKV):
-        self.own_kv, self.prefix_kv = own_kv, prefix_kv
+    def __init__(self, own_kv: LayerKV, prefix_kv: LayerKV, *, score_from: int = 0, keep_kv: bool = False):
+        self.own_kv, self.prefix_kv, self.score_from, self.keep_kv = own_kv, prefix_kv, score_from, keep_kv
         self.mass: dict[int, torch.Tensor] = {}
-        """Per layer ``[Hq, N]``: the lookahead rows' softmax over the prefix, summed over the rows."""
+        """Per layer ``[Hq, N]``: the softmax over the prefix of rows ``score_from`` on, summed over the rows."""
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        """Per layer, the pass's own K, V ``[Hkv, n, D]`` (when ``keep_kv``: training reuses a query's)."""
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q ``[1, Hq, n, D]``, k, v ``[1, Hkv, n, D]`` of the lookahead tokens -> out ``[1, Hq, n, D]``."""
         own_k, own_v = self.own_kv(layer)
+        if self.keep_kv:
+            self.kv[layer] = (k[0].detach(), v[0].detach())
         keys = torch.cat([own_k.to(k.dtype), k[0]], 1)[None]
         values = torch.cat([own_v.to(v.dtype), v[0]], 1)[None]
         o_own, lse_own = dense_attention_ref(q, keys, values, scale, q_offset=own_k.shape[1])
         pk, pv = self.prefix_kv(layer)
         o_pre, lse_pre = dense_attention_ref(q, pk[None], pv[None], scale)
-        self.mass[layer] = prefix_attention_mass(q[0], pk, scale)
+        self.mass[layer] = prefix_attention_mass(q[0, :, self.score_from:], pk, scale)
         return merge_attention(o_own, lse_own, o_pre, lse_pre)[0].to(q.dtype)
 
 
