@@ -9,11 +9,10 @@ from pathlib import Path
 import torch
 
 from lab.train.lookahead import kl_loss, main, step_loss, target
-from workers.lookahead_adapter import LookaheadAdapter, LookaheadConfig
-from workers.model import LoadedModel, load_model
-
 from tests.conftest import TEST_PAGE_SIZE
 from tests.test_methods import DOC
+from workers.lookahead_adapter import LookaheadAdapter, LookaheadConfig
+from workers.model import LoadedModel, load_model
 
 
 def test_kl_loss_is_zero_only_on_matching_scores() -> None:
