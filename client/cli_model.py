@@ -22,6 +22,8 @@ METHOD_HELP = {
     "topk+phi": "topk, plus a feature-map estimate of the tokens it does not read",
     "quest+phi": "quest, plus a feature-map estimate of the pages it does not read",
     "doublep+phi": "doublep, plus a feature-map estimate of the clusters it does not read",
+    "snapkv": "query-time cache: the query's attention keeps --budget-tokens prefix entries per KV head (SnapKV)",
+    "lookahead": "query-time cache: trained lookahead tokens after the query pick the kept entries (LookaheadKV)",
 }
 """Every decode method (``workers.methods.registry.METHODS``; a test keeps the two in step) in one line each."""
 
@@ -61,6 +63,7 @@ def cmd_prefill(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
     """Answer a query over a stored prefix, streaming text unless --json."""
     gen = _model_client(args).generate(args.query, prefix=args.prefix, method=args.method, budget=args.budget,
+                                       budget_tokens=args.budget_tokens,
                                        max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                        top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()),
                                        gen_len=args.gen_len)
@@ -93,7 +96,9 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     try:
         spec = EvalSpec(tasks=tuple(args.task), lengths=tuple(args.length),
                         methods=tuple(args.method or (LIMITS.method_default,)),
-                        budgets=tuple(args.budget) if args.budget else (None,), samples=args.samples,
+                        budgets=tuple(args.budget) if args.budget else (None,),
+                        budget_tokens=tuple(args.budget_tokens) if args.budget_tokens else (None,),
+                        samples=args.samples,
                         max_new_tokens=args.max_new_tokens, gen_len=args.gen_len)
     except ValueError as e:
         raise InvalidInput(str(e)) from None
@@ -134,6 +139,9 @@ def add_model_commands(sub: Any, model_opts: argparse.ArgumentParser) -> None:
     s.add_argument("--budget", type=_finite_float, default=None, metavar="FRACTION",
                    help=f"prefix tokens a sparse method reads per step, as a fraction of the prefix, in "
                         f"(0, {LIMITS.budget_max}] (default: the method's own)")
+    s.add_argument("--budget-tokens", type=_positive_int, default=None, metavar="N",
+                   help=f"prefix KV entries per KV head a query-time cache (snapkv, lookahead) keeps, 1 to "
+                        f"{LIMITS.budget_tokens_max} (default: the method's own)")
     s.add_argument("--max-new-tokens", type=int, default=LIMITS.max_new_tokens_default, metavar="TOKENS",
                    help=f"answer length cap, 1 to {LIMITS.max_new_tokens_cap} "
                         f"(default {LIMITS.max_new_tokens_default})")
@@ -168,6 +176,8 @@ def _add_eval(sub: Any, model_opts: argparse.ArgumentParser, fmt: type[argparse.
                    help=f"decode method (repeatable; default {LIMITS.method_default})")
     s.add_argument("--budget", action="append", type=_finite_float, default=None, metavar="FRACTION",
                    help="read budget per step as a fraction of the prefix (repeatable; default: each method's own)")
+    s.add_argument("--budget-tokens", action="append", type=_positive_int, default=None, metavar="N",
+                   help="KV entries per KV head a query-time cache keeps (repeatable; default: each method's own)")
     s.add_argument("--samples", type=_positive_int, default=20, metavar="N",
                    help="samples per task and length (default 20)")
     s.add_argument("--gen-len", type=_positive_int, default=LIMITS.gen_len_default, metavar="STEPS",

@@ -98,6 +98,8 @@ class DecodeFields(BaseModel):
 
     method: str = Field(LIMITS.method_default, min_length=1, max_length=LIMITS.method_max_chars)
     budget: float | None = Field(None, gt=0, le=LIMITS.budget_max, allow_inf_nan=False)
+    budget_tokens: int | None = Field(None, ge=1, le=LIMITS.budget_tokens_max)
+    """KV entries per KV head a query-time cache (snapkv, lookahead) keeps."""
     temperature: float = Field(LIMITS.temperature_default, ge=0, le=LIMITS.temperature_max, allow_inf_nan=False)
     top_p: float = Field(LIMITS.top_p_default, gt=0, le=1, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, le=LIMITS.seed_max)
@@ -329,7 +331,8 @@ def create_app(cfg: GatewayConfig, keys: ApiKeys, service_token: ServiceToken | 
                      request: Request) -> Response | dict[str, Any]:
         prefix_id, query = _prefix_and_query(body.prefix_id, prompt)
         req = GenerateRequest(prefix_id=prefix_id, query=query, method=body.method,
-                              decode=DecodeConfig(budget=body.budget, gen_len=body.gen_len),
+                              decode=DecodeConfig(budget=body.budget, budget_tokens=body.budget_tokens,
+                                                  gen_len=body.gen_len),
                               sampling=SamplingParams(max_new_tokens=body.max_tokens, temperature=body.temperature,
                                                       top_p=body.top_p, seed=body.seed, stop=_stops(body.stop)))
         call, events = await start(req, meta, request)

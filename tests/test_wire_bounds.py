@@ -22,6 +22,7 @@ from workers.requests import LIMITS
 HOSTILE_BODIES = [
     {"temperature": -1}, {"temperature": LIMITS.temperature_max + 1}, {"top_p": 0}, {"top_p": 1.5},
     {"budget": 0}, {"budget": 2}, {"seed": -1}, {"seed": 2**63}, {"gen_len": 0}, {"gen_len": 2**31},
+    {"budget_tokens": 0}, {"budget_tokens": LIMITS.budget_tokens_max + 1},
     {"max_new_tokens": 0}, {"max_new_tokens": LIMITS.max_new_tokens_cap + 1}, {"max_new_tokens": 2**63},
     {"stop": [""]}, {"stop": ["s"] * (LIMITS.stop_max_count + 1)}, {"stop": ["s" * (LIMITS.stop_max_chars + 1)]},
     {"method": ""}, {"method": "m" * (LIMITS.method_max_chars + 1)}, {"query": "q" * (LIMITS.query_max_chars + 1)},

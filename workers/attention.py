@@ -8,13 +8,16 @@ exactly through their log-sum-exps.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from transformers import AttentionInterface
 
 from workers.kernels.dense_attention import causal_attention, dense_attention_ref
 from workers.kernels.dense_attention import dense_attention as fused_attention
+
+if TYPE_CHECKING:
+    from workers.own_kv import OwnKV
 
 KVSTASH_ATTENTION = "kvstash"
 PREFIX_KWARG = "kvstash_prefix"
@@ -30,6 +33,16 @@ class PrefixAttention(Protocol):
 
     def attend(self, layer: int, q: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """q ``[B, Hq, L, D]`` -> (out ``[B, Hq, L, D]`` fp32, lse ``[B, Hq, L]`` fp32)."""
+        ...
+
+
+@runtime_checkable
+class ObservesQuery(Protocol):
+    """A ``PrefixAttention`` that changes once the whole query is in (a query-time cache: SnapKV, LookaheadKV)."""
+
+    def query_done(self, own: OwnKV, position: int) -> None:
+        """Called once after the step that fed the query's last token, with the generation's own K/V (the
+        query's) and the position the next token takes; before the first sampled token is handed out."""
         ...
 
 

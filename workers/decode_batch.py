@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from store.errors import Cancelled
-from workers.attention import STEP_KWARG, PrefixAttention
+from workers.attention import STEP_KWARG, ObservesQuery, PrefixAttention
 from workers.model import LoadedModel
 from workers.own_kv import OwnKV
 from workers.ratplus import MEMORY_KWARG, has_decaying_memory
@@ -94,6 +94,8 @@ class Generation:
     waiting: bool = False
     """Whether its consumer waits on ``wake``."""
     batch_sizes: list[int] = field(default_factory=list)
+    query_told: bool = False
+    """Whether its query-time cache was told the query is in (``ObservesQuery``)."""
 
     @property
     def runnable(self) -> bool:
@@ -264,8 +266,28 @@ class DecodeEngine:
                 g.stats.bytes_full += g.full_step_bytes
                 g.stats.step_seconds.append(seconds)
                 g.batch_sizes.append(len(members))
+        failed = self._queries_done(sampled)
+        with self._lock:
             for g, token in zip(sampled, tokens, strict=True):
-                self._emit(g, token)
+                if g not in failed:
+                    self._emit(g, token)
+
+    def _queries_done(self, sampled: list[Generation]) -> set[Generation]:
+        """Tell query-time caches whose query just went in (their first token is not out yet); returns the
+        generations whose method failed there (each fails alone)."""
+        failed: set[Generation] = set()
+        for g in sampled:
+            if g.stats.new_tokens or g.query_told or not isinstance(g.prefix, ObservesQuery):
+                continue
+            g.query_told = True
+            try:
+                with self.turn(), torch.inference_mode():
+                    g.prefix.query_done(g.own, g.position)
+            except Exception as e:  # noqa: BLE001 - the method's failure is its generation's
+                with self._lock:
+                    g.error = e
+                failed.add(g)
+        return failed
 
     def _emit(self, g: Generation, token: int) -> None:
         """Hand one sampled token to its generation (lock held)."""

@@ -19,6 +19,7 @@ from store.prefix_key import PrefixKey, tenant_salt, token_hash
 from workers.attention import PrefixAttention
 from workers.decode_batch import DecodeEngine, EngineConfig, Generation
 from workers.methods.base import ReportsReads, UsesCudaGraphs
+from workers.methods.lookahead import LookaheadModel
 from workers.methods.registry import build_summarizers, get_method, prefill_summarizers
 from workers.methods.source import PrefixSource
 from workers.model import LoadedModel
@@ -177,7 +178,7 @@ class Worker:
         if room < 1:
             raise ContextTooLong(f"prefix ({m.n_tokens}) + query ({len(q_ids)}) tokens exceed the model's context "
                                  f"of {self.lm.max_context}")
-        impl = get_method(method, self.lm.phi_map)
+        impl = get_method(method, self.lm.phi_map, self._lookahead())
         source = PrefixSource(self.store, m, self.lm.device, summaries=self.summaries)
         held = contextlib.ExitStack()
         # Leased before anything is read: eviction, and a delete that respects leases, keep away from here on.
@@ -198,6 +199,10 @@ class Worker:
             held.close()
             raise
         return GenerationStream(self.engine, gen, self._run(gen, source, lease), held)
+
+    def _lookahead(self) -> LookaheadModel | None:
+        """The model's trained lookahead parts (None: the model ships none)."""
+        return LookaheadModel(self.lm.model, self.lm.lookahead) if self.lm.lookahead is not None else None
 
     def _generation(self, attn: PrefixAttention, source: PrefixSource, q_ids: list[int], params: SamplingParams,
                     max_new: int, stats: GenerationStats, tenant: str) -> Generation:

@@ -14,6 +14,9 @@ from transformers import PreTrainedModel
 VOLATILE_CONFIG_KEYS = frozenset({"_name_or_path", "transformers_version", "_attn_implementation_autoset",
                                   "_attn_implementation", "dtype", "torch_dtype", "architectures"})
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+NOT_WEIGHTS = frozenset({"lookahead.safetensors"})
+"""Files beside the weights hashed on their own: the LookaheadKV adapter names the fingerprint of the model
+without it (so a mismatched adapter can be refused), and its digest is folded in when it is loaded."""
 HASH_CHUNK = 1 << 22
 
 
@@ -25,7 +28,8 @@ def config_digest(config_dict: dict) -> str:
 
 def weight_files_digest(model_dir: Path) -> str | None:
     """Hash of the weight files of a local model directory, or None when it has none."""
-    files = sorted(p for p in model_dir.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+    files = sorted(p for p in model_dir.iterdir()
+                   if p.suffix in WEIGHT_SUFFIXES and p.name not in NOT_WEIGHTS and p.is_file())
     if not files:
         return None
     h = hashlib.sha256()

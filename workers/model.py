@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -12,6 +13,7 @@ from transformers.utils import logging as hf_logging
 from store.layout import KVLayout
 from workers.attention import KVSTASH_ATTENTION, register_attention
 from workers.fingerprint import model_fingerprint
+from workers.lookahead_adapter import LookaheadAdapter, load_adapter
 from workers.methods.phi_maps import FeatureMap, load_feature_map
 from workers.model_source import hub_offline
 from workers.prompt import PromptFormat
@@ -33,6 +35,8 @@ class LoadedModel:
     prompt: PromptFormat
     phi_map: FeatureMap | None = None
     """The distilled φ feature map shipped with the model (``phi_map.*``), if any; else FAVOR+."""
+    lookahead: LookaheadAdapter | None = None
+    """LookaheadKV's trained tokens and adapters shipped with the model (``lookahead.*``), if any."""
 
     @property
     def device(self) -> torch.device:
@@ -77,6 +81,7 @@ def load_model(name_or_path: str, *, device: str = "cpu", dtype: str = "auto", p
     )
     phi_map = load_feature_map(name_or_path)
     fingerprint = model_fingerprint(model, name_or_path)
+    lookahead = load_adapter(Path(name_or_path), model, fingerprint) if Path(name_or_path).is_dir() else None
     if phi_map is not None:  # φ caches built with the map belong to (weights, map)
         heads = (layout.n_layers, cfg.num_attention_heads, layout.n_kv_heads, layout.head_dim)
         if phi_map.shape != heads:
@@ -84,12 +89,15 @@ def load_model(name_or_path: str, *, device: str = "cpu", dtype: str = "auto", p
                              f"the model has {heads}")
         phi_map.to(device)
         fingerprint = hashlib.sha256(f"{fingerprint}:phi:{phi_map.digest}".encode()).hexdigest()[:32]
+    if lookahead is not None:  # the adapter ships with the model: a different adapter is a different model
+        fingerprint = hashlib.sha256(f"{fingerprint}:lookahead:{lookahead.digest}".encode()).hexdigest()[:32]
     return LoadedModel(
         name=name_or_path,
         model=model,
         tokenizer=tokenizer,
         fingerprint=fingerprint,
         phi_map=phi_map,
+        lookahead=lookahead,
         layout=layout,
         max_context=int(getattr(cfg, "max_position_embeddings", 1 << 20)),
         prompt=PromptFormat.load(name_or_path),

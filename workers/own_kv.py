@@ -54,6 +54,11 @@ class OwnKV:
         buf[1, :, self.length:end].copy_(v)
         return buf[0, :, :end], buf[1, :, :end]
 
+    def committed(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of the committed tokens of one layer (views ``[kv_heads, length, head_dim]``)."""
+        buf = self._buf[layer]
+        return buf[0, :, : self.length], buf[1, :, : self.length]
+
     def _grow(self, need: int) -> None:
         """Room for ``need`` tokens at least: double, within the capacity, keeping what is written."""
         size = min(self.capacity, max(need, 2 * self._buf.shape[3]))

@@ -34,6 +34,8 @@ class RequestLimits:
     """Trailing prefix tokens always attended exactly."""
     anchor_max: int = 1 << 24
     """Largest sink or tail (anchors longer than the prefix just cover all of it)."""
+    budget_tokens_max: int = 1 << 20
+    """Most prefix KV entries per KV head a query-time cache (snapkv, lookahead) may keep."""
     gen_len_default: int = 1
     """1: a one-time summary fetch is charged to a single step (the conservative worst case)."""
     gen_len_max: int = INT32_MAX
@@ -165,6 +167,8 @@ class DecodeConfig:
     """Leading prefix tokens always attended exactly."""
     tail: int = LIMITS.tail_default
     """Trailing prefix tokens always attended exactly."""
+    budget_tokens: int | None = None
+    """Prefix KV entries per KV head a query-time cache (snapkv, lookahead) keeps (None: the method's default)."""
     gen_len: int = LIMITS.gen_len_default
     """L_gen: decode steps a one-time summary fetch (the φ cache) is amortized over when the budget
     is matched (appendix D); 1 is the paper's conservative worst case."""
@@ -175,6 +179,8 @@ class DecodeConfig:
             if not 0 < b <= LIMITS.budget_max:
                 raise InvalidInput(f"budget must be in (0, {LIMITS.budget_max}], got {b}")
             _set(self, "budget", b)
+        if self.budget_tokens is not None:
+            _set(self, "budget_tokens", _int("budget_tokens", self.budget_tokens, 1, LIMITS.budget_tokens_max))
         _set(self, "sink", _int("sink", self.sink, 0, LIMITS.anchor_max))
         _set(self, "tail", _int("tail", self.tail, 0, LIMITS.anchor_max))
         _set(self, "gen_len", _int("gen_len", self.gen_len, 1, LIMITS.gen_len_max))
@@ -217,8 +223,8 @@ FILE_PATH_REFUSED = ("file_path is not accepted: servers read no files for a cal
 """Why a body naming a server-side file is refused (the gateway says the same)."""
 
 
-GENERATE_JSON_FIELDS = ("query", "method", "budget", "gen_len", "max_new_tokens", "temperature", "top_p", "seed",
-                        "stop", "raw")
+GENERATE_JSON_FIELDS = ("query", "method", "budget", "budget_tokens", "gen_len", "max_new_tokens", "temperature",
+                        "top_p", "seed", "stop", "raw")
 """The fields of a generation's REST body (the prefix id travels in the URL)."""
 
 
@@ -248,7 +254,8 @@ class GenerateRequest:
         """The REST body of this request (without the prefix id, which is in the URL)."""
         d, s = self.decode, self.sampling
         d.check_wire_anchors()
-        return {"query": self.query, "method": self.method, "budget": d.budget, "gen_len": d.gen_len,
+        return {"query": self.query, "method": self.method, "budget": d.budget, "budget_tokens": d.budget_tokens,
+                "gen_len": d.gen_len,
                 "max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed,
                 "stop": list(s.stop), "raw": self.raw}
 
@@ -260,7 +267,8 @@ class GenerateRequest:
         if "query" not in b:
             raise InvalidInput("query is required")
         return cls(prefix_id=prefix_id, query=b["query"], method=b.get("method", LIMITS.method_default),
-                   decode=DecodeConfig(budget=b.get("budget"), gen_len=b.get("gen_len", LIMITS.gen_len_default)),
+                   decode=DecodeConfig(budget=b.get("budget"), budget_tokens=b.get("budget_tokens"),
+                                       gen_len=b.get("gen_len", LIMITS.gen_len_default)),
                    sampling=SamplingParams(max_new_tokens=b.get("max_new_tokens", LIMITS.max_new_tokens_default),
                                            temperature=b.get("temperature", LIMITS.temperature_default),
                                            top_p=b.get("top_p", LIMITS.top_p_default),

@@ -23,13 +23,16 @@ class EvalSpec:
     lengths: tuple[int, ...]
     methods: tuple[str, ...] = ("full",)
     budgets: tuple[float | None, ...] = (None,)
+    budget_tokens: tuple[int | None, ...] = (None,)
+    """Kept entries per KV head of query-time caches (snapkv, lookahead)."""
     samples: int = 20
     max_new_tokens: int = 48
     gen_len: int = 1
     """L_gen for budget matching (appendix D): 1 charges a one-time φ fetch to a single step."""
 
     def __post_init__(self) -> None:
-        if self.samples < 1 or not self.tasks or not self.lengths or not self.methods or not self.budgets:
+        if self.samples < 1 or not self.tasks or not self.lengths or not self.methods or not self.budgets \
+                or not self.budget_tokens:
             raise ValueError("need at least one task, length, method, budget and sample")
 
 
@@ -41,6 +44,7 @@ class EvalRow:
     length: int
     method: str
     budget: float | None
+    budget_tokens: int | None = None
     samples: int
     accuracy: float
     """Mean RULER score (fraction of gold strings found), 0..1."""
@@ -60,9 +64,9 @@ def run_eval(client: EvalTarget, spec: EvalSpec, progress: bool = True) -> list[
     from lab.synth import SynthContext, generate
 
     ctx = SynthContext(tokenizer=client.worker.lm.tokenizer, split="eval")
-    combos = [(m, b) for m in spec.methods for b in spec.budgets]
-    scores: dict[tuple[str, int, str, float | None], list[float]] = {}
-    reads: dict[tuple[str, int, str, float | None], list[float]] = {}
+    combos = [(m, b, bt) for m in spec.methods for b in spec.budgets for bt in spec.budget_tokens]
+    scores: dict[tuple[str, int, str, float | None, int | None], list[float]] = {}
+    reads: dict[tuple[str, int, str, float | None, int | None], list[float]] = {}
     total = len(spec.tasks) * len(spec.lengths) * spec.samples
     bar = tqdm(total=total, desc="eval", unit="sample", disable=not progress)
     for task, length in _cells(spec):
@@ -70,18 +74,19 @@ def run_eval(client: EvalTarget, spec: EvalSpec, progress: bool = True) -> list[
             bar.set_postfix_str(f"{task} at {length} tokens, sample {i + 1}/{spec.samples}", refresh=True)
             sample = generate(task, length, EVAL_SEED_BASE + i, ctx)
             handle = client.prefill(sample.document)
-            for method, budget in combos:
+            for method, budget, budget_tokens in combos:
                 gen = client.generate(sample.query, prefix=handle.prefix_id, method=method, budget=budget, raw=True,
-                                      max_new_tokens=spec.max_new_tokens, gen_len=spec.gen_len)
-                key = (task, length, method, budget)
+                                      max_new_tokens=spec.max_new_tokens, gen_len=spec.gen_len,
+                                      budget_tokens=budget_tokens)
+                key = (task, length, method, budget, budget_tokens)
                 scores.setdefault(key, []).append(sample.score(gen.text))
                 st = gen.stats
                 reads.setdefault(key, []).append(st.bytes_fetched / st.bytes_full if st.bytes_full else 0.0)
             bar.update(1)
     bar.close()
-    return [EvalRow(task=t, length=n, method=m, budget=b, samples=len(s), accuracy=statistics.fmean(s),
-                    read_fraction=statistics.fmean(reads[(t, n, m, b)]), scores=s)
-            for (t, n, m, b), s in scores.items()]
+    return [EvalRow(task=t, length=n, method=m, budget=b, budget_tokens=bt, samples=len(s),
+                    accuracy=statistics.fmean(s), read_fraction=statistics.fmean(reads[(t, n, m, b, bt)]), scores=s)
+            for (t, n, m, b, bt), s in scores.items()]
 
 
 def summary(rows: Sequence[EvalRow]) -> dict[str, Any]:
@@ -93,9 +98,11 @@ def summary(rows: Sequence[EvalRow]) -> dict[str, Any]:
 
 def table(rows: Sequence[EvalRow]) -> str:
     """A Markdown table of the rows."""
-    out = ["| task | length | method | budget | samples | accuracy | read fraction |", "|---|---|---|---|---|---|---|"]
+    out = ["| task | length | method | budget | budget tokens | samples | accuracy | read fraction |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         b = "-" if r.budget is None else f"{r.budget:g}"
-        out.append(f"| {r.task} | {r.length} | {r.method} | {b} | {r.samples} | {r.accuracy:.3f} | "
+        bt = "-" if r.budget_tokens is None else str(r.budget_tokens)
+        out.append(f"| {r.task} | {r.length} | {r.method} | {b} | {bt} | {r.samples} | {r.accuracy:.3f} | "
                    f"{r.read_fraction:.3f} |")
     return "\n".join(out)

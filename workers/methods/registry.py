@@ -6,10 +6,12 @@ from store.errors import UnknownMethod
 from workers.methods.base import Method, Summarizer
 from workers.methods.doublep import DoubleP, DoublePPhi
 from workers.methods.full import FullAttention
+from workers.methods.lookahead import LookaheadKV, LookaheadModel
 from workers.methods.moba import Moba
 from workers.methods.phi import PhiSummarizer
 from workers.methods.phi_maps import FeatureMap
 from workers.methods.quest import Quest, QuestPhi
+from workers.methods.snapkv import SnapKV
 from workers.methods.sparse import SparseMethod
 from workers.methods.topk import TopK, TopKPhi
 
@@ -24,17 +26,23 @@ METHODS: dict[str, type[Method]] = {
         TopKPhi,
         QuestPhi,
         DoublePPhi,
+        SnapKV,
+        LookaheadKV,
     )
 }
 
+QUERY_TIME = frozenset({SnapKV.name, LookaheadKV.name})
+"""Methods that build a query-time cache (sized by ``budget_tokens``; no per-step page fetch)."""
+NEEDS_ADAPTER = frozenset({LookaheadKV.name})
+"""Methods that run trained parts shipped beside the model's weights (refused for a model without them)."""
 
-def get_method(name: str, phi_map: FeatureMap | None = None) -> Method:
+
+def get_method(name: str, phi_map: FeatureMap | None = None, lookahead: LookaheadModel | None = None) -> Method:
     """An instance of the method called ``name`` (φ-completed ones use the model's distilled
-    ``phi_map`` when it has one, else FAVOR+)."""
-    try:
-        method = METHODS[name]()
-    except KeyError:
-        raise UnknownMethod(f"unknown method {name!r}; choose one of {sorted(METHODS)}") from None
+    ``phi_map`` when it has one, else FAVOR+; ``lookahead`` runs the model's trained lookahead parts)."""
+    if name not in METHODS:
+        raise UnknownMethod(f"unknown method {name!r}; choose one of {sorted(METHODS)}")
+    method = LookaheadKV(lookahead) if name == LookaheadKV.name else METHODS[name]()
     if phi_map is not None and isinstance(method, SparseMethod) and method.completion:
         method.feature_map = phi_map
     return method
