@@ -10,7 +10,7 @@ from workers.methods.phi import PhiSummarizer
 from workers.methods.phi_maps import FeatureMap
 from workers.methods.quest import Quest, QuestPhi
 from workers.methods.sparse import SparseMethod
-from workers.methods.topk import TopK, TopKPhi
+from workers.methods.topk import TopK, TopKExact, TopKExactPhi, TopKPhi
 
 METHODS: dict[str, type[Method]] = {
     m.name: m
@@ -22,6 +22,8 @@ METHODS: dict[str, type[Method]] = {
         TopKPhi,
         QuestPhi,
         DoublePPhi,
+        TopKExact,
+        TopKExactPhi,
     )
 }
 
