@@ -15,13 +15,16 @@ from workers.requests import LIMITS
 
 METHOD_HELP = {
     "full": "exact attention over every prefix token (reads it all; ignores --budget)",
-    "topk": "sink/tail anchors + the top-k prefix tokens by attention score",
+    "topk": "sink/tail anchors + the top-k prefix tokens by attention score (low-bit key index, exact re-score "
+            "of a shortlist)",
     "quest": "sink/tail anchors + the pages whose key bounds score highest (Quest)",
     "moba": "sink/tail anchors + the 64-token blocks whose mean key scores highest (MoBA)",
     "doublep": "sink/tail anchors + hierarchical top-p over key clusters (adaptive without --budget)",
     "topk+phi": "topk, plus a feature-map estimate of the tokens it does not read",
     "quest+phi": "quest, plus a feature-map estimate of the pages it does not read",
     "doublep+phi": "doublep, plus a feature-map estimate of the clusters it does not read",
+    "topk-exact": "topk from every mid token's exact key (the selection oracle; reads every mid key)",
+    "topk-exact+phi": "topk-exact, plus a feature-map estimate of the tokens it does not read",
     "snapkv": "query-time cache: the query's attention keeps --budget-tokens prefix entries per KV head (SnapKV)",
     "lookahead": "query-time cache: trained lookahead tokens after the query pick the kept entries (LookaheadKV)",
 }

@@ -87,8 +87,8 @@ def test_offloaded_greedy_equals_resident(stored, resident, lm, method: str, bud
     # every page a step asked for came from exactly one tier
     assert x["offload_pages_requested"] == x["offload_gpu_hits"] + x["offload_host_pages"] + x["offload_ssd_pages"]
     assert x["offload_steps"] == off.steps
-    once_kv = x.get("once_bytes_selector", 0)
-    assert off.bytes_fetched == x["offload_pages_requested"] * lay.page_payload_bytes + once_kv
+    once = x.get("once_bytes_selector", 0) + x["bytes_summaries"]  # every one-time read, summaries included
+    assert off.bytes_fetched == x["offload_pages_requested"] * lay.page_payload_bytes + once
     assert x["offload_ssd_pages"] > 0  # cold start
     if host_pages == 0:
         assert x["offload_host_pages"] == 0

@@ -11,9 +11,10 @@ import types
 import pytest
 import torch
 
+from workers.methods.key_index import KeyIndexSummarizer
 from workers.methods.quest import QuestBounds, QuestSelector
 from workers.methods.selector import LayerContext
-from workers.methods.topk import TopKSelector
+from workers.methods.topk import ExactTopKSelector, IndexedTopKSelector
 
 PAGE = 16
 
@@ -24,7 +25,8 @@ def _keys(seed: int, hkv: int = 2, n: int = 16 * 12, d: int = 8) -> torch.Tensor
 
 def _ctx(k: torch.Tensor, lo: int, hi: int) -> LayerContext:
     kv = types.SimpleNamespace(n_tokens=k.shape[1], device=k.device, n_heads=k.shape[0], head_dim=k.shape[2],
-                               dtype=k.dtype, mid_keys=lambda a, b: k[:, a:b])
+                               dtype=k.dtype, mid_keys=lambda a, b: k[:, a:b],
+                               keys=lambda ids: k[torch.arange(k.shape[0]).view(1, -1, 1), ids])
     return LayerContext(kv, lo, hi)  # type: ignore[arg-type]
 
 
@@ -75,12 +77,35 @@ def test_quest_picks_the_pages_with_the_highest_upper_bounds(n_pages: int, lo: i
 def test_topk_picks_the_tokens_with_the_most_group_mass(k_tokens: int) -> None:
     k = _keys(2)
     lo, hi = 4, 180
-    sel = TopKSelector()
+    sel = ExactTopKSelector()
     ctx = _ctx(k, lo, hi)
     sel.prepare(0, ctx)
     q = torch.randn(2, 2, 4, 8, generator=torch.Generator().manual_seed(3))
     s = sel.select(0, ctx, q, 0.25, k_tokens)
     logits = torch.einsum("thgd,hnd->thgn", q, k[:, lo:hi]) * 0.25
     want = _group_mass(logits).topk(k_tokens, dim=-1).indices + lo
+    assert torch.equal(s.tokens.sort(-1).values, want.sort(-1).values)
+    assert (s.counts == k_tokens).all()
+
+
+@pytest.mark.parametrize("k_tokens", [1, 7, 40, 150])
+def test_indexed_topk_picks_the_shortlist_tokens_with_the_most_group_mass(k_tokens: int) -> None:
+    """The indexed selector's final pick is exact Top-K restricted to the index's shortlist: the shortlist
+    is the index's best ``2k`` by group mass, and among it the best ``k`` by exact logits (each head's
+    softmax normalized over the whole mid region on the index)."""
+    k = _keys(4)
+    lo, hi = 4, 180
+    sel = IndexedTopKSelector({f"0.{n}": t for n, t in KeyIndexSummarizer().summarize(0, k, k).items()})
+    ctx = _ctx(k, lo, hi)
+    q = torch.randn(2, 2, 4, 8, generator=torch.Generator().manual_seed(5))
+    s = sel.select(0, ctx, q, 0.25, k_tokens)
+    approx = sel.approx_logits(0, ctx, q, 0.25)
+    short = _group_mass(approx).topk(min(hi - lo, 2 * k_tokens), dim=-1).indices  # [T, Hkv, S]
+    assert s.scored is not None
+    assert torch.equal(s.scored.sort(-1).values, (short + lo).sort(-1).values)
+    exact = torch.einsum("thgd,hnd->thgn", q, k[:, lo:hi]) * 0.25
+    mass = torch.exp(exact - torch.logsumexp(approx, -1, keepdim=True)).mean(2)  # [T, Hkv, n_mid]
+    masked = torch.full_like(mass, -1.0).scatter(-1, short, mass.gather(-1, short))
+    want = masked.topk(k_tokens, dim=-1).indices + lo
     assert torch.equal(s.tokens.sort(-1).values, want.sort(-1).values)
     assert (s.counts == k_tokens).all()

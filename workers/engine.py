@@ -265,7 +265,7 @@ def _finish_stats(gen: Generation, source: PrefixSource) -> None:
     attn = gen.prefix
     if isinstance(attn, ReportsReads):
         report = attn.read_report()
-        st.bytes_fetched = report.step_bytes + report.once_kv_bytes
+        st.bytes_fetched = report.step_bytes + report.once_bytes  # methods/reads.py: every byte, summaries too
         st.prefix_tokens_per_step = report.tokens_per_step
         st.extra.update(report.extra)
         st.extra["bytes_summaries"] = float(report.once_bytes - report.once_kv_bytes)

@@ -295,9 +295,10 @@ class GenerationStats:
     prompt_tokens: int = 0
     new_tokens: int = 0
     bytes_fetched: int = 0
-    """Prefix K/V bytes the steps read, all tiers together (GPU page cache, pinned host, SSD): whole
-    pages when offloaded, plus K/V a selector holds for the generation (Top-K's keys). Summaries
-    are not prefix K/V: ``extra["bytes_summaries"]``."""
+    """Every byte of the stored prefix the generation read, all tiers together (GPU page cache, pinned
+    host, SSD): per step the tokens attended and the keys selection re-scored (whole pages when
+    offloaded), plus the one-time reads, summaries and indexes included (``extra["bytes_summaries"]``)
+    and K/V a selector holds (``topk-exact``'s keys). ``workers/methods/reads.py`` is the definition."""
     bytes_full: int = 0
     """What exact attention over the prefix would read over the same steps."""
     seconds: float = 0.0

@@ -31,9 +31,11 @@ class ReadReport:
     tokens_per_step: list[int] = field(default_factory=list)
     """Exact prefix tokens whose K/V each step attended, summed over layers and KV heads."""
     step_bytes: int = 0
-    """Bytes of those tokens' K and V over all steps (as if each step fetched them)."""
+    """Bytes the steps read: those tokens' K and V plus selection's key-only reads (whole pages when a page
+    fetcher served them); ``methods/reads.py`` defines the accounting."""
     once_bytes: int = 0
-    """Bytes read once per generation: summaries (bounds, clusters, φ cache) and selector-resident keys."""
+    """Bytes read once per generation: summaries and indexes (bounds, key index, clusters, φ cache) and
+    selector-resident keys."""
     once_kv_bytes: int = 0
     """The part of ``once_bytes`` that is prefix K/V (keys a selector holds resident, e.g. Top-K's)."""
     extra: dict[str, float] = field(default_factory=dict)

@@ -84,6 +84,8 @@ class LayerKV(abc.ABC):
                  page_size: int):
         self.n_heads, self.n_tokens, self.head_dim = n_heads, n_tokens, head_dim
         self.dtype, self.device, self.page_size = dtype, device, page_size
+        self.at_step = 0
+        """The decode step being served (set by the method before selection; files fetches under it)."""
 
     @abc.abstractmethod
     def tokens(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,6 +95,14 @@ class LayerKV(abc.ABC):
     @abc.abstractmethod
     def mid_keys(self, lo: int, hi: int) -> torch.Tensor:
         """Keys ``[Hkv, hi - lo, D]`` held resident for exhaustive scoring (read once)."""
+
+    @abc.abstractmethod
+    def mid_keys_bytes(self, lo: int, hi: int) -> int:
+        """Prefix bytes ``mid_keys(lo, hi)`` reads."""
+
+    @abc.abstractmethod
+    def keys(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Exact keys ``[T, Hkv, n, D]`` of token ids ``[T, Hkv, n]`` (all valid), read for this step."""
 
     @abc.abstractmethod
     def set_extra(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -133,6 +143,15 @@ class ResidentKV(LayerKV):
     def mid_keys(self, lo: int, hi: int) -> torch.Tensor:
         """A view of the resident keys."""
         return self.k[:, lo:hi]
+
+    def mid_keys_bytes(self, lo: int, hi: int) -> int:
+        """The mid keys (what a decoder holding only them would read)."""
+        return self.n_heads * (hi - lo) * self.head_dim * self.dtype.itemsize
+
+    def keys(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Indexing the resident keys."""
+        heads = torch.arange(self.n_heads, device=tokens.device).view(1, -1, 1)
+        return self.k[heads, tokens.long()]
 
     def set_extra(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append the extra entries after each head's tokens."""
@@ -186,6 +205,16 @@ class FetchedKV(LayerKV):
         """Read the layer once from the store and keep only its mid keys."""
         k, _ = self._read_layer(self.layer)
         return k[:, lo:hi].contiguous()
+
+    def mid_keys_bytes(self, lo: int, hi: int) -> int:
+        """The whole layer's K and V (the store reads a layer whole)."""
+        return 2 * self.n_heads * self.n_tokens * self.head_dim * self.dtype.itemsize
+
+    def keys(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Fetch the pages of ``tokens`` (counted as this step's pages) and copy their keys out."""
+        t, h, n = tokens.shape
+        sk = self.step(tokens, torch.full((t, h), n, device=tokens.device), self.at_step, overflow=True)
+        return sk.gather(sk.rows)[0]
 
     def set_extra(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the entries in the layer's GPU page cache, after its page slots."""

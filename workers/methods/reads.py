@@ -1,8 +1,20 @@
 """Per-step read counting for sparse methods (what ``GenerationStats`` reports).
 
-A step is one model forward (the first call may carry several query tokens). Per layer the
-step reads the union, over its query tokens, of the exact tokens they attend (anchors plus
-selected mid tokens) for each KV head; the one-time summary reads are counted separately.
+The one definition of a generation's reads, used by ``--stats``, ``kvstash eval`` and the docs:
+``bytes_fetched`` is every byte of the stored prefix a generation read, in every tier, and
+``read fraction = bytes_fetched / bytes_full``, where ``bytes_full`` is what exact attention reads
+over the same steps (every prefix token's K and V, per layer and KV head, per step). It sums
+
+- per step: the exact tokens attended (sink + tail anchors and selected mid tokens, their K and V)
+  and the exact keys selection read (the indexed Top-K's shortlist beyond the tokens attended, K
+  only); with a page fetcher, instead, the whole pages the step requested from the tiers (GPU
+  page cache hits included), since those are what moved;
+- once per generation: every summary and index read at open (Quest's page bounds, the key index,
+  Double-P's clusters, the φ cache) and prefix K/V a selector holds (``topk-exact``'s keys).
+
+One-time bytes are thus amortized over the generation's actual steps (a step is one model
+forward; the first may carry several query tokens, and counts the union of what its rows read).
+``DecodeConfig.gen_len`` only sets the budget plan (how a φ cache is charged when sizing k).
 Counts stay on the device until ``report`` (no sync per layer).
 """
 
@@ -17,27 +29,37 @@ KV_ONCE = "selector"
 
 
 class ReadCounter:
-    """Accumulates exact-token reads per step, pseudo-entries per step, and one-time bytes."""
+    """Accumulates exact-token and key-only reads per step, pseudo-entries per step, and one-time bytes."""
 
     def __init__(self, *, n_layers: int, n_kv_heads: int, token_bytes: int):
         self.n_layers, self.n_kv_heads, self.token_bytes = n_layers, n_kv_heads, token_bytes
         self._tokens: list[list[torch.Tensor]] = []
         self._pseudo: list[list[torch.Tensor]] = []
+        self._keys: list[list[torch.Tensor]] = []
         self.once_bytes: dict[str, int] = {}
         self.once_token_equiv: dict[str, float] = {}
         self.info: dict[str, float] = {}
+
+    @property
+    def key_bytes(self) -> int:
+        """Bytes of one token's key of one KV head (half of ``token_bytes``)."""
+        return self.token_bytes // 2
 
     def start_step(self) -> None:
         """Begin a new decode step (called at the step's first layer)."""
         self._tokens.append([])
         self._pseudo.append([])
+        self._keys.append([])
 
-    def add_layer(self, n_tokens: torch.Tensor | int, n_pseudo: torch.Tensor | int = 0) -> None:
-        """Exact tokens (summed over KV heads) and pseudo-entries (per row, summed) one layer read."""
+    def add_layer(self, n_tokens: torch.Tensor | int, n_pseudo: torch.Tensor | int = 0,
+                  n_keys: torch.Tensor | int = 0) -> None:
+        """Exact tokens (K and V, summed over KV heads), pseudo-entries (per row, summed) and key-only
+        reads of selection (summed over KV heads) of one layer."""
         if not self._tokens:
             self.start_step()
         self._tokens[-1].append(torch.as_tensor(n_tokens))
         self._pseudo[-1].append(torch.as_tensor(n_pseudo))
+        self._keys[-1].append(torch.as_tensor(n_keys))
 
     def add_once(self, name: str, n_bytes: int, token_equiv: float = 0.0) -> None:
         """A one-time read (summary artifact, resident selector keys) in bytes and token equivalents
@@ -50,17 +72,20 @@ class ReadCounter:
         """Everything counted so far."""
         per_step = [int(sum(int(t) for t in step)) for step in self._tokens]
         pseudo = [int(sum(int(t) for t in step)) for step in self._pseudo]
+        keys = [int(sum(int(t) for t in step)) for step in self._keys]
         units = max(1, self.n_layers * self.n_kv_heads)
         steps = max(1, len(per_step))
         extra: dict[str, float] = {
             "exact_tokens_per_step": sum(per_step) / steps,
             "token_equiv_per_step": sum(per_step) / steps / units,
             "pseudo_entries_per_step": sum(pseudo) / steps,
+            "selection_keys_per_step": sum(keys) / steps,
             **{f"once_bytes_{k}": float(v) for k, v in self.once_bytes.items()},
             **{f"once_token_equiv_{k}": v for k, v in self.once_token_equiv.items()},
             **self.info,
         }
-        return ReadReport(tokens_per_step=per_step, step_bytes=sum(per_step) * self.token_bytes,
+        step_bytes = sum(per_step) * self.token_bytes + sum(keys) * self.key_bytes
+        return ReadReport(tokens_per_step=per_step, step_bytes=step_bytes,
                           once_bytes=sum(self.once_bytes.values()), once_kv_bytes=self.once_bytes.get(KV_ONCE, 0),
                           extra=extra)
 

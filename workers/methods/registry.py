@@ -13,7 +13,7 @@ from workers.methods.phi_maps import FeatureMap
 from workers.methods.quest import Quest, QuestPhi
 from workers.methods.snapkv import SnapKV
 from workers.methods.sparse import SparseMethod
-from workers.methods.topk import TopK, TopKPhi
+from workers.methods.topk import TopK, TopKExact, TopKExactPhi, TopKPhi
 
 METHODS: dict[str, type[Method]] = {
     m.name: m
@@ -26,6 +26,8 @@ METHODS: dict[str, type[Method]] = {
         TopKPhi,
         QuestPhi,
         DoublePPhi,
+        TopKExact,
+        TopKExactPhi,
         SnapKV,
         LookaheadKV,
     )

@@ -64,6 +64,9 @@ class Selection:
     n_distinct: torch.Tensor | None = None
     """Distinct mid tokens of all rows and heads, where ``tokens`` repeats some (None: each row's valid
     ``tokens`` are distinct, so a single row reads ``counts.sum()``)."""
+    scored: torch.Tensor | None = None
+    """``[T, Hkv, s]`` distinct ids of mid tokens whose exact keys selection read (a superset of each row's
+    ``tokens``: the indexed Top-K's shortlist), or None where selection reads no prefix K/V per step."""
 
 
 @dataclass(frozen=True)

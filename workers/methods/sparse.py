@@ -148,6 +148,7 @@ class SparsePrefixAttention:
             self.counter.start_step()
             self._step += 1
         ctx, ebias = self._layer(layer)
+        ctx.kv.at_step = self._step
         b, hq, l, d = q.shape
         hkv, n = ctx.kv.n_heads, ctx.n_tokens
         rows = q.permute(0, 2, 1, 3).reshape(b * l, hq, d)
@@ -169,23 +170,31 @@ class SparsePrefixAttention:
             o, s, n_read = run_graphed(self.graphs, layer, key, rows, step)
             self.counter.add_layer(n_read, rows.shape[0] * hq if self.completion is not None else 0)
             return o.reshape(b, l, hq, d).permute(0, 2, 1, 3), s.reshape(b, l, hq).permute(0, 2, 1)
+        n_keys: torch.Tensor | int = 0
         if rows.shape[0] == 1:  # a decode step: one row's tokens need no marking to be counted
             sel, o, s = self._attend_rows(layer, ctx, ebias, rows, scale)
             outs, lses = [o], [s]
             n_mid = sel.n_distinct if sel.n_distinct is not None else sel.counts.sum()
             pseudo.append(sel.n_centroids.sum() if sel.n_centroids is not None else 0)
+            if sel.scored is not None:  # the shortlist holds the attended tokens: the rest are key-only reads
+                n_keys = sel.scored[0].numel() - sel.counts.sum()
         else:
             hits = torch.zeros(hkv, n, dtype=torch.int32, device=q.device)
+            scored = torch.zeros_like(hits)
             for part in rows.split(chunk):
                 sel, o, s = self._attend_rows(layer, ctx, ebias, part, scale)
                 outs.append(o)
                 lses.append(s)
                 mark_tokens(hits, sel.tokens, sel.counts)
+                if sel.scored is not None:
+                    mark_tokens(scored, sel.scored, torch.full(sel.scored.shape[:2], sel.scored.shape[-1],
+                                                               device=q.device))
                 pseudo.append(sel.n_centroids.sum() if sel.n_centroids is not None else 0)
             n_mid = (hits > 0).sum()
+            n_keys = ((scored > 0) & (hits == 0)).sum()
         n_read = n_mid + ctx.anchors.numel() * hkv
         phi_rows = rows.shape[0] * hq if self.completion is not None else 0
-        self.counter.add_layer(n_read, sum(pseudo) + phi_rows)
+        self.counter.add_layer(n_read, sum(pseudo) + phi_rows, n_keys)
         out = torch.cat(outs).reshape(b, l, hq, d).permute(0, 2, 1, 3)
         return out, torch.cat(lses).reshape(b, l, hq).permute(0, 2, 1)
 

@@ -1,18 +1,43 @@
-"""Exhaustive Top-K over the mid region: the accuracy reference (keys resident, every logit computed)."""
+"""Top-K over the mid region: indexed (the product) and exhaustive (the accuracy oracle).
+
+``topk`` scores every mid token on a resident low-bit key index (``key_index.py``, read once per
+generation), keeps a shortlist of ``SHORTLIST`` x k tokens, reads only the shortlist's exact keys
+to re-score it, and attends the K/V of the best k. Its per-step reads are the shortlist's keys
+plus the final tokens' values (and the anchors), so its total reads stay a small multiple of the
+budget. ``topk-exact`` computes every mid logit from exact keys held for the generation: the
+reference selection, at the cost of reading every mid key.
+"""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
+from workers.methods.base import Summarizer
+from workers.methods.key_index import KeyIndexSummarizer, dequantize_keys
 from workers.methods.phi import PhiSummarizer
 from workers.methods.selector import LayerContext, Selection, Selector, group_mass, top_tokens
 from workers.methods.source import PrefixSource
 from workers.methods.sparse import SparseMethod
 from workers.requests import DecodeConfig
 
+SHORTLIST = 2
+"""Shortlist size as a multiple of k: tokens whose exact keys are re-scored per step."""
 
-class TopKSelector(Selector):
-    """The ``k`` mid tokens with the most group attention mass, per query token and KV head."""
+
+def _selection(ids: torch.Tensor, t: int, hkv: int, scored: torch.Tensor | None = None) -> Selection:
+    return Selection(tokens=ids.reshape(t, hkv, -1), counts=torch.full((t, hkv), ids.shape[-1], device=ids.device),
+                     scored=scored)
+
+
+def _all_mid(ctx: LayerContext, t: int, hkv: int) -> Selection:
+    ids = torch.arange(ctx.lo, ctx.hi, device=ctx.device).expand(t * hkv, -1)
+    return _selection(ids, t, hkv)
+
+
+class ExactTopKSelector(Selector):
+    """The ``k`` mid tokens with the most group attention mass, per query token and KV head (exact keys)."""
 
     def __init__(self) -> None:
         self._keys: dict[int, torch.Tensor] = {}
@@ -22,32 +47,87 @@ class TopKSelector(Selector):
         self._keys[layer] = ctx.kv.mid_keys(ctx.lo, ctx.hi)
 
     def resident_bytes(self, ctx: LayerContext) -> int:
-        """The mid keys it scores exhaustively."""
-        return ctx.kv.n_heads * ctx.n_mid * ctx.kv.head_dim * ctx.kv.dtype.itemsize
+        """What reading the mid keys cost (the whole layer's K and V where it is fetched from the store)."""
+        return ctx.kv.mid_keys_bytes(ctx.lo, ctx.hi)
 
     def select(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, k: int | None) -> Selection:
         """Exact top-k of ``group_mass(scale q . K_mid)``; ``k=None`` takes every mid token."""
         t, hkv = q.shape[0], q.shape[1]
         logits = torch.einsum("thgd,hnd->thgn", q.float(), self._keys[layer].float()) * scale
         scores = group_mass(logits).reshape(t * hkv, ctx.n_mid)
-        ids = top_tokens(scores, ctx.n_mid if k is None else k).reshape(t, hkv, -1) + ctx.lo
-        return Selection(tokens=ids, counts=torch.full((t, hkv), ids.shape[-1], device=q.device))
+        return _selection(top_tokens(scores, ctx.n_mid if k is None else k) + ctx.lo, t, hkv)
+
+
+class IndexedTopKSelector(Selector):
+    """Top-k by group attention mass: a first pass on the key index, exact re-scoring of a shortlist.
+
+    ``index``: the ``KeyIndexSummarizer`` artifact (``"{layer}.codes"``, ``.lo``, ``.step``, ``"0.meta"``)
+    on the decode device.
+    """
+
+    def __init__(self, index: dict[str, torch.Tensor], shortlist: int = SHORTLIST):
+        if shortlist < 1:
+            raise ValueError(f"shortlist must be >= 1, got {shortlist}")
+        self.index, self.shortlist = index, shortlist
+        self.bits, self.block = (int(x) for x in index["0.meta"][:2])
+
+    def approx_logits(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """Logits ``[T, Hkv, G, n_mid]`` (float32) of every mid token on the index."""
+        keys = dequantize_keys(self.index[f"{layer}.codes"], self.index[f"{layer}.lo"], self.index[f"{layer}.step"],
+                               self.bits, self.block, ctx.lo, ctx.hi)
+        return torch.einsum("thgd,hnd->thgn", q.float(), keys) * scale
+
+    def select(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, k: int | None) -> Selection:
+        """The shortlist's best ``k`` by exact group mass (normalized by the index's log-sum-exp over the whole
+        mid region, so heads of a group weigh as in exact Top-K); ``k=None`` or a ``k`` covering the mid
+        region takes every mid token, with no selection reads."""
+        t, hkv = q.shape[0], q.shape[1]
+        if k is None or k >= ctx.n_mid:
+            return _all_mid(ctx, t, hkv)
+        approx = self.approx_logits(layer, ctx, q, scale)
+        lse = torch.logsumexp(approx, dim=-1, keepdim=True)  # [T, Hkv, G, 1]
+        n_short = min(ctx.n_mid, self.shortlist * k)
+        short = top_tokens(group_mass(approx).reshape(t * hkv, -1), n_short).reshape(t, hkv, n_short) + ctx.lo
+        k_exact = ctx.kv.keys(short)  # [T, Hkv, S, D]: the only per-step key reads of selection
+        exact = torch.einsum("thgd,thsd->thgs", q.float(), k_exact.float()) * scale
+        mass = torch.exp(exact - lse).mean(dim=2).reshape(t * hkv, n_short)
+        best = top_tokens(mass, k)
+        return _selection(short.reshape(t * hkv, n_short).gather(1, best), t, hkv, scored=short)
 
 
 class TopK(SparseMethod):
-    """Sink/tail anchors + exhaustive Top-K over the mid region."""
+    """Sink/tail anchors + indexed Top-K over the mid region."""
 
     name = "topk"
+    summarizers: ClassVar[tuple[type[Summarizer], ...]] = (KeyIndexSummarizer,)
 
     def selector(self, source: PrefixSource, config: DecodeConfig) -> Selector:
-        """A Top-K selector (needs no summary)."""
-        return TopKSelector()
+        """A Top-K selector over the stored key index."""
+        return IndexedTopKSelector(source.artifact(KeyIndexSummarizer.name))
 
 
 class TopKPhi(TopK):
-    """Sink/tail anchors + exhaustive Top-K over the mid region, plus φ completion of the unretrieved mid
+    """Sink/tail anchors + indexed Top-K over the mid region, plus φ completion of the unretrieved mid
     remainder."""
 
     name = "topk+phi"
     summarizers = (*TopK.summarizers, PhiSummarizer)
+    completion = True
+
+
+class TopKExact(SparseMethod):
+    """Sink/tail anchors + exhaustive Top-K over the mid region (exact keys of every mid token)."""
+
+    name = "topk-exact"
+
+    def selector(self, source: PrefixSource, config: DecodeConfig) -> Selector:
+        """An exhaustive Top-K selector (needs no summary)."""
+        return ExactTopKSelector()
+
+
+class TopKExactPhi(TopKExact):
+    """Exhaustive Top-K plus φ completion of the unretrieved mid remainder."""
+
+    name = "topk-exact+phi"
+    summarizers = (*TopKExact.summarizers, PhiSummarizer)
     completion = True

@@ -1,0 +1,120 @@
+"""The indexed Top-K: its key index finds the exact top-k, and its reads are what it fetched.
+
+Recall is measured against exhaustive Top-K on keys shaped like post-RoPE keys (a few large
+channels, a handful of tokens aligned with the query); read bytes are checked against a count
+made here from the method's definition (index once, shortlist keys and the final tokens' K/V per
+step); a 16k-token prefix at a 2% budget stays within 2.5x the budget, everything counted.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from workers.budget import plan_budget
+from workers.methods.base import ReportsReads
+from workers.methods.key_index import KeyIndexConfig, KeyIndexSummarizer, dequantize_keys, quantize_keys
+from workers.methods.memory import MemorySource
+from workers.methods.registry import get_method
+from workers.methods.selector import LayerContext, group_mass, top_tokens
+from workers.methods.topk import SHORTLIST, IndexedTopKSelector, TopK
+from workers.requests import DecodeConfig
+
+
+def structured_keys(hkv: int, n: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys with four large channels and 64 tokens planted along per-head directions; the directions
+    ``[Hkv, D]`` (queries near them find the planted tokens, at graded strengths)."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(hkv, n, d, generator=g)
+    k[..., :4] *= 8  # outlier channels, as RoPE'd keys have
+    dirs = torch.nn.functional.normalize(torch.randn(hkv, d, generator=g), dim=-1)
+    planted = torch.randperm(n, generator=g)[:64]
+    k[:, planted] += dirs[:, None] * torch.linspace(2, 6, 64)[None, :, None] * math.sqrt(d)
+    return k, dirs
+
+
+def _queries(dirs: torch.Tensor, n_q: int, g_size: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    hkv, d = dirs.shape
+    return dirs[None, :, None] * 0.5 + 0.5 * torch.randn(n_q, hkv, g_size, d, generator=g) / math.sqrt(d)
+
+
+def _resident_ctx(k: torch.Tensor, lo: int, hi: int) -> LayerContext:
+    from workers.methods.layer_kv import ResidentKV
+
+    return LayerContext(ResidentKV(k, k, page_size=16), lo, hi)
+
+
+def _recall(sel: IndexedTopKSelector, k: torch.Tensor, q: torch.Tensor, lo: int, hi: int, k_tok: int) -> float:
+    ctx = _resident_ctx(k, lo, hi)
+    s = sel.select(0, ctx, q, q.shape[-1] ** -0.5, k_tok)
+    exact = torch.einsum("thgd,hnd->thgn", q, k[:, lo:hi]) * q.shape[-1] ** -0.5
+    want = top_tokens(group_mass(exact).flatten(0, 1), k_tok) + lo
+    got = s.tokens.flatten(0, 1)
+    hits = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(got, want, strict=True))
+    return hits / want.numel()
+
+
+def test_quantized_keys_are_within_half_a_step() -> None:
+    k, _ = structured_keys(2, 1000, 32, seed=0)
+    for cfg in (KeyIndexConfig(bits=4), KeyIndexConfig(bits=8, block=16)):
+        art = quantize_keys(k, cfg)
+        back = dequantize_keys(art["codes"], art["lo"], art["step"], cfg.bits, cfg.block)
+        step = art["step"].float().repeat_interleave(cfg.block, dim=1)[:, :1000]
+        assert ((back - k).abs() <= step / 2 + 1e-2 * step + 1e-3).all()
+        n_bytes = sum(t.numel() * t.element_size() for n, t in art.items() if n != "meta")
+        assert n_bytes == pytest.approx(2 * 1000 * cfg.bytes_per_token(32), rel=0.02)
+
+
+@pytest.mark.parametrize("k_tok", [16, 48])
+def test_index_recalls_exact_topk_and_a_broken_index_does_not(k_tok: int) -> None:
+    k, dirs = structured_keys(2, 4096, 64, seed=1)
+    q = _queries(dirs, n_q=6, g_size=4, seed=2)
+    art = {f"0.{n}": t for n, t in KeyIndexSummarizer().summarize(0, k, k).items()}
+    assert _recall(IndexedTopKSelector(art), k, q, 4, 4080, k_tok) >= 0.95
+    # the same selector over an index of random codes re-scores a random shortlist: recall collapses
+    broken = dict(art, **{"0.codes": torch.randint(0, 256, art["0.codes"].shape, dtype=torch.uint8,
+                                                   generator=torch.Generator().manual_seed(3))})
+    assert _recall(IndexedTopKSelector(broken), k, q, 4, 4080, k_tok) < 0.5
+
+
+def _steps(attn, q: torch.Tensor, n_steps: int) -> None:  # noqa: ANN001 - any sparse PrefixAttention
+    for _ in range(n_steps):
+        for layer in range(len(attn.source._kv)):
+            attn.attend(layer, q, q.shape[-1] ** -0.5)
+
+
+def test_read_report_is_index_once_plus_shortlist_keys_plus_topk_kv() -> None:
+    n, hkv, d, layers, budget, steps = 2000, 2, 32, 2, 0.05, 5
+    kv = [structured_keys(hkv, n, d, seed=10 + i)[0] for i in range(layers)]
+    src = MemorySource.build([(k, k.flip(1)) for k in kv], TopK.summarizers)
+    attn = get_method("topk").open(src, DecodeConfig(budget=budget))
+    q = torch.randn(1, hkv * 2, 1, d, generator=torch.Generator().manual_seed(4))
+    _steps(attn, q, steps)
+    assert isinstance(attn, ReportsReads)
+    report = attn.read_report()
+    plan = plan_budget(prefill_len=n, fraction=budget, head_dim=d)
+    tok = 2 * d * 4  # K and V of one token and KV head, float32
+    index_once = layers * (hkv * n * d // 2 + 2 * hkv * math.ceil(n / 64) * d * 2 + 2 * 8)
+    per_step = layers * hkv * ((plan.sink + plan.tail + plan.k_topk) * tok + (SHORTLIST - 1) * plan.k_topk * tok // 2)
+    assert report.once_bytes == index_once
+    assert report.step_bytes == steps * per_step
+    assert report.extra["selection_keys_per_step"] == layers * hkv * (SHORTLIST - 1) * plan.k_topk
+
+
+def test_topk_total_reads_stay_within_2_5x_the_budget_at_16k() -> None:
+    """16k prefix, 2% budget, bf16 keys, 16 steps: index + shortlist keys + top-k K/V <= 5% of full."""
+    n, d, steps, budget = 16384, 128, 16, 0.02
+    k, dirs = structured_keys(1, n, d, seed=7)
+    k = k.bfloat16()
+    src = MemorySource.build([(k, k)], TopK.summarizers)
+    attn = get_method("topk").open(src, DecodeConfig(budget=budget))
+    q = _queries(dirs, n_q=1, g_size=4, seed=8).permute(0, 1, 2, 3).reshape(1, 4, 1, d).bfloat16()
+    _steps(attn, q, steps)
+    report = attn.read_report()
+    full = steps * n * 2 * d * 2
+    assert report.once_bytes > 0 and report.extra["selection_keys_per_step"] > 0
+    assert (report.step_bytes + report.once_bytes) / full <= 2.5 * budget
+    assert report.step_bytes / full <= 1.6 * budget  # per step: n(f) plus the shortlist's extra keys

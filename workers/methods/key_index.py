@@ -1,0 +1,89 @@
+"""A compact approximate key index for Top-K: low-bit keys, quantized per channel over token blocks.
+
+Prefill stores, per layer and KV head, every key at ``bits`` bits per element: for each block of
+``block`` consecutive tokens and each channel d, ``lo[d]`` and ``step[d]`` (float16) map code ``c``
+to ``lo + step * c``. Keys are quantized per channel, not per token, because post-RoPE keys have
+a few large channels that would otherwise set every token's scale. The index is read once per
+generation and held on the device; a step scores every mid token on it (``scores``) without
+touching the exact keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.methods.base import Summarizer
+from workers.pages import page_count
+
+
+@dataclass(frozen=True)
+class KeyIndexConfig:
+    """How keys are quantized for the index."""
+
+    bits: int = 4
+    """Bits per key element: 4 (two codes per byte) or 8."""
+    block: int = 64
+    """Tokens sharing one ``lo``/``step`` pair per channel."""
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, got {self.bits}")
+        if self.block < 1:
+            raise ValueError(f"block must be >= 1, got {self.block}")
+
+    def bytes_per_token(self, head_dim: int) -> float:
+        """Index bytes per token and KV head (codes plus the amortized float16 ``lo``/``step``)."""
+        return head_dim * self.bits / 8 + 2 * 2 * head_dim / self.block
+
+
+KEY_INDEX = KeyIndexConfig()
+"""The index prefill builds."""
+
+
+def quantize_keys(k: torch.Tensor, config: KeyIndexConfig = KEY_INDEX) -> dict[str, torch.Tensor]:
+    """K ``[Hkv, N, D]`` -> ``codes`` (uint8 ``[Hkv, N, D * bits / 8]``), ``lo``, ``step`` (float16
+    ``[Hkv, blocks, D]``) and ``meta = [bits, block]``."""
+    h, n, d = k.shape
+    if config.bits == 4 and d % 2:
+        raise ValueError(f"a 4-bit key index needs an even head_dim, got {d}")
+    b = config.block
+    blocks = page_count(n, b)
+    kf = k.float()
+    padded = torch.cat([kf, kf[:, -1:].expand(h, blocks * b - n, d)], dim=1).view(h, blocks, b, d)
+    lo, hi = padded.amin(2), padded.amax(2)
+    levels = (1 << config.bits) - 1
+    step = ((hi - lo) / levels).clamp_min(1e-8).half()
+    lo = lo.half()
+    codes = torch.round((padded - lo.float().unsqueeze(2)) / step.float().unsqueeze(2)).clamp(0, levels)
+    codes = codes.view(h, blocks * b, d)[:, :n].to(torch.uint8)
+    if config.bits == 4:
+        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return {"codes": codes.contiguous(), "lo": lo, "step": step,
+            "meta": torch.tensor([config.bits, b], dtype=torch.int64)}
+
+
+def dequantize_keys(codes: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, bits: int, block: int,
+                    start: int = 0, end: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The approximate keys ``[Hkv, end - start, D]`` of tokens ``[start, end)`` of an index."""
+    c = codes[:, start:end]
+    if bits == 4:
+        c = torch.stack([c & 0xF, c >> 4], dim=-1).flatten(-2)
+    n = c.shape[1]
+    blk = torch.arange(start, start + n, device=c.device) // block
+    return lo[:, blk].to(dtype) + step[:, blk].to(dtype) * c.to(dtype)
+
+
+class KeyIndexSummarizer(Summarizer):
+    """Prefill: the low-bit key index of each layer (artifact ``keyindex``)."""
+
+    name = "keyindex"
+    version = 1
+
+    def __init__(self, config: KeyIndexConfig = KEY_INDEX):
+        self.config = config
+
+    def summarize(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        """K ``[Hkv, N, D]`` -> the quantized keys (``quantize_keys``)."""
+        return quantize_keys(k, self.config)
