@@ -12,6 +12,7 @@ from transformers.utils import logging as hf_logging
 from store.layout import KVLayout
 from workers.attention import KVSTASH_ATTENTION, register_attention
 from workers.fingerprint import model_fingerprint
+from workers.methods.head_scores import HeadScores, load_head_scores
 from workers.methods.phi_maps import FeatureMap, load_feature_map
 from workers.model_source import hub_offline
 from workers.prompt import PromptFormat
@@ -32,6 +33,8 @@ class LoadedModel:
     prompt: PromptFormat
     phi_map: FeatureMap | None = None
     """The distilled φ feature map shipped with the model (``phi_map.*``), if any; else FAVOR+."""
+    head_scores: HeadScores | None = None
+    """HybridKV's calibration head ranking shipped with the model (``hybridkv_heads.json``), if any."""
 
     @property
     def device(self) -> torch.device:
@@ -82,12 +85,19 @@ def load_model(name_or_path: str, *, device: str = "cpu", dtype: str = "auto", p
                              f"the model has {heads}")
         phi_map.to(device)
         fingerprint = hashlib.sha256(f"{fingerprint}:phi:{phi_map.digest}".encode()).hexdigest()[:32]
+    head_scores = load_head_scores(name_or_path)
+    if head_scores is not None:  # compressed caches built with the ranking belong to (weights, ranking)
+        if head_scores.shape != (layout.n_layers, layout.n_kv_heads):
+            raise ValueError(f"{name_or_path}: hybridkv_heads.json is for (layers, kv heads) {head_scores.shape}, "
+                             f"the model has {(layout.n_layers, layout.n_kv_heads)}")
+        fingerprint = hashlib.sha256(f"{fingerprint}:hybridkv:{head_scores.digest}".encode()).hexdigest()[:32]
     return LoadedModel(
         name=name_or_path,
         model=model,
         tokenizer=tokenizer,
         fingerprint=fingerprint,
         phi_map=phi_map,
+        head_scores=head_scores,
         layout=layout,
         max_context=int(getattr(cfg, "max_position_embeddings", 1 << 20)),
         prompt=PromptFormat.load(name_or_path),

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 from store.errors import UnknownMethod
 from workers.methods.base import Method, Summarizer
+from workers.methods.compressed import CompressionMethod
 from workers.methods.doublep import DoubleP, DoublePPhi
 from workers.methods.full import FullAttention
+from workers.methods.head_scores import HeadScores
+from workers.methods.hybridkv import HybridKV
+from workers.methods.kvzip import KVzip
 from workers.methods.phi import PhiSummarizer
 from workers.methods.phi_maps import FeatureMap
 from workers.methods.quest import Quest, QuestPhi
 from workers.methods.sparse import SparseMethod
+from workers.methods.streamingllm import StreamingLLM
 from workers.methods.topk import TopK, TopKPhi
 
 METHODS: dict[str, type[Method]] = {
@@ -22,20 +27,30 @@ METHODS: dict[str, type[Method]] = {
         TopKPhi,
         QuestPhi,
         DoublePPhi,
+        KVzip,
+        HybridKV,
+        StreamingLLM,
     )
 }
 
 
-def get_method(name: str, phi_map: FeatureMap | None = None) -> Method:
+def get_method(name: str, phi_map: FeatureMap | None = None, head_scores: HeadScores | None = None) -> Method:
     """An instance of the method called ``name`` (φ-completed ones use the model's distilled
-    ``phi_map`` when it has one, else FAVOR+)."""
+    ``phi_map`` when it has one, else FAVOR+; HybridKV the model's shipped ``head_scores``)."""
     try:
         method = METHODS[name]()
     except KeyError:
         raise UnknownMethod(f"unknown method {name!r}; choose one of {sorted(METHODS)}") from None
     if phi_map is not None and isinstance(method, SparseMethod) and method.completion:
         method.feature_map = phi_map
+    if isinstance(method, HybridKV):
+        method.heads = head_scores
     return method
+
+
+def compression_methods() -> list[str]:
+    """Names of the methods that decode a compressed cache (they take a ``ratio``)."""
+    return [n for n, m in METHODS.items() if issubclass(m, CompressionMethod)]
 
 
 def prefill_summarizers() -> list[type[Summarizer]]:
