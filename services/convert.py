@@ -87,6 +87,8 @@ def generate_request_to_pb(req: GenerateRequest) -> pb.GenerateRequest:
                              stop=list(s.stop), raw=req.raw, gen_len=d.gen_len)
     if d.budget is not None:
         msg.budget = d.budget
+    if d.ratio is not None:
+        msg.ratio = d.ratio
     if s.seed is not None:
         msg.seed = s.seed
     return msg
@@ -97,6 +99,7 @@ def generate_request_from_pb(msg: pb.GenerateRequest) -> GenerateRequest:
     return GenerateRequest(
         prefix_id=msg.prefix_id, query=msg.query, method=msg.method or LIMITS.method_default, raw=msg.raw,
         decode=DecodeConfig(budget=msg.budget if msg.HasField("budget") else None,
+                            ratio=msg.ratio if msg.HasField("ratio") else None,
                             gen_len=msg.gen_len or LIMITS.gen_len_default),
         sampling=SamplingParams(max_new_tokens=msg.max_new_tokens or LIMITS.max_new_tokens_default,
                                 temperature=msg.temperature,

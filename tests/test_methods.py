@@ -19,10 +19,11 @@ from workers.budget import plan_budget
 from workers.engine import Worker
 from workers.methods.base import ReportsReads
 from workers.methods.memory import MemorySource
-from workers.methods.registry import METHODS, get_method
+from workers.methods.registry import METHODS, compression_methods, get_method
 from workers.requests import DecodeConfig, GenerationStats, SamplingParams
 
-ALL = sorted(METHODS)
+ALL = sorted(set(METHODS) - set(compression_methods()))
+"""Methods that decode the stored prefix itself (compressed caches are tested in test_compressed.py)."""
 SPARSE = [m for m in ALL if m != "full"]
 ATOL = RTOL = 1e-5
 

@@ -23,14 +23,17 @@ class EvalSpec:
     lengths: tuple[int, ...]
     methods: tuple[str, ...] = ("full",)
     budgets: tuple[float | None, ...] = (None,)
+    ratios: tuple[float | None, ...] = (None,)
+    """Kept fractions of the compression methods' caches (other methods ignore them and run once)."""
     samples: int = 20
     max_new_tokens: int = 48
     gen_len: int = 1
     """L_gen for budget matching (appendix D): 1 charges a one-time φ fetch to a single step."""
 
     def __post_init__(self) -> None:
-        if self.samples < 1 or not self.tasks or not self.lengths or not self.methods or not self.budgets:
-            raise ValueError("need at least one task, length, method, budget and sample")
+        if (self.samples < 1 or not self.tasks or not self.lengths or not self.methods or not self.budgets
+                or not self.ratios):
+            raise ValueError("need at least one task, length, method, budget, ratio and sample")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +45,7 @@ class EvalRow:
     method: str
     budget: float | None
     samples: int
+    ratio: float | None = None
     accuracy: float
     """Mean RULER score (fraction of gold strings found), 0..1."""
     read_fraction: float
@@ -58,11 +62,14 @@ def _cells(spec: EvalSpec) -> Iterator[tuple[str, int]]:
 def run_eval(client: EvalTarget, spec: EvalSpec, progress: bool = True) -> list[EvalRow]:
     """Score every (task, length, method, budget) cell; each sample is prefilled once and reused."""
     from lab.synth import SynthContext, generate
+    from workers.methods.registry import compression_methods
 
     ctx = SynthContext(tokenizer=client.worker.lm.tokenizer, split="eval")
-    combos = [(m, b) for m in spec.methods for b in spec.budgets]
-    scores: dict[tuple[str, int, str, float | None], list[float]] = {}
-    reads: dict[tuple[str, int, str, float | None], list[float]] = {}
+    compressing = set(compression_methods())
+    combos = [(m, b, r) for m in spec.methods for b in spec.budgets
+              for r in (spec.ratios if m in compressing else (None,))]
+    scores: dict[tuple[str, int, str, float | None, float | None], list[float]] = {}
+    reads: dict[tuple[str, int, str, float | None, float | None], list[float]] = {}
     total = len(spec.tasks) * len(spec.lengths) * spec.samples
     bar = tqdm(total=total, desc="eval", unit="sample", disable=not progress)
     for task, length in _cells(spec):
@@ -70,18 +77,18 @@ def run_eval(client: EvalTarget, spec: EvalSpec, progress: bool = True) -> list[
             bar.set_postfix_str(f"{task} at {length} tokens, sample {i + 1}/{spec.samples}", refresh=True)
             sample = generate(task, length, EVAL_SEED_BASE + i, ctx)
             handle = client.prefill(sample.document)
-            for method, budget in combos:
+            for method, budget, ratio in combos:
                 gen = client.generate(sample.query, prefix=handle.prefix_id, method=method, budget=budget, raw=True,
-                                      max_new_tokens=spec.max_new_tokens, gen_len=spec.gen_len)
-                key = (task, length, method, budget)
+                                      max_new_tokens=spec.max_new_tokens, gen_len=spec.gen_len, ratio=ratio)
+                key = (task, length, method, budget, ratio)
                 scores.setdefault(key, []).append(sample.score(gen.text))
                 st = gen.stats
                 reads.setdefault(key, []).append(st.bytes_fetched / st.bytes_full if st.bytes_full else 0.0)
             bar.update(1)
     bar.close()
-    return [EvalRow(task=t, length=n, method=m, budget=b, samples=len(s), accuracy=statistics.fmean(s),
-                    read_fraction=statistics.fmean(reads[(t, n, m, b)]), scores=s)
-            for (t, n, m, b), s in scores.items()]
+    return [EvalRow(task=t, length=n, method=m, budget=b, ratio=r, samples=len(s), accuracy=statistics.fmean(s),
+                    read_fraction=statistics.fmean(reads[(t, n, m, b, r)]), scores=s)
+            for (t, n, m, b, r), s in scores.items()]
 
 
 def summary(rows: Sequence[EvalRow]) -> dict[str, Any]:
@@ -93,9 +100,11 @@ def summary(rows: Sequence[EvalRow]) -> dict[str, Any]:
 
 def table(rows: Sequence[EvalRow]) -> str:
     """A Markdown table of the rows."""
-    out = ["| task | length | method | budget | samples | accuracy | read fraction |", "|---|---|---|---|---|---|---|"]
+    out = ["| task | length | method | budget | ratio | samples | accuracy | read fraction |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         b = "-" if r.budget is None else f"{r.budget:g}"
-        out.append(f"| {r.task} | {r.length} | {r.method} | {b} | {r.samples} | {r.accuracy:.3f} | "
+        c = "-" if r.ratio is None else f"{r.ratio:g}"
+        out.append(f"| {r.task} | {r.length} | {r.method} | {b} | {c} | {r.samples} | {r.accuracy:.3f} | "
                    f"{r.read_fraction:.3f} |")
     return "\n".join(out)
