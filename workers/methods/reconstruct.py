@@ -40,7 +40,7 @@ def reconstruction_inputs(lm: LoadedModel, context_ids: Sequence[int]) -> tuple[
     context re-tokenized as the answer the model was trained to give."""
     tok = lm.tokenizer
     prompt = list(tok(lm.prompt.format_query(lm.prompt.repeat_question), add_special_tokens=False).input_ids)
-    text = tok.decode(list(context_ids), skip_special_tokens=True)
+    text = str(tok.decode(list(context_ids), skip_special_tokens=True))
     repeat = list(tok(lm.prompt.answer_prefix + text, add_special_tokens=False).input_ids)
     return prompt, repeat
 
