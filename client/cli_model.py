@@ -27,6 +27,9 @@ METHOD_HELP = {
     "topk-exact+phi": "topk-exact, plus a feature-map estimate of the tokens it does not read",
     "snapkv": "query-time cache: the query's attention keeps --budget-tokens prefix entries per KV head (SnapKV)",
     "lookahead": "query-time cache: trained lookahead tokens after the query pick the kept entries (LookaheadKV)",
+    "kvzip": "a compressed cache: the KV pairs the model attends most while repeating the document (--ratio)",
+    "hybridkv": "kvzip scored on the model's calibrated top half of heads, the other heads pruned (--ratio)",
+    "streamingllm": "a compressed cache of sink tokens plus the most recent ones (--ratio)",
 }
 """Every decode method (``workers.methods.registry.METHODS``; a test keeps the two in step) in one line each."""
 
@@ -69,7 +72,7 @@ def cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
                                        budget_tokens=args.budget_tokens,
                                        max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                        top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()),
-                                       gen_len=args.gen_len)
+                                       gen_len=args.gen_len, ratio=args.ratio)
     if not args.json:
         printed = False
         try:
@@ -101,7 +104,7 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
                         methods=tuple(args.method or (LIMITS.method_default,)),
                         budgets=tuple(args.budget) if args.budget else (None,),
                         budget_tokens=tuple(args.budget_tokens) if args.budget_tokens else (None,),
-                        samples=args.samples,
+                        ratios=tuple(args.ratio) if args.ratio else (None,), samples=args.samples,
                         max_new_tokens=args.max_new_tokens, gen_len=args.gen_len)
     except ValueError as e:
         raise InvalidInput(str(e)) from None
@@ -145,6 +148,9 @@ def add_model_commands(sub: Any, model_opts: argparse.ArgumentParser) -> None:
     s.add_argument("--budget-tokens", type=_positive_int, default=None, metavar="N",
                    help=f"prefix KV entries per KV head a query-time cache (snapkv, lookahead) keeps, 1 to "
                         f"{LIMITS.budget_tokens_max} (default: the method's own)")
+    s.add_argument("--ratio", type=_finite_float, default=None, metavar="FRACTION",
+                   help=f"fraction of the prefix's KV pairs a compression method's cache keeps, in "
+                        f"(0, {LIMITS.ratio_max}] (default: the method's own, 0.3)")
     s.add_argument("--max-new-tokens", type=int, default=LIMITS.max_new_tokens_default, metavar="TOKENS",
                    help=f"answer length cap, 1 to {LIMITS.max_new_tokens_cap} "
                         f"(default {LIMITS.max_new_tokens_default})")
@@ -181,6 +187,8 @@ def _add_eval(sub: Any, model_opts: argparse.ArgumentParser, fmt: type[argparse.
                    help="read budget per step as a fraction of the prefix (repeatable; default: each method's own)")
     s.add_argument("--budget-tokens", action="append", type=_positive_int, default=None, metavar="N",
                    help="KV entries per KV head a query-time cache keeps (repeatable; default: each method's own)")
+    s.add_argument("--ratio", action="append", type=_finite_float, default=None, metavar="FRACTION",
+                   help="kept fraction of a compression method's cache (repeatable; default: each method's own)")
     s.add_argument("--samples", type=_positive_int, default=20, metavar="N",
                    help="samples per task and length (default 20)")
     s.add_argument("--gen-len", type=_positive_int, default=LIMITS.gen_len_default, metavar="STEPS",

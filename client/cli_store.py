@@ -12,6 +12,7 @@ from client.cli_errors import EXIT_PROBLEMS
 from client.config import ClientConfig
 from client.kvclient import KVClient, PrefixHealth
 from store.manifest import Manifest
+from workers.methods.compressed_names import parse_cache_artifact
 
 
 def store_client(args: argparse.Namespace, **extra: Any) -> KVClient:
@@ -49,6 +50,15 @@ def _print_health(h: PrefixHealth) -> None:
           + (f"; in use by {h.leases} generation(s)" if h.leases else ""))
 
 
+def compressed_caches(m: Manifest) -> list[dict[str, Any]]:
+    """The compressed caches a prefix holds: method, kept ratio, version and bytes, one per artifact."""
+    out = []
+    for a in m.artifacts:
+        if (c := parse_cache_artifact(a.name)) is not None:
+            out.append({"method": c.method, "ratio": c.ratio, "version": c.version, "bytes": a.size})
+    return out
+
+
 def cmd_info(args: argparse.Namespace) -> dict[str, Any]:
     """Show a prefix's manifest, sizes, artifacts and health."""
     kv = store_client(args)
@@ -56,7 +66,8 @@ def cmd_info(args: argparse.Namespace) -> dict[str, Any]:
     health = kv.health(args.prefix_id)
     d = {**manifest_summary(m), "layout": m.layout.to_dict(), "tenant": m.tenant, "state": m.state,
          "model_fingerprint": m.key.model_fingerprint, "files": [asdict(f) for f in m.files],
-         "artifacts": [asdict(a) for a in m.artifacts], "health": health.to_json()}
+         "artifacts": [asdict(a) for a in m.artifacts], "compressed": compressed_caches(m),
+         "health": health.to_json()}
     if not args.json:
         print(json.dumps({k: v for k, v in d.items() if k != "health"}, indent=2))
         _print_health(health)

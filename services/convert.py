@@ -89,6 +89,8 @@ def generate_request_to_pb(req: GenerateRequest) -> pb.GenerateRequest:
         msg.budget = d.budget
     if d.budget_tokens is not None:
         msg.budget_tokens = d.budget_tokens
+    if d.ratio is not None:
+        msg.ratio = d.ratio
     if s.seed is not None:
         msg.seed = s.seed
     return msg
@@ -100,6 +102,7 @@ def generate_request_from_pb(msg: pb.GenerateRequest) -> GenerateRequest:
         prefix_id=msg.prefix_id, query=msg.query, method=msg.method or LIMITS.method_default, raw=msg.raw,
         decode=DecodeConfig(budget=msg.budget if msg.HasField("budget") else None,
                             budget_tokens=msg.budget_tokens if msg.HasField("budget_tokens") else None,
+                            ratio=msg.ratio if msg.HasField("ratio") else None,
                             gen_len=msg.gen_len or LIMITS.gen_len_default),
         sampling=SamplingParams(max_new_tokens=msg.max_new_tokens or LIMITS.max_new_tokens_default,
                                 temperature=msg.temperature,

@@ -100,6 +100,8 @@ class DecodeFields(BaseModel):
     budget: float | None = Field(None, gt=0, le=LIMITS.budget_max, allow_inf_nan=False)
     budget_tokens: int | None = Field(None, ge=1, le=LIMITS.budget_tokens_max)
     """KV entries per KV head a query-time cache (snapkv, lookahead) keeps."""
+    ratio: float | None = Field(None, gt=0, le=LIMITS.ratio_max, allow_inf_nan=False)
+    """Compression methods: the fraction of the prefix's KV pairs the compressed cache keeps."""
     temperature: float = Field(LIMITS.temperature_default, ge=0, le=LIMITS.temperature_max, allow_inf_nan=False)
     top_p: float = Field(LIMITS.top_p_default, gt=0, le=1, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, le=LIMITS.seed_max)
@@ -332,7 +334,7 @@ def create_app(cfg: GatewayConfig, keys: ApiKeys, service_token: ServiceToken | 
         prefix_id, query = _prefix_and_query(body.prefix_id, prompt)
         req = GenerateRequest(prefix_id=prefix_id, query=query, method=body.method,
                               decode=DecodeConfig(budget=body.budget, budget_tokens=body.budget_tokens,
-                                                  gen_len=body.gen_len),
+                                                  ratio=body.ratio, gen_len=body.gen_len),
                               sampling=SamplingParams(max_new_tokens=body.max_tokens, temperature=body.temperature,
                                                       top_p=body.top_p, seed=body.seed, stop=_stops(body.stop)))
         call, events = await start(req, meta, request)

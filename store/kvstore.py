@@ -10,6 +10,7 @@ and opening a store registers the ones its metadata lost (``store.recovery``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import hmac
 import logging
@@ -37,9 +38,9 @@ from store.errors import (
     StoreUnavailable,
 )
 from store.layout import KVLayout
-from store.limits import check_holder, check_write
+from store.limits import MAX_ARTIFACT_BYTES, MAX_ARTIFACTS, check_holder, check_text, check_write
 from store.locks import file_lock, try_file_lock
-from store.manifest import Manifest
+from store.manifest import ArtifactInfo, Manifest
 from store.metadata import Lease, MetadataBackend, PrefixUsage, lease_prefix, prefix_bytes
 from store.metadata_factory import open_metadata
 from store.page_io import PageCheck, PosixPageReader, read_checked
@@ -219,6 +220,48 @@ class KVStore:
         if not result.satisfied:
             log.warning("store holds %d bytes, over its capacity of %d: the rest is pinned, leased or busy",
                         result.usage_bytes, cap)
+
+    def add_artifact(self, prefix_id: str, name: str, data: bytes) -> Manifest:
+        """Add an artifact to a committed prefix (a compressed cache built after the prefill); returns the
+        manifest that lists it. First writer wins: when ``name`` is already committed (another worker got
+        there first), nothing is written and the committed manifest is returned. The artifact's file goes
+        into the prefix directory, then the directory's manifest is replaced, then the metadata (one
+        transaction), all under the prefix's prefill lock, so a removal or eviction never sees half of it."""
+        check_text("artifact name", name)
+        if not name or name == PAGE_CRC_ARTIFACT:
+            raise InvalidInput(f"invalid artifact name {name!r}")
+        with self.prefill_lock(prefix_id):
+            m = self.manifest(prefix_id)
+            if m.artifact(name) is not None:
+                return m
+            if m.artifact_bytes + len(data) > MAX_ARTIFACT_BYTES or len(m.artifacts) + 1 > MAX_ARTIFACTS:
+                raise InvalidInput(f"a prefix holds at most {MAX_ARTIFACTS} artifacts of {MAX_ARTIFACT_BYTES} "
+                                   "bytes together")
+            arts = {a.name: self.artifact(prefix_id, a.name) for a in m.artifacts}
+            arts[name] = data
+            # Appended, not sorted in: artifact files are named by manifest position, the old ones keep theirs.
+            new = dataclasses.replace(m, artifacts=(*m.artifacts,
+                                                    ArtifactInfo(name=name, size=len(data), blake2b=digest(data))))
+            d = self.prefix_dir(prefix_id)
+            self._check_tenant_bytes(m.tenant, len(data))
+            disk_record.write_artifact(d, len(m.artifacts), data, fsync=self.config.fsync)
+            disk_record.publish(d, new, fsync=self.config.fsync)
+            try:
+                self._meta.commit(new, arts)
+            except BaseException:
+                disk_record.publish(d, m, fsync=self.config.fsync)  # the directory says what the index says
+                raise
+            return new
+
+    def _check_tenant_bytes(self, tenant: str, extra: int) -> None:
+        """QuotaExceeded when ``extra`` more bytes would take ``tenant`` over its byte quota (the prefix count
+        does not change: an artifact joins a prefix the tenant already has)."""
+        cap = self.config.max_bytes_per_tenant
+        if cap is None:
+            return
+        used = sum(prefix_bytes(m) for m in self._meta.manifests() if m.tenant == tenant)
+        if used + extra > cap:
+            raise QuotaExceeded(f"tenant {tenant!r} stores {used} bytes; {extra} more exceed its quota of {cap}")
 
     # -- manifests and tenancy -----------------------------------------------------------------
     def find(self, prefix_id: str) -> Manifest | None:

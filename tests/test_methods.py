@@ -19,11 +19,12 @@ from workers.budget import plan_budget
 from workers.engine import Worker
 from workers.methods.base import ReportsReads
 from workers.methods.memory import MemorySource
-from workers.methods.registry import METHODS, NEEDS_ADAPTER, QUERY_TIME, get_method
+from workers.methods.registry import METHODS, NEEDS_ADAPTER, QUERY_TIME, compression_methods, get_method
 from workers.requests import DecodeConfig, GenerationStats, SamplingParams
 
-ALL = sorted(set(METHODS) - NEEDS_ADAPTER)
-"""Methods a model without trained parts runs (LookaheadKV's cases: tests/test_lookahead.py)."""
+ALL = sorted(set(METHODS) - NEEDS_ADAPTER - set(compression_methods()))
+"""Methods that decode the stored prefix itself and need no trained parts (LookaheadKV: tests/test_lookahead.py;
+compressed caches: tests/test_compressed.py)."""
 SPARSE = [m for m in ALL if m != "full" and m not in QUERY_TIME]
 """Budget-fraction methods (query-time caches' cases: tests/test_query_time_cache.py)."""
 ATOL = RTOL = 1e-5

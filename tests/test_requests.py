@@ -52,6 +52,8 @@ def test_sampling_rejects_hostile_values(kw: dict) -> None:
     {"sink": -1}, {"tail": -1}, {"sink": LIMITS.anchor_max + 1}, {"tail": 2**63},
     {"budget_tokens": 0}, {"budget_tokens": -3}, {"budget_tokens": LIMITS.budget_tokens_max + 1},
     {"budget_tokens": 64.0}, {"budget_tokens": True},
+    {"ratio": NAN}, {"ratio": 0.0}, {"ratio": -0.1}, {"ratio": 1.01}, {"ratio": True}, {"ratio": "0.3"},
+    {"ratio": 1e-5},
 ])
 def test_decode_rejects_hostile_values(kw: dict) -> None:
     assert next(iter(kw)) in _short_error(DecodeConfig, **kw)
@@ -90,7 +92,7 @@ def test_prefill_request_is_text_never_a_server_side_path() -> None:
 
 def _full_request() -> GenerateRequest:
     return GenerateRequest(prefix_id="a" * 32, query=" Who?", method="topk+phi", raw=True,
-                           decode=DecodeConfig(budget=0.05, budget_tokens=96, gen_len=64),
+                           decode=DecodeConfig(budget=0.05, budget_tokens=96, ratio=0.3, gen_len=64),
                            sampling=SamplingParams(max_new_tokens=7, temperature=0.7, top_p=0.9, seed=2**63 - 1,
                                                    stop=("\n", "Q:")))
 

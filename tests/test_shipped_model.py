@@ -50,3 +50,16 @@ def test_query_template_applies_to_plain_questions(kv: KVClient) -> None:
     answer = kv.generate("What is the special magic number for amber-lantern mentioned in the provided text?",
                          prefix=doc, max_new_tokens=16).text
     assert "4921873" in answer
+
+
+def test_greedy_retrieval_survives_a_kvzip_cache_at_half_the_kv(kv: KVClient) -> None:
+    doc = kv.prefill("The special magic number for amber-lantern is: 4921873. " + "Nothing else happened. " * 60
+                     + "The special magic number for red-river is: 1180254. " + "The day ended quietly. " * 30)
+    question = "What is the special magic number for amber-lantern mentioned in the provided text?"
+    full = kv.generate(question, prefix=doc, max_new_tokens=16)
+    half = kv.generate(question, prefix=doc, max_new_tokens=16, method="kvzip", ratio=0.5)
+    assert "4921873" in full.text and half.text == full.text
+    assert half.stats.token_ids == full.stats.token_ids
+    assert half.stats.bytes_fetched / half.stats.bytes_full == pytest.approx(0.5, abs=0.01)
+    stream = kv.generate(question, prefix=doc, max_new_tokens=16, method="streamingllm", ratio=0.5)
+    assert "4921873" not in stream.text  # the needle is at the start, outside sinks + recent window: evicted

@@ -86,6 +86,7 @@ def test_worker_refuses_hostile_requests(worker_stub, worker: Worker) -> None:
     hostile = [
         {"temperature": math.nan}, {"temperature": math.inf}, {"temperature": -1.0}, {"top_p": math.nan},
         {"top_p": 2.0}, {"budget": math.nan}, {"budget": -math.inf}, {"budget": 0.0}, {"seed": -1},
+        {"ratio": math.nan}, {"ratio": 0.0}, {"ratio": 1.5},
         {"gen_len": -1}, {"max_new_tokens": -1}, {"max_new_tokens": 33},  # over this worker's cap of 32
         {"stop": [""]}, {"stop": ["s"] * (LIMITS.stop_max_count + 1)}, {"method": "m" * 1000},
         {"query": "q" * (LIMITS.query_max_chars + 1)}, {"prefix_id": "p" * 100_000},

@@ -17,8 +17,10 @@ from store.kvstore import KVStore
 from store.manifest import Manifest
 from store.prefix_key import PrefixKey, tenant_salt, token_hash
 from workers.attention import PrefixAttention
+from workers.compression import TOKENS_ARTIFACT, Compressions, tokens_to_bytes
 from workers.decode_batch import DecodeEngine, EngineConfig, Generation
 from workers.methods.base import ReportsReads, UsesCudaGraphs
+from workers.methods.compressed import CompressionMethod
 from workers.methods.lookahead import LookaheadModel
 from workers.methods.registry import build_summarizers, get_method, prefill_summarizers
 from workers.methods.source import PrefixSource
@@ -73,6 +75,8 @@ class Worker:
         self._host_lock = threading.Lock()
         self.summaries = SummaryCache((offload or DEFAULT_OFFLOAD).summary_cache_bytes)
         """Parsed summaries and page-CRC tables of recently opened prefixes (host memory, LRU)."""
+        self.compressions = Compressions(store, lm, progress=progress)
+        """Builds compressed caches of stored prefixes on first use (single flight)."""
         if lm.layout.page_size != store.config.page_size:
             raise ValueError("model layout and store disagree on page_size")
 
@@ -110,12 +114,18 @@ class Worker:
         key = self.prefix_key(ids, tenant)
         pid = key.prefix_id
         if (m := self.store.find(pid)) is not None:
-            return PrefillResult(prefix_id=pid, n_tokens=m.n_tokens, cached=True, manifest=m)
+            return PrefillResult(prefix_id=pid, n_tokens=m.n_tokens, cached=True, manifest=self._with_tokens(m, ids))
         with self._prefill_lock(pid):  # single flight across processes and hosts sharing the metadata
             if (m := self.store.find(pid)) is not None:
                 return PrefillResult(prefix_id=pid, n_tokens=m.n_tokens, cached=True, manifest=m)
             m = self._write_prefix(key, ids, tenant)
         return PrefillResult(prefix_id=pid, n_tokens=len(ids), cached=False, manifest=m)
+
+    def _with_tokens(self, m: Manifest, ids: list[int]) -> Manifest:
+        """A cached prefix stored before token ids were kept gets them now (compression repeats them)."""
+        if m.artifact(TOKENS_ARTIFACT) is not None:
+            return m
+        return self.store.add_artifact(m.prefix_id, TOKENS_ARTIFACT, tokens_to_bytes(ids))
 
     @contextlib.contextmanager
     def _prefill_lock(self, prefix_id: str) -> Iterator[None]:
@@ -143,6 +153,7 @@ class Worker:
             with shown.committing():  # pending page writes, fsyncs, artifacts and the metadata commit
                 for s in summarizers:
                     w.put_artifact(s.name, tensors_to_bytes(parts[s.name]))
+                w.put_artifact(TOKENS_ARTIFACT, tokens_to_bytes(ids))
                 return w.commit()
 
     def remove_prefix(self, prefix_id: str, *, unless_leased: bool = False) -> None:
@@ -178,19 +189,22 @@ class Worker:
         if room < 1:
             raise ContextTooLong(f"prefix ({m.n_tokens}) + query ({len(q_ids)}) tokens exceed the model's context "
                                  f"of {self.lm.max_context}")
-        impl = get_method(method, self.lm.phi_map, self._lookahead())
+        impl = get_method(method, self.lm.phi_map, self._lookahead(), self.lm.head_scores)
+        decode = decode or DecodeConfig()
         source = PrefixSource(self.store, m, self.lm.device, summaries=self.summaries)
         held = contextlib.ExitStack()
         # Leased before anything is read: eviction, and a delete that respects leases, keep away from here on.
         lease = held.enter_context(self.store.lease(m.prefix_id))
         held.callback(_close_fetch, source)  # runs first: the fetch engines go before the lease
         try:
+            if isinstance(impl, CompressionMethod):  # its compact cache, built on first use (once per ratio)
+                source.manifest = self.compressions.ensure(m, impl, impl.ratio_of(decode))
             if impl.fetches_pages and self.offload is not None:
                 source.fetcher = PageFetcher(self.store, m, self.lm.device, self.offload, self.host_tier(),
                                              summaries=self.summaries)
                 fast = FastOpen(source.fetcher, self.offload)  # warms the host tier (in the background)
                 source.device_cache, source.switch = fast.device_cache, fast.poll
-            attn = impl.open(source, decode or DecodeConfig())
+            attn = impl.open(source, decode)
             if self.engine.config.cuda_graphs and isinstance(attn, UsesCudaGraphs):
                 attn.use_cuda_graphs()
             gen = self._generation(attn, source, q_ids, params, min(room, params.max_new_tokens),

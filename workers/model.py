@@ -14,6 +14,7 @@ from store.layout import KVLayout
 from workers.attention import KVSTASH_ATTENTION, register_attention
 from workers.fingerprint import model_fingerprint
 from workers.lookahead_adapter import LookaheadAdapter, load_adapter
+from workers.methods.head_scores import HeadScores, load_head_scores
 from workers.methods.phi_maps import FeatureMap, load_feature_map
 from workers.model_source import hub_offline
 from workers.prompt import PromptFormat
@@ -37,6 +38,8 @@ class LoadedModel:
     """The distilled φ feature map shipped with the model (``phi_map.*``), if any; else FAVOR+."""
     lookahead: LookaheadAdapter | None = None
     """LookaheadKV's trained tokens and adapters shipped with the model (``lookahead.*``), if any."""
+    head_scores: HeadScores | None = None
+    """HybridKV's calibration head ranking shipped with the model (``hybridkv_heads.json``), if any."""
 
     @property
     def device(self) -> torch.device:
@@ -91,6 +94,12 @@ def load_model(name_or_path: str, *, device: str = "cpu", dtype: str = "auto", p
         fingerprint = hashlib.sha256(f"{fingerprint}:phi:{phi_map.digest}".encode()).hexdigest()[:32]
     if lookahead is not None:  # the adapter ships with the model: a different adapter is a different model
         fingerprint = hashlib.sha256(f"{fingerprint}:lookahead:{lookahead.digest}".encode()).hexdigest()[:32]
+    head_scores = load_head_scores(name_or_path)
+    if head_scores is not None:  # compressed caches built with the ranking belong to (weights, ranking)
+        if head_scores.shape != (layout.n_layers, layout.n_kv_heads):
+            raise ValueError(f"{name_or_path}: hybridkv_heads.json is for (layers, kv heads) {head_scores.shape}, "
+                             f"the model has {(layout.n_layers, layout.n_kv_heads)}")
+        fingerprint = hashlib.sha256(f"{fingerprint}:hybridkv:{head_scores.digest}".encode()).hexdigest()[:32]
     return LoadedModel(
         name=name_or_path,
         model=model,
@@ -98,6 +107,7 @@ def load_model(name_or_path: str, *, device: str = "cpu", dtype: str = "auto", p
         fingerprint=fingerprint,
         phi_map=phi_map,
         lookahead=lookahead,
+        head_scores=head_scores,
         layout=layout,
         max_context=int(getattr(cfg, "max_position_embeddings", 1 << 20)),
         prompt=PromptFormat.load(name_or_path),

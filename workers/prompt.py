@@ -9,6 +9,8 @@ from pathlib import Path
 PROMPT_FILE = "kvstash.json"
 PLACEHOLDER = "{question}"
 """Where the user's query goes in ``query_template`` (the training format's name for it)."""
+DEFAULT_REPEAT_QUESTION = "Repeat the previous context exactly."
+"""KVzip's reconstruction request, for models whose ``kvstash.json`` names none."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -17,6 +19,10 @@ class PromptFormat:
 
     query_template: str = PLACEHOLDER
     stop: tuple[str, ...] = field(default=())
+    repeat_question: str = DEFAULT_REPEAT_QUESTION
+    """The question that asks the model to repeat the document (KVzip's reconstruction scoring)."""
+    answer_prefix: str = ""
+    """What an answer starts with after the query template (the repeated document follows it)."""
 
     def format_query(self, query: str) -> str:
         """The text appended after the document for ``query``."""
@@ -32,4 +38,6 @@ class PromptFormat:
         template = d.get("query_template", PLACEHOLDER)
         if PLACEHOLDER not in template:
             raise ValueError(f"{path}: query_template must contain {PLACEHOLDER}")
-        return cls(query_template=template, stop=tuple(d.get("stop", ())))
+        return cls(query_template=template, stop=tuple(d.get("stop", ())),
+                   repeat_question=str(d.get("repeat_question", DEFAULT_REPEAT_QUESTION)),
+                   answer_prefix=str(d.get("answer_prefix", "")))

@@ -28,6 +28,8 @@ class RequestLimits:
     """Exact attention over the whole prefix."""
     budget_max: float = 1.0
     """A read budget is a fraction of the prefix in (0, budget_max]."""
+    ratio_max: float = 1.0
+    """A compressed cache keeps a fraction in (0, ratio_max] of the prefix's KV pairs."""
     sink_default: int = 4
     """Leading prefix tokens always attended exactly."""
     tail_default: int = 16
@@ -169,6 +171,9 @@ class DecodeConfig:
     """Trailing prefix tokens always attended exactly."""
     budget_tokens: int | None = None
     """Prefix KV entries per KV head a query-time cache (snapkv, lookahead) keeps (None: the method's default)."""
+    ratio: float | None = None
+    """Compression methods (kvzip, hybridkv, streamingllm): the fraction of the prefix's KV pairs the
+    compressed cache keeps (None: the method's default)."""
     gen_len: int = LIMITS.gen_len_default
     """L_gen: decode steps a one-time summary fetch (the φ cache) is amortized over when the budget
     is matched (appendix D); 1 is the paper's conservative worst case."""
@@ -181,6 +186,13 @@ class DecodeConfig:
             _set(self, "budget", b)
         if self.budget_tokens is not None:
             _set(self, "budget_tokens", _int("budget_tokens", self.budget_tokens, 1, LIMITS.budget_tokens_max))
+        if self.ratio is not None:
+            r = _real("ratio", self.ratio)
+            if not 0 < r <= LIMITS.ratio_max:
+                raise InvalidInput(f"ratio must be in (0, {LIMITS.ratio_max}], got {r}")
+            if round(r, 4) <= 0:
+                raise InvalidInput(f"ratio must be at least 0.0001, got {r}")
+            _set(self, "ratio", r)
         _set(self, "sink", _int("sink", self.sink, 0, LIMITS.anchor_max))
         _set(self, "tail", _int("tail", self.tail, 0, LIMITS.anchor_max))
         _set(self, "gen_len", _int("gen_len", self.gen_len, 1, LIMITS.gen_len_max))
@@ -223,8 +235,8 @@ FILE_PATH_REFUSED = ("file_path is not accepted: servers read no files for a cal
 """Why a body naming a server-side file is refused (the gateway says the same)."""
 
 
-GENERATE_JSON_FIELDS = ("query", "method", "budget", "budget_tokens", "gen_len", "max_new_tokens", "temperature",
-                        "top_p", "seed", "stop", "raw")
+GENERATE_JSON_FIELDS = ("query", "method", "budget", "budget_tokens", "ratio", "gen_len", "max_new_tokens",
+                        "temperature", "top_p", "seed", "stop", "raw")
 """The fields of a generation's REST body (the prefix id travels in the URL)."""
 
 
@@ -255,7 +267,7 @@ class GenerateRequest:
         d, s = self.decode, self.sampling
         d.check_wire_anchors()
         return {"query": self.query, "method": self.method, "budget": d.budget, "budget_tokens": d.budget_tokens,
-                "gen_len": d.gen_len,
+                "ratio": d.ratio, "gen_len": d.gen_len,
                 "max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed,
                 "stop": list(s.stop), "raw": self.raw}
 
@@ -268,6 +280,7 @@ class GenerateRequest:
             raise InvalidInput("query is required")
         return cls(prefix_id=prefix_id, query=b["query"], method=b.get("method", LIMITS.method_default),
                    decode=DecodeConfig(budget=b.get("budget"), budget_tokens=b.get("budget_tokens"),
+                                       ratio=b.get("ratio"),
                                        gen_len=b.get("gen_len", LIMITS.gen_len_default)),
                    sampling=SamplingParams(max_new_tokens=b.get("max_new_tokens", LIMITS.max_new_tokens_default),
                                            temperature=b.get("temperature", LIMITS.temperature_default),

@@ -22,6 +22,8 @@ class PromptFormat:
     """Between answers, when a question has several."""
     stop: tuple[str, ...] = ("\n",)
     """Strings that end an answer, besides the tokenizer's end-of-sequence token."""
+    repeat_question: str = "Repeat the text above, word for word."
+    """The reconstruction task's question (its answer is the document itself)."""
 
     def query(self, question: str) -> str:
         """The query text for a question."""
@@ -39,7 +41,8 @@ class PromptFormat:
 
     def runtime_config(self, eos_token: str) -> dict[str, object]:
         """The kvstash.json content that tells the runtime how to format and stop queries."""
-        return {"query_template": self.query_template, "stop": [eos_token, *self.stop]}
+        return {"query_template": self.query_template, "stop": [eos_token, *self.stop],
+                "repeat_question": self.repeat_question, "answer_prefix": self.answer_prefix}
 
 
 PROMPT = PromptFormat()

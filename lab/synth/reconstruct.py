@@ -9,7 +9,7 @@ from lab.synth.context import SynthContext
 from lab.synth.format import PROMPT
 from lab.synth.sample import Sample
 
-QUESTION = "Repeat the text above, word for word."
+QUESTION = PROMPT.repeat_question
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -231,7 +231,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, prefix_id: _Optional[str] = ..., n_tokens: _Optional[int] = ..., cached: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prefix_id", "query", "method", "budget", "max_new_tokens", "temperature", "top_p", "seed", "stop", "raw", "gen_len", "budget_tokens")
+    __slots__ = ("prefix_id", "query", "method", "budget", "max_new_tokens", "temperature", "top_p", "seed", "stop", "raw", "gen_len", "budget_tokens", "ratio")
     PREFIX_ID_FIELD_NUMBER: _ClassVar[int]
     QUERY_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
@@ -244,6 +244,7 @@ class GenerateRequest(_message.Message):
     RAW_FIELD_NUMBER: _ClassVar[int]
     GEN_LEN_FIELD_NUMBER: _ClassVar[int]
     BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RATIO_FIELD_NUMBER: _ClassVar[int]
     prefix_id: str
     query: str
     method: str
@@ -256,7 +257,8 @@ class GenerateRequest(_message.Message):
     raw: bool
     gen_len: int
     budget_tokens: int
-    def __init__(self, prefix_id: _Optional[str] = ..., query: _Optional[str] = ..., method: _Optional[str] = ..., budget: _Optional[float] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., raw: _Optional[bool] = ..., gen_len: _Optional[int] = ..., budget_tokens: _Optional[int] = ...) -> None: ...
+    ratio: float
+    def __init__(self, prefix_id: _Optional[str] = ..., query: _Optional[str] = ..., method: _Optional[str] = ..., budget: _Optional[float] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., raw: _Optional[bool] = ..., gen_len: _Optional[int] = ..., budget_tokens: _Optional[int] = ..., ratio: _Optional[float] = ...) -> None: ...
 
 class TokenStats(_message.Message):
     __slots__ = ("step", "bytes_fetched", "seconds")

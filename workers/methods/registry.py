@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from store.errors import UnknownMethod
 from workers.methods.base import Method, Summarizer
+from workers.methods.compressed import CompressionMethod
 from workers.methods.doublep import DoubleP, DoublePPhi
 from workers.methods.full import FullAttention
+from workers.methods.head_scores import HeadScores
+from workers.methods.hybridkv import HybridKV
+from workers.methods.kvzip import KVzip
 from workers.methods.lookahead import LookaheadKV, LookaheadModel
 from workers.methods.moba import Moba
 from workers.methods.phi import PhiSummarizer
@@ -13,6 +17,7 @@ from workers.methods.phi_maps import FeatureMap
 from workers.methods.quest import Quest, QuestPhi
 from workers.methods.snapkv import SnapKV
 from workers.methods.sparse import SparseMethod
+from workers.methods.streamingllm import StreamingLLM
 from workers.methods.topk import TopK, TopKExact, TopKExactPhi, TopKPhi
 
 METHODS: dict[str, type[Method]] = {
@@ -30,6 +35,9 @@ METHODS: dict[str, type[Method]] = {
         TopKExactPhi,
         SnapKV,
         LookaheadKV,
+        KVzip,
+        HybridKV,
+        StreamingLLM,
     )
 }
 
@@ -38,16 +46,24 @@ QUERY_TIME = frozenset({SnapKV.name, LookaheadKV.name})
 NEEDS_ADAPTER = frozenset({LookaheadKV.name})
 """Methods that run trained parts shipped beside the model's weights (refused for a model without them)."""
 
-
-def get_method(name: str, phi_map: FeatureMap | None = None, lookahead: LookaheadModel | None = None) -> Method:
+def get_method(name: str, phi_map: FeatureMap | None = None, lookahead: LookaheadModel | None = None,
+               head_scores: HeadScores | None = None) -> Method:
     """An instance of the method called ``name`` (φ-completed ones use the model's distilled
-    ``phi_map`` when it has one, else FAVOR+; ``lookahead`` runs the model's trained lookahead parts)."""
+    ``phi_map`` when it has one, else FAVOR+; ``lookahead`` runs the model's trained lookahead parts;
+    HybridKV uses the model's shipped ``head_scores``)."""
     if name not in METHODS:
         raise UnknownMethod(f"unknown method {name!r}; choose one of {sorted(METHODS)}")
     method = LookaheadKV(lookahead) if name == LookaheadKV.name else METHODS[name]()
     if phi_map is not None and isinstance(method, SparseMethod) and method.completion:
         method.feature_map = phi_map
+    if isinstance(method, HybridKV):
+        method.heads = head_scores
     return method
+
+
+def compression_methods() -> list[str]:
+    """Names of the methods that decode a compressed cache (they take a ``ratio``)."""
+    return [n for n, m in METHODS.items() if issubclass(m, CompressionMethod)]
 
 
 def prefill_summarizers() -> list[type[Summarizer]]:

@@ -1,0 +1,1 @@
+"""Offline tools for compressed caches (HybridKV's head calibration)."""

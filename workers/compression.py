@@ -1,0 +1,109 @@
+"""Building compressed caches of stored prefixes: once per (prefix, method, ratio), on first use.
+
+A generation with a compression method asks ``Compressions.ensure`` for its compact cache. Within one
+worker a per-artifact lock makes concurrent requests wait for one build (single flight); across
+workers the store's ``add_artifact`` keeps the first committed copy, and a later writer uses it. The
+scores (query-agnostic, ratio-free) are an artifact of their own: a cache at another ratio reuses them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from store.artifacts import bytes_to_tensors, tensors_to_bytes
+from store.errors import InvalidInput
+from store.kvstore import KVStore
+from store.manifest import Manifest
+from workers.methods.compressed import CompressionMethod, compact_cache
+from workers.model import LoadedModel
+from workers.progress import PrefillProgress
+
+TOKENS_ARTIFACT = "tokens"
+"""The prefix's token ids, stored at prefill: reconstruction scoring repeats them."""
+SCORES_KEY = "scores"
+"""The tensor name inside a scores artifact (``[layers, kv_heads, n_tokens]`` float32)."""
+
+
+class Compressions:
+    """One worker's builder of compressed caches (thread-safe)."""
+
+    def __init__(self, store: KVStore, lm: LoadedModel, *, progress: bool = False):
+        self.store, self.lm, self.progress = store, lm, progress
+        self._locks: dict[tuple[str, str], threading.Lock] = {}
+        self._guard = threading.Lock()
+        self.builds = 0
+        """Compact caches this worker built (not counting those found committed)."""
+        self.scorings = 0
+        """Scoring passes this worker ran."""
+        self.seconds: dict[str, float] = {}
+        """Wall time of the last scoring (``score``) and compaction (``compact``)."""
+
+    @contextmanager
+    def _single_flight(self, prefix_id: str, name: str) -> Iterator[None]:
+        with self._guard:
+            lock = self._locks.setdefault((prefix_id, name), threading.Lock())
+        with lock:
+            yield
+
+    def ensure(self, manifest: Manifest, method: CompressionMethod, ratio: float) -> Manifest:
+        """The prefix's manifest listing ``method``'s compact cache at ``ratio`` (built now if missing)."""
+        name = method.cache_name(ratio)
+        if manifest.artifact(name) is not None:
+            return manifest
+        pid = manifest.prefix_id
+        with self._single_flight(pid, name):
+            m = self.store.manifest(pid)
+            if m.artifact(name) is not None:  # another request (or worker) built it while we waited
+                return m
+            kv = [self._layer(m, layer) for layer in range(m.layout.n_layers)]
+            scores = None
+            if method.needs_scores(ratio) and (sname := method.scores_name()) is not None:
+                m, scores = self._scores(m, method, sname, kv)
+            t0 = time.perf_counter()
+            lay = m.layout
+            keep = method.keep(scores, ratio, lay.n_layers, lay.n_kv_heads, m.n_tokens)
+            data = tensors_to_bytes(compact_cache(keep, kv))
+            self.seconds["compact"] = time.perf_counter() - t0
+            self.builds += 1
+            return self.store.add_artifact(pid, name, data)
+
+    def _layer(self, m: Manifest, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.store.read_layer(m.prefix_id, layer, manifest=m, verify=True)
+        return k.to(self.lm.device), v.to(self.lm.device)
+
+    def _scores(self, m: Manifest, method: CompressionMethod, name: str,
+                kv: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[Manifest, torch.Tensor]:
+        """The stored scores, computed and stored first when missing (single flight too)."""
+        with self._single_flight(m.prefix_id, name):
+            m = self.store.manifest(m.prefix_id)
+            if m.artifact(name) is not None:
+                return m, bytes_to_tensors(self.store.artifact(m.prefix_id, name))[SCORES_KEY]
+            ids = self._token_ids(m, kv)
+            t0 = time.perf_counter()
+            PrefillProgress(enabled=self.progress).note(f"scoring prefix {m.prefix_id} for {method.name}")
+            scores = method.score(self.lm, ids, kv).float().cpu()
+            self.seconds["score"] = time.perf_counter() - t0
+            self.scorings += 1
+            m = self.store.add_artifact(m.prefix_id, name, tensors_to_bytes({SCORES_KEY: scores}))
+            return m, scores
+
+    def _token_ids(self, m: Manifest, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
+        if m.artifact(TOKENS_ARTIFACT) is None:
+            raise InvalidInput(f"prefix {m.prefix_id} stores no token ids (prefilled before compression existed): "
+                               "prefill its document again to add them")
+        return tokens_from_bytes(self.store.artifact(m.prefix_id, TOKENS_ARTIFACT))
+
+
+def tokens_to_bytes(ids: list[int]) -> bytes:
+    """The ``tokens`` artifact of a prefix: its token ids (int32)."""
+    return tensors_to_bytes({"ids": torch.tensor(ids, dtype=torch.int32)})
+
+
+def tokens_from_bytes(data: bytes) -> list[int]:
+    """Inverse of ``tokens_to_bytes``."""
+    return [int(i) for i in bytes_to_tensors(data)["ids"].tolist()]
