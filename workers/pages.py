@@ -31,6 +31,9 @@ def page_mask(tokens: torch.Tensor, counts: torch.Tensor, n_tokens: int,
     """
     h, n = tokens.shape[-2], tokens.shape[-1]
     n_pages = page_count(n_tokens, page_size)
+    if n == 0:  # nothing selected (e.g. a shortlist of 0 at a tiny budget): no page, nothing outside
+        return torch.zeros(h, n_pages, dtype=torch.bool, device=tokens.device), torch.zeros((), dtype=torch.long,
+                                                                                          device=tokens.device)
     tok = tokens.reshape(-1, h, n)
     valid = torch.arange(n, device=tok.device) < counts.reshape(-1, h, 1).to(tok.device)
     outside = (valid & ((tok < 0) | (tok >= n_tokens))).sum()
