@@ -3,8 +3,9 @@
 ``KVStore`` is the one interface to stored prefixes: code outside ``store/`` never touches the
 metadata backend (``tests/test_store_boundary.py``). Every method that takes a prefix id from a
 caller checks its form first (``check_prefix_id``), so no id reaches a path or a metadata key unchecked.
-The disk is the truth: each committed directory holds its manifest and artifacts (``store.disk_record``),
-and opening a store registers the ones its metadata lost (``store.recovery``).
+The disk is the truth: each committed directory holds its manifest and artifacts (``store.disk_record``;
+artifacts are read from there, the metadata keeps none), and opening a store registers the ones its
+metadata lost (``store.recovery``).
 """
 
 from __future__ import annotations
@@ -16,14 +17,13 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from store import disk_record, recovery
-from store.artifacts import digest
 from store.capacity import EvictionResult, LeaseHandle, default_holder
 from store.config import StoreConfig
 from store.errors import (
@@ -204,10 +204,10 @@ class KVStore:
             raise QuotaExceeded(f"tenant {tenant!r} stores {used} bytes; {page_bytes} more exceed its quota of "
                                 f"{cfg.max_bytes_per_tenant}")
 
-    def _commit(self, manifest: Manifest, artifacts: Mapping[str, bytes]) -> None:
+    def _commit(self, manifest: Manifest) -> None:
         """Register a written prefix (``PrefixWriter.commit``, once its directory is in place), then evict down
         to the capacity, never the prefix just committed."""
-        self._meta.commit(manifest, artifacts)
+        self._meta.commit(manifest)
         cap = self.config.capacity_bytes
         if cap is None:
             return
@@ -387,21 +387,25 @@ class KVStore:
         return info.bytes
 
     # -- reads ---------------------------------------------------------------------------------
-    def artifact(self, prefix_id: str, name: str) -> bytes:
-        """An artifact's bytes, checked against the manifest's digest."""
-        info = self.manifest(prefix_id).artifact(name)
-        data = self._meta.artifact(prefix_id, name)
-        if info is None or data is None:
+    def artifact(self, prefix_id: str, name: str, *, manifest: Manifest | None = None) -> bytes:
+        """An artifact's bytes, read from its file in the prefix directory and checked against the manifest's
+        size and digest (CorruptData otherwise; never more than its size + 1 bytes are read). PrefixNotFound when
+        the manifest lists no artifact ``name``."""
+        m = self._read_manifest(prefix_id, manifest)
+        try:
+            data = disk_record.read_artifact(self.prefix_dir(prefix_id), m, name)
+        except disk_record.InvalidRecord as e:
+            raise CorruptData(f"prefix {prefix_id}: {e}") from None
+        if data is None:
             raise PrefixNotFound(f"prefix {prefix_id!r} has no artifact {name!r}")
-        if len(data) != info.size or digest(data) != info.blake2b:
-            raise CorruptData(f"artifact {name!r} of prefix {prefix_id} failed its checksum")
         return data
 
     def page_crcs(self, prefix_id: str, manifest: Manifest | None = None) -> np.ndarray:
         """Per-page keyed CRCs ``[layers, kv_heads, pages]``."""
-        m = manifest or self.manifest(prefix_id)
+        m = self._read_manifest(prefix_id, manifest)
         shape = (m.layout.n_layers, m.layout.n_kv_heads, m.layout.n_pages(m.n_tokens))
-        return np.frombuffer(self.artifact(prefix_id, PAGE_CRC_ARTIFACT), dtype=np.uint32).reshape(shape)
+        data = self.artifact(prefix_id, PAGE_CRC_ARTIFACT, manifest=m)
+        return np.frombuffer(data, dtype=np.uint32).reshape(shape)
 
     def read_pages(self, prefix_id: str, layer: int, head: int, pages: list[int], out: torch.Tensor, *,
                    verify: bool = False, manifest: Manifest | None = None, crcs: np.ndarray | None = None) -> None:
@@ -466,29 +470,26 @@ class KVStore:
             reader.close()
 
     def verify(self, prefix_id: str) -> None:
-        """Check every page file's size and digest and every artifact; raises CorruptData."""
+        """Check every page and artifact file's size and digest; raises CorruptData."""
         m = self.manifest(prefix_id)
+        d = self.prefix_dir(prefix_id)
+        if (bad := disk_record.file_problem(d, m)) is not None:
+            raise CorruptData(f"prefix {prefix_id}: {bad}")
         for f in m.files:
-            path = self.prefix_dir(prefix_id) / f.name
-            if not path.exists() or path.stat().st_size != f.size:
-                raise CorruptData(f"page file {f.name} of prefix {prefix_id} is missing or has the wrong size")
-            if file_digest(path) != f.blake2b:
+            if file_digest(d / f.name) != f.blake2b:
                 raise CorruptData(f"page file {f.name} of prefix {prefix_id} failed its checksum")
-        for a in m.artifacts:
-            self.artifact(prefix_id, a.name)
+        if (bad := disk_record.artifact_problem(d, m)) is not None:
+            raise CorruptData(f"prefix {prefix_id}: {bad}")
 
     def quick_check(self, prefix_id: str, *, artifacts: bool = True) -> str | None:
-        """What is wrong with a committed prefix that shows without reading its pages (a page file missing or of
-        the wrong size; with ``artifacts``, an artifact failing its checksum), or None. ``verify`` reads it all."""
+        """What is wrong with a committed prefix that shows without reading its pages (a page or artifact file
+        missing or of the wrong size; with ``artifacts``, an artifact failing its checksum), or None. ``verify``
+        reads it all."""
         m = self.manifest(prefix_id)
-        if (bad := disk_record.page_file_problem(self.prefix_dir(prefix_id), m)) is not None:
+        d = self.prefix_dir(prefix_id)
+        if (bad := disk_record.file_problem(d, m)) is not None:
             return bad
-        try:
-            for a in m.artifacts if artifacts else ():
-                self.artifact(prefix_id, a.name)
-        except (CorruptData, PrefixNotFound) as e:
-            return str(e)
-        return None
+        return disk_record.artifact_problem(d, m) if artifacts else None
 
     def close(self) -> None:
         """Release the metadata backend."""
