@@ -1,4 +1,4 @@
-"""Serialization of artifacts (dicts of tensors) to the bytes the metadata store keeps."""
+"""Serialization of artifacts (dicts of tensors) to the bytes stored as files of a prefix directory."""
 
 from __future__ import annotations
 

@@ -1,10 +1,12 @@
 """The self-describing prefix directory: manifest and artifacts as files inside it, the manifest last.
 
-Metadata backends are an index: everything needed to register a prefix again (after Redis lost its
-data, or an LMDB file was deleted or damaged) is in ``prefixes/<id>/``::
+Metadata backends are an index (manifests, LRU, leases, pins; never artifact bytes): everything needed to
+register a prefix again (after Redis lost its data, or an LMDB file was deleted or damaged) is in
+``prefixes/<id>/``, and artifacts are read from there only::
 
     layer_NNN.kv       page files (``store.pages``)
-    artifact_NNN.bin   artifact i of the manifest (sorted by name; names never become file names)
+    artifact_NNN.bin   artifact i of the manifest (sorted by name; names never become file names; the one
+                       copy: a missing or damaged one makes a damaged prefix, like a page file)
     manifest.json      {"format", "manifest": <Manifest JSON>, "blake2b": <digest of that JSON>}
     pinned             present while the prefix is pinned (empty; so a pin survives metadata loss)
 
@@ -15,14 +17,14 @@ directory itself is renamed into place: a directory with a valid manifest is a c
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
-from collections.abc import Mapping
 from pathlib import Path
 
 from store.artifacts import digest
 from store.manifest import Manifest
-from store.pages import layer_file_name
+from store.pages import HASH_CHUNK, layer_file_name
 
 MANIFEST_FILE = "manifest.json"
 PIN_FILE = "pinned"
@@ -49,7 +51,8 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_file(path: Path, data: bytes, fsync: bool) -> None:
+def write_file(path: Path, data: bytes | memoryview, fsync: bool) -> None:
+    """Write ``data`` to a new file at ``path`` (fsync'd when ``fsync``)."""
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
@@ -57,16 +60,9 @@ def _write_file(path: Path, data: bytes, fsync: bool) -> None:
             os.fsync(f.fileno())
 
 
-def write_record(directory: Path, manifest: Manifest, artifacts: Mapping[str, bytes], *, fsync: bool) -> None:
-    """Write the artifacts, then the manifest, into ``directory`` (atomically replacing an older manifest)."""
-    for i, info in enumerate(manifest.artifacts):
-        _write_file(directory / artifact_file_name(i), artifacts[info.name], fsync)
-    publish(directory, manifest, fsync=fsync)
-
-
 def write_artifact(directory: Path, index: int, data: bytes, *, fsync: bool) -> None:
     """Write the manifest's ``index``-th artifact file (before the manifest that lists it is published)."""
-    _write_file(directory / artifact_file_name(index), data, fsync)
+    write_file(directory / artifact_file_name(index), data, fsync)
 
 
 def publish(directory: Path, manifest: Manifest, *, fsync: bool) -> None:
@@ -74,7 +70,7 @@ def publish(directory: Path, manifest: Manifest, *, fsync: bool) -> None:
     text = manifest.to_json()
     record = json.dumps({"format": RECORD_FORMAT, "manifest": text, "blake2b": digest(text.encode())})
     tmp = directory / f".{MANIFEST_FILE}.tmp"
-    _write_file(tmp, record.encode(), fsync)
+    write_file(tmp, record.encode(), fsync)
     os.replace(tmp, directory / MANIFEST_FILE)
     if fsync:
         fsync_dir(directory)
@@ -92,7 +88,7 @@ def mark_pinned(directory: Path, pinned: bool, *, fsync: bool) -> None:
     """Create or remove ``directory``'s pin marker (durably when ``fsync``)."""
     path = directory / PIN_FILE
     if pinned:
-        _write_file(path, b"", fsync)
+        write_file(path, b"", fsync)
     else:
         try:
             os.unlink(path)
@@ -141,8 +137,8 @@ def read_manifest(directory: Path) -> Manifest:
     return m
 
 
-def page_file_problem(directory: Path, manifest: Manifest) -> str | None:
-    """What is wrong with the page files' presence and sizes (a stat each, no reads), or None."""
+def file_problem(directory: Path, manifest: Manifest) -> str | None:
+    """What is wrong with the presence and sizes of the page and artifact files (a stat each, no reads), or None."""
     for f in manifest.files:
         try:
             size = (directory / f.name).stat().st_size
@@ -150,28 +146,55 @@ def page_file_problem(directory: Path, manifest: Manifest) -> str | None:
             return f"page file {f.name} is missing"
         if size != f.size:
             return f"page file {f.name} has {size} bytes, not {f.size}"
+    for i, a in enumerate(manifest.artifacts):
+        try:
+            size = (directory / artifact_file_name(i)).stat().st_size
+        except FileNotFoundError:
+            return f"artifact {a.name!r} ({artifact_file_name(i)}) is missing"
+        if size != a.size:
+            return f"artifact {a.name!r} ({artifact_file_name(i)}) has {size} bytes, not {a.size}"
     return None
 
 
-def read_artifacts(directory: Path, manifest: Manifest) -> dict[str, bytes]:
-    """The artifacts of a directory, each checked against the manifest's size and digest; InvalidRecord otherwise."""
-    out = {}
-    for i, info in enumerate(manifest.artifacts):
+def read_artifact(directory: Path, manifest: Manifest, name: str) -> bytes | None:
+    """The bytes of the artifact ``name`` (None when the manifest lists none), checked against the manifest's
+    size and digest; InvalidRecord otherwise. Reads at most the manifest's size + 1 bytes."""
+    index = next((i for i, a in enumerate(manifest.artifacts) if a.name == name), None)
+    if index is None:
+        return None
+    info = manifest.artifacts[index]
+    try:
+        with open(directory / artifact_file_name(index), "rb") as f:
+            data = f.read(info.size + 1)
+    except OSError as e:
+        raise InvalidRecord(f"artifact {name!r} unreadable: {e.strerror or e}") from None
+    if len(data) != info.size:
+        raise InvalidRecord(f"artifact {name!r} is not {info.size} bytes long")
+    if digest(data) != info.blake2b:
+        raise InvalidRecord(f"artifact {name!r} failed its checksum")
+    return data
+
+
+def artifact_problem(directory: Path, manifest: Manifest) -> str | None:
+    """What is wrong with the artifact files' bytes (each read, bounded, and hashed in chunks), or None."""
+    for i, a in enumerate(manifest.artifacts):
+        h, n = hashlib.blake2b(digest_size=32), 0
         try:
             with open(directory / artifact_file_name(i), "rb") as f:
-                data = f.read(info.size + 1)
+                while n <= a.size and (chunk := f.read(min(HASH_CHUNK, a.size + 1 - n))):
+                    h.update(chunk)
+                    n += len(chunk)
         except OSError as e:
-            raise InvalidRecord(f"artifact {info.name!r} unreadable: {e.strerror or e}") from None
-        if len(data) != info.size or digest(data) != info.blake2b:
-            raise InvalidRecord(f"artifact {info.name!r} failed its checksum")
-        out[info.name] = data
-    return out
+            return f"artifact {a.name!r} unreadable: {e.strerror or e}"
+        if n != a.size or h.hexdigest() != a.blake2b:
+            return f"artifact {a.name!r} ({artifact_file_name(i)}) failed its checksum"
+    return None
 
 
-def load_record(directory: Path) -> tuple[Manifest, dict[str, bytes]]:
-    """Manifest and artifacts of a committed prefix directory (page files stat'ed, not hashed); InvalidRecord
+def load_record(directory: Path) -> Manifest:
+    """The manifest of a committed prefix directory, its page and artifact files stat'ed (not read); InvalidRecord
     when anything needed to register it is missing or fails its checksum."""
     m = read_manifest(directory)
-    if (problem := page_file_problem(directory, m)) is not None:
+    if (problem := file_problem(directory, m)) is not None:
         raise InvalidRecord(problem)
-    return m, read_artifacts(directory, m)
+    return m

@@ -3,8 +3,9 @@
 ``KVStore`` is the one interface to stored prefixes: code outside ``store/`` never touches the
 metadata backend (``tests/test_store_boundary.py``). Every method that takes a prefix id from a
 caller checks its form first (``check_prefix_id``), so no id reaches a path or a metadata key unchecked.
-The disk is the truth: each committed directory holds its manifest and artifacts (``store.disk_record``),
-and opening a store registers the ones its metadata lost (``store.recovery``).
+The disk is the truth: each committed directory holds its manifest and artifacts (``store.disk_record``;
+artifacts are read from there, the metadata keeps none), and opening a store registers the ones its
+metadata lost (``store.recovery``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,7 +39,7 @@ from store.errors import (
     StoreUnavailable,
 )
 from store.layout import KVLayout
-from store.limits import MAX_ARTIFACT_BYTES, MAX_ARTIFACTS, check_holder, check_text, check_write
+from store.limits import MAX_ARTIFACTS, check_holder, check_text, check_write, max_artifact_bytes
 from store.locks import file_lock, try_file_lock
 from store.manifest import ArtifactInfo, Manifest
 from store.metadata import Lease, MetadataBackend, PrefixUsage, lease_prefix, prefix_bytes
@@ -182,14 +183,22 @@ class KVStore:
         """Held around a commit: ``tenant``'s quotas checked again under a per-tenant lock (the metadata
         backend's, so across processes and hosts), so concurrent writes of one tenant that each passed the
         early check cannot together exceed them. QuotaExceeded before anything becomes visible."""
+        with self._quota_lock(tenant) as locked:
+            if locked:
+                self._check_tenant_quota(tenant, page_bytes)
+            yield
+
+    @contextlib.contextmanager
+    def _quota_lock(self, tenant: str) -> Iterator[bool]:
+        """``tenant``'s quota lock, held while the block runs; yields False (and takes no lock) when the store
+        has no per-tenant quota."""
         cfg = self.config
         if cfg.max_bytes_per_tenant is None and cfg.max_prefixes_per_tenant is None:
-            yield
+            yield False
             return
         name = "quota-" + hashlib.blake2b(tenant.encode(), digest_size=16).hexdigest()  # no tenant text in a path
         with self._meta.prefill_lock(name, wait_s=QUOTA_LOCK_WAIT_S):
-            self._check_tenant_quota(tenant, page_bytes)
-            yield
+            yield True
 
     def _check_tenant_quota(self, tenant: str, page_bytes: int) -> None:
         cfg = self.config
@@ -205,10 +214,10 @@ class KVStore:
             raise QuotaExceeded(f"tenant {tenant!r} stores {used} bytes; {page_bytes} more exceed its quota of "
                                 f"{cfg.max_bytes_per_tenant}")
 
-    def _commit(self, manifest: Manifest, artifacts: Mapping[str, bytes]) -> None:
+    def _commit(self, manifest: Manifest) -> None:
         """Register a written prefix (``PrefixWriter.commit``, once its directory is in place), then evict down
         to the capacity, never the prefix just committed."""
-        self._meta.commit(manifest, artifacts)
+        self._meta.commit(manifest)
         cap = self.config.capacity_bytes
         if cap is None:
             return
@@ -225,8 +234,8 @@ class KVStore:
         """Add an artifact to a committed prefix (a compressed cache built after the prefill); returns the
         manifest that lists it. First writer wins: when ``name`` is already committed (another worker got
         there first), nothing is written and the committed manifest is returned. The artifact's file goes
-        into the prefix directory, then the directory's manifest is replaced, then the metadata (one
-        transaction), all under the prefix's prefill lock, so a removal or eviction never sees half of it."""
+        into the prefix directory, then the directory's manifest is replaced, then the metadata's, all under
+        the prefix's prefill lock, so a removal or eviction never sees half of it."""
         check_text("artifact name", name)
         if not name or name == PAGE_CRC_ARTIFACT:
             raise InvalidInput(f"invalid artifact name {name!r}")
@@ -234,23 +243,22 @@ class KVStore:
             m = self.manifest(prefix_id)
             if m.artifact(name) is not None:
                 return m
-            if m.artifact_bytes + len(data) > MAX_ARTIFACT_BYTES or len(m.artifacts) + 1 > MAX_ARTIFACTS:
-                raise InvalidInput(f"a prefix holds at most {MAX_ARTIFACTS} artifacts of {MAX_ARTIFACT_BYTES} "
-                                   "bytes together")
-            arts = {a.name: self.artifact(prefix_id, a.name) for a in m.artifacts}
-            arts[name] = data
+            cap = max_artifact_bytes(m.kv_bytes)
+            if m.artifact_bytes + len(data) > cap or len(m.artifacts) + 1 > MAX_ARTIFACTS:
+                raise InvalidInput(f"a prefix holds at most {MAX_ARTIFACTS} artifacts of {cap} bytes together")
             # Appended, not sorted in: artifact files are named by manifest position, the old ones keep theirs.
             new = dataclasses.replace(m, artifacts=(*m.artifacts,
                                                     ArtifactInfo(name=name, size=len(data), blake2b=digest(data))))
             d = self.prefix_dir(prefix_id)
-            self._check_tenant_bytes(m.tenant, len(data))
-            disk_record.write_artifact(d, len(m.artifacts), data, fsync=self.config.fsync)
-            disk_record.publish(d, new, fsync=self.config.fsync)
-            try:
-                self._meta.commit(new, arts)
-            except BaseException:
-                disk_record.publish(d, m, fsync=self.config.fsync)  # the directory says what the index says
-                raise
+            with self._quota_lock(m.tenant):  # the byte quota re-checked and used atomically with the commit
+                self._check_tenant_bytes(m.tenant, len(data))
+                disk_record.write_artifact(d, len(m.artifacts), data, fsync=self.config.fsync)
+                disk_record.publish(d, new, fsync=self.config.fsync)
+                try:
+                    self._meta.commit(new)
+                except BaseException:
+                    disk_record.publish(d, m, fsync=self.config.fsync)  # the directory says what the index says
+                    raise
             return new
 
     def _check_tenant_bytes(self, tenant: str, extra: int) -> None:
@@ -430,21 +438,25 @@ class KVStore:
         return info.bytes
 
     # -- reads ---------------------------------------------------------------------------------
-    def artifact(self, prefix_id: str, name: str) -> bytes:
-        """An artifact's bytes, checked against the manifest's digest."""
-        info = self.manifest(prefix_id).artifact(name)
-        data = self._meta.artifact(prefix_id, name)
-        if info is None or data is None:
+    def artifact(self, prefix_id: str, name: str, *, manifest: Manifest | None = None) -> bytes:
+        """An artifact's bytes, read from its file in the prefix directory and checked against the manifest's
+        size and digest (CorruptData otherwise; never more than its size + 1 bytes are read). PrefixNotFound when
+        the manifest lists no artifact ``name``."""
+        m = self._read_manifest(prefix_id, manifest)
+        try:
+            data = disk_record.read_artifact(self.prefix_dir(prefix_id), m, name)
+        except disk_record.InvalidRecord as e:
+            raise CorruptData(f"prefix {prefix_id}: {e}") from None
+        if data is None:
             raise PrefixNotFound(f"prefix {prefix_id!r} has no artifact {name!r}")
-        if len(data) != info.size or digest(data) != info.blake2b:
-            raise CorruptData(f"artifact {name!r} of prefix {prefix_id} failed its checksum")
         return data
 
     def page_crcs(self, prefix_id: str, manifest: Manifest | None = None) -> np.ndarray:
         """Per-page keyed CRCs ``[layers, kv_heads, pages]``."""
-        m = manifest or self.manifest(prefix_id)
+        m = self._read_manifest(prefix_id, manifest)
         shape = (m.layout.n_layers, m.layout.n_kv_heads, m.layout.n_pages(m.n_tokens))
-        return np.frombuffer(self.artifact(prefix_id, PAGE_CRC_ARTIFACT), dtype=np.uint32).reshape(shape)
+        data = self.artifact(prefix_id, PAGE_CRC_ARTIFACT, manifest=m)
+        return np.frombuffer(data, dtype=np.uint32).reshape(shape)
 
     def read_pages(self, prefix_id: str, layer: int, head: int, pages: list[int], out: torch.Tensor, *,
                    verify: bool = False, manifest: Manifest | None = None, crcs: np.ndarray | None = None) -> None:
@@ -509,29 +521,26 @@ class KVStore:
             reader.close()
 
     def verify(self, prefix_id: str) -> None:
-        """Check every page file's size and digest and every artifact; raises CorruptData."""
+        """Check every page and artifact file's size and digest; raises CorruptData."""
         m = self.manifest(prefix_id)
+        d = self.prefix_dir(prefix_id)
+        if (bad := disk_record.file_problem(d, m)) is not None:
+            raise CorruptData(f"prefix {prefix_id}: {bad}")
         for f in m.files:
-            path = self.prefix_dir(prefix_id) / f.name
-            if not path.exists() or path.stat().st_size != f.size:
-                raise CorruptData(f"page file {f.name} of prefix {prefix_id} is missing or has the wrong size")
-            if file_digest(path) != f.blake2b:
+            if file_digest(d / f.name) != f.blake2b:
                 raise CorruptData(f"page file {f.name} of prefix {prefix_id} failed its checksum")
-        for a in m.artifacts:
-            self.artifact(prefix_id, a.name)
+        if (bad := disk_record.artifact_problem(d, m)) is not None:
+            raise CorruptData(f"prefix {prefix_id}: {bad}")
 
     def quick_check(self, prefix_id: str, *, artifacts: bool = True) -> str | None:
-        """What is wrong with a committed prefix that shows without reading its pages (a page file missing or of
-        the wrong size; with ``artifacts``, an artifact failing its checksum), or None. ``verify`` reads it all."""
+        """What is wrong with a committed prefix that shows without reading its pages (a page or artifact file
+        missing or of the wrong size; with ``artifacts``, an artifact failing its checksum), or None. ``verify``
+        reads it all."""
         m = self.manifest(prefix_id)
-        if (bad := disk_record.page_file_problem(self.prefix_dir(prefix_id), m)) is not None:
+        d = self.prefix_dir(prefix_id)
+        if (bad := disk_record.file_problem(d, m)) is not None:
             return bad
-        try:
-            for a in m.artifacts if artifacts else ():
-                self.artifact(prefix_id, a.name)
-        except (CorruptData, PrefixNotFound) as e:
-            return str(e)
-        return None
+        return disk_record.artifact_problem(d, m) if artifacts else None
 
     def close(self) -> None:
         """Release the metadata backend."""

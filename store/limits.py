@@ -16,10 +16,23 @@ MAX_NAME_CHARS = 256
 """Model names, fingerprints, token hashes, summarizer and artifact names."""
 MAX_SUMMARIZERS = 32
 MAX_ARTIFACTS = 64
-MAX_ARTIFACT_BYTES = 1 << 30
-"""All artifacts of one prefix together (they are held in memory until the commit, and kept in the metadata)."""
+MIN_ARTIFACT_BUDGET = 64 << 20
+"""Bytes the artifacts of any prefix may take together, however small its page files (``max_artifact_bytes``)."""
 MAX_HOLDER_BYTES = 256
 """A lease holder's name (it is stored with the lease)."""
+
+
+def max_artifact_bytes(page_bytes: int) -> int:
+    """The most bytes the artifacts of a prefix whose page files take ``page_bytes`` may take together.
+
+    A summary is never bigger than the K/V it summarizes: Quest bounds, φ caches, k-means clusters and page
+    CRCs hold a few vectors (or one number) per page or cluster, each smaller than the page(s) it stands for.
+    So the page files bound the artifacts, at any context length (a 128k-token prefix of Llama-3.1-8B's shape
+    has over 1 GiB of summaries beside 16 GiB of pages). The floor leaves room for the fixed-size parts of a
+    tiny prefix's summaries (headers, centroids, learned weights). Artifacts are files in the prefix
+    directory, written as they arrive: this bounds the disk a write may take, not memory.
+    """
+    return max(MIN_ARTIFACT_BUDGET, page_bytes)
 
 
 def check_text(what: str, value: str, max_chars: int = MAX_NAME_CHARS) -> str:

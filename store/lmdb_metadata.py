@@ -1,19 +1,25 @@
-"""LMDB metadata backend: everything in one environment, one write transaction per change."""
+"""LMDB metadata backend: everything in one environment, one write transaction per change.
+
+Sub-databases: ``manifests`` (pid -> manifest JSON), ``lru`` (pid -> last used, bytes), ``pins``, ``leases``.
+No artifact bytes: an environment written before artifacts left the metadata has an ``artifacts``
+sub-database, which opening drops (``LEGACY_ARTIFACTS_DB``).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import shutil
 import struct
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 
 import lmdb
 
-from store.errors import PrefixInUse, PrefixNotFound, StoreFull, StoreUnavailable
+from store.errors import KVStashError, PrefixInUse, PrefixNotFound, StoreFull, StoreUnavailable
 from store.lmdb_file import lmdb_damage, move_aside
 from store.locks import file_lock
 from store.manifest import Manifest
@@ -27,11 +33,6 @@ from store.metadata import (
     prefix_bytes,
 )
 
-
-def _artifact_key(prefix_id: str, name: str) -> bytes:
-    return f"{prefix_id}/{name}".encode()
-
-
 _LRU = struct.Struct("<dq")  # last_used (unix s), bytes
 _DAMAGE = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.VersionMismatchError,
            lmdb.IncompatibleError, lmdb.PanicError)
@@ -40,6 +41,10 @@ _DAMAGE = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.
 
 FULL_DISK_BYTES = 1 << 20
 """Free bytes under which a failed LMDB write is put down to a full disk."""
+LEGACY_ARTIFACTS_DB = b"artifacts"
+"""Where artifact bytes were kept before they became files of the prefix directory only; dropped at open."""
+
+log = logging.getLogger(__name__)
 
 
 class LmdbMetadata(MetadataBackend):
@@ -67,17 +72,17 @@ class LmdbMetadata(MetadataBackend):
         except (OSError, lmdb.Error) as e:
             raise StoreUnavailable(f"cannot open metadata store at {path}: {e}") from e
         self._backfill_lru()
+        self._drop_legacy_artifacts()
 
     def _open(self, path: Path, map_size: int) -> None:
         self._lock_dir.mkdir(parents=True, exist_ok=True)
         self._env = lmdb.open(str(path), map_size=map_size, max_dbs=8, subdir=True)
         self._manifests = self._env.open_db(b"manifests")
-        self._artifacts = self._env.open_db(b"artifacts")
         self._lru = self._env.open_db(b"lru")
         self._pins = self._env.open_db(b"pins")
         self._leases = self._env.open_db(b"leases")
         with self._env.begin() as txn:  # walk the registry's keys once: a damaged tree fails here, not later
-            for db in (self._manifests, self._artifacts, self._lru, self._pins, self._leases):
+            for db in (self._manifests, self._lru, self._pins, self._leases):
                 txn.stat(db)
             for _ in txn.cursor(db=self._manifests).iternext(keys=True, values=False):
                 pass
@@ -111,14 +116,31 @@ class LmdbMetadata(MetadataBackend):
                     m = Manifest.from_json(bytes(v))
                     txn.put(k, _LRU.pack(m.created_at, prefix_bytes(m)), db=self._lru)
 
+    def _drop_legacy_artifacts(self) -> None:
+        """Drop the artifact bytes an older kvstash kept here (their files in the prefix directories are the
+        copy read now); a failure is logged, not raised: the bytes are merely unused."""
+        with self._txn() as txn:  # named databases are keys of the main one: a read finds it
+            if txn.get(LEGACY_ARTIFACTS_DB) is None:
+                return
+        try:
+            with self._txn(write=True) as txn:
+                try:
+                    db = self._env.open_db(LEGACY_ARTIFACTS_DB, txn=txn, create=False)
+                except lmdb.NotFoundError:
+                    return
+                n = txn.stat(db)["entries"]
+                txn.drop(db, delete=True)
+        except KVStashError as e:
+            log.warning("could not drop the unused artifact copies of %s: %s", self._path, e)
+            return
+        log.info("dropped %d artifact copies kept by an older kvstash in %s (artifacts are read from the prefix "
+                 "directories)", n, self._path)
+
     # -- registry ------------------------------------------------------------------------
-    def commit(self, manifest: Manifest, artifacts: Mapping[str, bytes]) -> None:
-        """Write artifacts, then manifest and LRU entry, in one transaction: all visible or none."""
+    def commit(self, manifest: Manifest) -> None:
+        """Write manifest and LRU entry in one transaction: both visible or neither."""
         pid = manifest.prefix_id
         with self._txn(write=True) as txn:
-            self._delete_artifacts(txn, pid)
-            for name, data in artifacts.items():
-                txn.put(_artifact_key(pid, name), data, db=self._artifacts)
             txn.put(pid.encode(), manifest.to_json().encode(), db=self._manifests)
             txn.put(pid.encode(), _LRU.pack(time.time(), prefix_bytes(manifest)), db=self._lru)
 
@@ -138,12 +160,6 @@ class LmdbMetadata(MetadataBackend):
         with self._txn() as txn:
             return [bytes(k).decode() for k in txn.cursor(db=self._manifests).iternext(keys=True, values=False)]
 
-    def artifact(self, prefix_id: str, name: str) -> bytes | None:
-        """The bytes of one artifact, or None."""
-        with self._txn() as txn:
-            raw = txn.get(_artifact_key(prefix_id, name), db=self._artifacts)
-        return None if raw is None else bytes(raw)
-
     def _delete_range(self, txn: lmdb.Transaction, db: lmdb._Database, prefix: bytes) -> None:
         cur = txn.cursor(db=db)
         if cur.set_range(prefix):
@@ -151,20 +167,16 @@ class LmdbMetadata(MetadataBackend):
                 if not cur.delete():
                     break
 
-    def _delete_artifacts(self, txn: lmdb.Transaction, prefix_id: str) -> None:
-        self._delete_range(txn, self._artifacts, f"{prefix_id}/".encode())
-
     def _delete_all(self, txn: lmdb.Transaction, prefix_id: str) -> bool:
         key = prefix_id.encode()
         existed = txn.delete(key, db=self._manifests)
-        self._delete_artifacts(txn, prefix_id)
         txn.delete(key, db=self._lru)
         txn.delete(key, db=self._pins)
         self._delete_range(txn, self._leases, f"{prefix_id}.".encode())
         return bool(existed)
 
     def delete(self, prefix_id: str, *, unless_leased: bool = False) -> bool:
-        """Remove manifest, artifacts, LRU entry, pin and leases in one transaction (none while leased, when
+        """Remove manifest, LRU entry, pin and leases in one transaction (none while leased, when
         ``unless_leased``: ``PrefixInUse``)."""
         with self._txn(write=True) as txn:
             if unless_leased and (live := self._live_leases(txn, prefix_id, time.time())):

@@ -22,7 +22,8 @@ class FileInfo:
 
 @dataclass(frozen=True, kw_only=True)
 class ArtifactInfo:
-    """One small artifact (summary or compressed variant) kept in the metadata store."""
+    """One artifact (summary or compressed variant): a file of the prefix directory, ``artifact_NNN.bin`` by its
+    index in the manifest's (name-sorted) list; the metadata keeps this entry, never the bytes."""
 
     name: str
     size: int

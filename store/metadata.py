@@ -1,4 +1,5 @@
-"""The metadata backend base: manifests, small artifacts, leases, pins and LRU accounting.
+"""The metadata backend base: manifests, leases, pins and LRU accounting (an index: artifacts are files in the
+prefix directory, ``store.disk_record``, never kept here).
 
 LMDB (``store.lmdb_metadata``) is the embedded default; ``store.redis_metadata`` shares metadata
 between hosts; ``store.metadata_factory.open_metadata`` picks one by URL scheme. Backends import this
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import abc
 import secrets
-from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
@@ -69,15 +69,17 @@ def check_ttl(ttl_s: float) -> float:
 
 
 class MetadataBackend(abc.ABC):
-    """Where manifests, small artifacts, leases, pins and LRU state live.
+    """Where manifests, leases, pins and LRU state live (no artifact bytes: a manifest lists its artifacts' names,
+    sizes and digests; their bytes are files in the prefix directory).
 
     A commit is atomic and durable. Eviction (``evict``) never removes a pinned prefix
     or one with a live lease; ``delete`` is the explicit removal and always proceeds.
     """
 
     @abc.abstractmethod
-    def commit(self, manifest: Manifest, artifacts: Mapping[str, bytes]) -> None:
-        """Atomically store a prefix's artifacts and then make its manifest visible."""
+    def commit(self, manifest: Manifest) -> None:
+        """Atomically make a prefix's manifest visible, with its LRU entry and byte count (replacing an older
+        commit of the same prefix)."""
 
     @abc.abstractmethod
     def manifest(self, prefix_id: str) -> Manifest | None:
@@ -92,12 +94,8 @@ class MetadataBackend(abc.ABC):
         """The ids of every committed prefix (cheaper than ``manifests``: no manifest is read)."""
 
     @abc.abstractmethod
-    def artifact(self, prefix_id: str, name: str) -> bytes | None:
-        """The bytes of one artifact, or None."""
-
-    @abc.abstractmethod
     def delete(self, prefix_id: str, *, unless_leased: bool = False) -> bool:
-        """Remove a prefix's manifest, artifacts, pin and leases; False when it did not exist. With
+        """Remove a prefix's manifest, accounting, pin and leases; False when it did not exist. With
         ``unless_leased``, ``PrefixInUse`` instead when it has a live lease (checked atomically with the delete)."""
 
     @abc.abstractmethod

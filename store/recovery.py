@@ -4,7 +4,8 @@
 Both walk ``prefixes/``. A directory named like a prefix id with a valid manifest file
 (``store.disk_record``) is a committed prefix whatever the metadata says; ``recover`` never deletes
 one (nor any other prefix directory: only temp dirs of dead writers), ``check`` only when told to repair
-a prefix it cannot serve (page files missing, the wrong size or failing their checksums).
+a prefix it cannot serve (page or artifact files missing, the wrong size or failing their checksums: the
+directory holds the only copy of both, so nothing can restore them; prefill it again).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from store import disk_record
 from store.disk_record import InvalidRecord
-from store.errors import CorruptData, InvalidInput, LockTimeout, PrefixNotFound
+from store.errors import InvalidInput, LockTimeout
 from store.manifest import Manifest
 from store.pages import file_digest
 from store.prefix_key import check_prefix_id
@@ -45,8 +46,6 @@ class StoreRoom(Protocol):
 
     def _host_lock(self, name: str, blocking: bool) -> contextlib.AbstractContextManager[bool]: ...
 
-    def artifact(self, prefix_id: str, name: str) -> bytes: ...
-
     def _unregister(self, m: Manifest) -> None: ...
 
     def _drop_dir(self, prefix_id: str) -> None: ...
@@ -60,15 +59,13 @@ ORPHAN = "orphan"
 UNREGISTERED = "unregistered"
 """A committed directory the metadata does not list. Repair (and every start) registers it."""
 DANGLING = "dangling"
-"""A metadata entry whose directory or page files are missing or the wrong size. Repair drops it."""
+"""A metadata entry whose directory, page files or artifact files are missing or the wrong size. Repair drops it
+(and what is left of its directory)."""
 CORRUPT = "corrupt"
-"""A prefix whose page files fail their checksums. Repair removes it (prefill it again)."""
-BAD_METADATA = "bad_metadata"
-"""A metadata entry whose artifacts are missing or fail their checksums. Repair registers the disk's copy again
-(or removes the prefix when the disk has none)."""
+"""A prefix whose page or artifact files fail their checksums. Repair removes it (prefill it again)."""
 UNRECORDED = "unrecorded"
-"""A registered prefix whose directory lacks a valid manifest of its own (written before directories were
-self-describing, or damaged). Repair writes it from the metadata."""
+"""A registered prefix whose page and artifact files match the metadata's manifest, but whose directory lacks
+that manifest file (missing, damaged or another one). Repair writes it from the metadata's manifest."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,10 +150,10 @@ def _register(store: StoreRoom, directory: Path) -> Problem | None:
     if store._meta.manifest(directory.name) is not None:
         return None  # registered meanwhile
     try:
-        m, artifacts = disk_record.load_record(directory)
+        m = disk_record.load_record(directory)
     except InvalidRecord as e:
         return Problem(kind=ORPHAN, name=directory.name, detail=str(e))
-    store._meta.commit(m, artifacts)
+    store._meta.commit(m)
     _restore_pin(store, directory)
     return Problem(kind=UNREGISTERED, name=directory.name, detail="registered from its directory", fixed=True)
 
@@ -208,35 +205,28 @@ def recover(store: StoreRoom) -> CheckReport:
     return CheckReport(prefixes=healthy, problems=tuple(problems), busy=tuple(busy))
 
 
-def _hash_problem(directory: Path, m: Manifest) -> str | None:
-    for f in m.files:
+def _hash_problem(directory: Path, m: Manifest, hash_pages: bool) -> str | None:
+    """Page files (when ``hash_pages``) and artifact files (always: they are the summaries a decode reads whole)
+    that fail their checksums."""
+    for f in m.files if hash_pages else ():
         if file_digest(directory / f.name) != f.blake2b:
             return f"page file {f.name} failed its checksum"
-    return None
-
-
-def _metadata_problem(store: StoreRoom, m: Manifest) -> str | None:
-    try:
-        for a in m.artifacts:
-            store.artifact(m.prefix_id, a.name)
-    except (CorruptData, PrefixNotFound) as e:
-        return str(e)
-    return None
+    return disk_record.artifact_problem(directory, m)
 
 
 def _check_unregistered(store: StoreRoom, d: Path, repair: bool, hash_pages: bool) -> Problem:
     try:
-        m, artifacts = disk_record.load_record(d)
+        m = disk_record.load_record(d)
     except InvalidRecord as e:
         if repair:
             _remove_path(d)
         return Problem(kind=ORPHAN, name=d.name, detail=str(e), fixed=repair)
-    if hash_pages and (bad := _hash_problem(d, m)):
+    if (bad := _hash_problem(d, m, hash_pages)) is not None:
         if repair:
             _remove_path(d)
         return Problem(kind=CORRUPT, name=d.name, detail=f"{bad} (not registered)", fixed=repair)
     if repair:
-        store._meta.commit(m, artifacts)
+        store._meta.commit(m)
         _restore_pin(store, d)
     return Problem(kind=UNREGISTERED, name=d.name, detail="committed directory the metadata does not list",
                    fixed=repair)
@@ -249,34 +239,19 @@ def _check_registered(store: StoreRoom, d: Path, m: Manifest, repair: bool, hash
             store._drop_dir(m.prefix_id)
         return repair
 
-    if (bad := disk_record.page_file_problem(d, m)) is not None:
+    if (bad := disk_record.file_problem(d, m)) is not None:
         return Problem(kind=DANGLING, name=d.name, detail=bad, fixed=drop())
-    if hash_pages and (bad := _hash_problem(d, m)) is not None:
+    if (bad := _hash_problem(d, m, hash_pages)) is not None:
         return Problem(kind=CORRUPT, name=d.name, detail=bad, fixed=drop())
     try:
-        on_disk: Manifest | None = disk_record.read_manifest(d)
+        if disk_record.read_manifest(d) == m:
+            return None
         disk_error = "on-disk manifest differs from the metadata's"
-        if on_disk == m:
-            disk_record.read_artifacts(d, m)
     except InvalidRecord as e:
-        on_disk, disk_error = None, str(e)
-    if (bad := _metadata_problem(store, m)) is not None:
-        try:
-            if on_disk != m:
-                raise InvalidRecord(disk_error)
-            _, artifacts = disk_record.load_record(d)
-        except InvalidRecord:
-            return Problem(kind=BAD_METADATA, name=d.name, detail=f"{bad}; the directory has no valid copy",
-                           fixed=drop())
-        if repair:
-            store._meta.commit(m, artifacts)
-        return Problem(kind=BAD_METADATA, name=d.name, detail=bad, fixed=repair)
-    if on_disk != m:
-        if repair:
-            artifacts = {a.name: store.artifact(m.prefix_id, a.name) for a in m.artifacts}
-            disk_record.write_record(d, m, artifacts, fsync=store.config.fsync)
-        return Problem(kind=UNRECORDED, name=d.name, detail=disk_error, fixed=repair)
-    return None
+        disk_error = str(e)
+    if repair:  # its files match the metadata's manifest (checked above): that manifest describes the directory
+        disk_record.publish(d, m, fsync=store.config.fsync)
+    return Problem(kind=UNRECORDED, name=d.name, detail=disk_error, fixed=repair)
 
 
 def check(store: StoreRoom, *, repair: bool, hash_pages: bool) -> CheckReport:
@@ -305,7 +280,7 @@ def check(store: StoreRoom, *, repair: bool, hash_pages: bool) -> CheckReport:
             m = meta.manifest(entry.name)
             p = (_check_unregistered(store, entry, repair, hash_pages) if m is None
                  else _check_registered(store, entry, m, repair, hash_pages))
-        if p is None or (p.fixed and p.kind in (UNREGISTERED, BAD_METADATA, UNRECORDED)):
+        if p is None or (p.fixed and p.kind in (UNREGISTERED, UNRECORDED)):
             healthy += 1
         if p is not None:
             problems.append(p)

@@ -3,7 +3,6 @@
 Keys, all under the namespace ``ns`` (default ``kvstash:``)::
 
     {ns}manifest:{pid}   string  manifest JSON: the commit point
-    {ns}artifacts:{pid}  hash    artifact name -> bytes
     {ns}prefixes         zset    pid -> last used (unix s): the registry and the LRU order
     {ns}bytes            hash    pid -> accounted bytes
     {ns}usage            string  total accounted bytes
@@ -12,7 +11,11 @@ Keys, all under the namespace ``ns`` (default ``kvstash:``)::
     {ns}holders:{pid}    hash    lease id -> holder
     {ns}lock:{pid}       string  prefill lock token (PX ttl, renewed while held)
 
-A commit is one MULTI/EXEC (artifacts, then manifest and accounting); conditional changes
+No artifact bytes: they are files of the prefix directory only. A server written by an older kvstash may
+still hold ``{ns}artifacts:{pid}`` hashes: nothing reads them, and a commit or delete of that prefix
+deletes its one (``LEGACY_ARTIFACTS``); keys are never scanned for the rest.
+
+A commit is one MULTI/EXEC (manifest and accounting); conditional changes
 (lease on a committed prefix, evict unless pinned or leased) are Lua scripts, so they are
 atomic with respect to each other. Lease expiry uses the server's clock, never the hosts'.
 Durability is the server's: run it with ``appendonly yes`` (``appendfsync always`` for
@@ -25,8 +28,8 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, ParamSpec, TypeVar, cast
+from collections.abc import Callable, Iterator
+from typing import Any, ParamSpec, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -53,6 +56,8 @@ from store.metadata import (
 log = logging.getLogger(__name__)
 
 _BATCH = 256
+LEGACY_ARTIFACTS = "artifacts"
+"""Key kind of the artifact hashes older versions kept per prefix (deleted with the prefix's next commit or delete)."""
 _NOW = ("local t = redis.call('TIME') "
         "local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) ")
 # Keep the leases/holders keys alive exactly as long as their latest lease.
@@ -86,7 +91,7 @@ end
 if live then return 1 end
 return 0"""
 
-# KEYS: leases, holders, manifest, artifacts, prefixes, bytes, usage, pinned; ARGV: pid, mode
+# KEYS: leases, holders, manifest, legacy artifacts, prefixes, bytes, usage, pinned; ARGV: pid, mode
 # (1: delete whatever holds it; 0: evict: not pinned or leased, else 0; 2: not leased, else -1)
 _DELETE = _NOW + """
 if redis.call('EXISTS', KEYS[3]) == 0 then return 0 end
@@ -173,18 +178,15 @@ class RedisMetadata(MetadataBackend):
 
     # -- registry ------------------------------------------------------------------------
     @_redis_errors
-    def commit(self, manifest: Manifest, artifacts: Mapping[str, bytes]) -> None:
-        """One MULTI/EXEC: replace the artifacts, then the manifest, LRU entry and byte count."""
+    def commit(self, manifest: Manifest) -> None:
+        """One MULTI/EXEC: the manifest, LRU entry and byte count (and an older version's artifact copies gone)."""
         pid, size = manifest.prefix_id, prefix_bytes(manifest)
-        arts: dict[Any, Any] = dict(artifacts)
-        mkey, akey = self._k("manifest", pid), self._k("artifacts", pid)
+        mkey = self._k("manifest", pid)
 
         def tx(pipe: Pipeline) -> None:
             old = int(pipe.hget(self._bytes, pid) or 0)  # changes only together with mkey
             pipe.multi()
-            pipe.delete(akey)
-            if arts:
-                pipe.hset(akey, mapping=arts)
+            pipe.delete(self._k(LEGACY_ARTIFACTS, pid))
             pipe.set(mkey, manifest.to_json())
             pipe.zadd(self._prefixes, {pid: time.time()})
             pipe.hset(self._bytes, pid, size)
@@ -220,13 +222,8 @@ class RedisMetadata(MetadataBackend):
             out += [pid for pid, n in zip(ids[i:i + _BATCH], pipe.execute()) if n]
         return out
 
-    @_redis_errors
-    def artifact(self, prefix_id: str, name: str) -> bytes | None:
-        """The bytes of one artifact, or None."""
-        return cast(bytes | None, self._r.hget(self._k("artifacts", prefix_id), name))
-
     def _delete_keys(self, prefix_id: str) -> list[str]:
-        return [*self._lease_keys(prefix_id), self._k("manifest", prefix_id), self._k("artifacts", prefix_id),
+        return [*self._lease_keys(prefix_id), self._k("manifest", prefix_id), self._k(LEGACY_ARTIFACTS, prefix_id),
                 self._prefixes, self._bytes, self._usage, self._pinned]
 
     @_redis_errors

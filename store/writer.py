@@ -1,5 +1,5 @@
 """Writing one prefix: page files, artifacts and manifest into a private temp dir, an atomic rename, then
-the metadata commit (``store.disk_record`` describes the directory)."""
+the metadata commit of the manifest (``store.disk_record`` describes the directory)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -19,10 +19,10 @@ import numpy as np
 
 from store.artifacts import digest
 from store.crc32 import crc32
-from store.disk_record import fsync_dir, write_record
+from store.disk_record import artifact_file_name, fsync_dir, publish, write_file
 from store.errors import InvalidInput, StoreFull
 from store.layout import KVLayout
-from store.limits import MAX_ARTIFACT_BYTES, MAX_ARTIFACTS, check_text
+from store.limits import MAX_ARTIFACTS, check_text, max_artifact_bytes
 from store.manifest import ArtifactInfo, FileInfo, Manifest
 from store.metadata import prefix_bytes
 from store.pages import bytes_digest, layer_file_name, pack_layer, page_crc, page_crc_seed, write_bytes_durably
@@ -45,7 +45,7 @@ class WriterHome(Protocol):
         """The committed directory of ``prefix_id``."""
         ...
 
-    def _commit(self, manifest: Manifest, artifacts: Mapping[str, bytes]) -> None:
+    def _commit(self, manifest: Manifest) -> None:
         """Register a prefix whose directory is in place."""
         ...
 
@@ -61,6 +61,8 @@ TMP_PREFIX = ".tmp-"
 """Name prefix of writers' temp dirs (``.tmp-<prefix id>-<pid>-<random>``)."""
 MAX_OPEN_STREAMS = 8
 """Layers a streamed write may have open at once (each holds a file and less than one page)."""
+STAGED_PREFIX = ".artifact-"
+"""Name prefix of artifact files staged in a temp dir (by put order), renamed to ``artifact_NNN.bin`` at commit."""
 
 
 def tmp_dir_name(prefix_id: str) -> str:
@@ -76,7 +78,12 @@ class PrefixWriter:
         self.prefix_id = key.prefix_id
         self.layout: KVLayout = key.layout
         self._files: dict[int, FileInfo] = {}
-        self._artifacts: dict[str, bytes] = {}
+        self._artifacts: dict[str, tuple[str, ArtifactInfo]] = {}
+        """Staged artifacts: name -> (its file in the temp dir, size and digest). Never their bytes."""
+        self._n_staged = 0
+        self._artifact_budget = max_artifact_bytes(self.layout.n_layers * self.layout.layer_file_bytes(n_tokens))
+        self._sealed = False
+        """Set once a commit starts moving artifacts to their final names: no more artifacts or commits."""
         self._streams: dict[int, LayerStream] = {}
         n_pages = self.layout.n_pages(n_tokens)
         self._crc = np.zeros((self.layout.n_layers, self.layout.n_kv_heads, n_pages), dtype=np.uint32)
@@ -155,40 +162,63 @@ class PrefixWriter:
             self._files[layer] = FileInfo(name=name, size=size, blake2b=str(digest_job.result()))
 
     def put_artifact(self, name: str, data: bytes) -> None:
-        """Stage a small artifact (committed together with the manifest)."""
+        """Write an artifact to its file in the temp dir now (committed with the manifest; a later one of the
+        same name replaces it). InvalidInput past ``MAX_ARTIFACTS`` or the prefix's artifact budget
+        (``store.limits.max_artifact_bytes``, the page checksums included)."""
         check_text("artifact name", name)
+        if self._sealed:
+            raise InvalidInput("this prefix's commit has already started")
         if not name or name == PAGE_CRC_ARTIFACT:
             raise InvalidInput(f"invalid artifact name {name!r}")
-        others = sum(len(b) for n, b in self._artifacts.items() if n != name)
-        if others + len(data) > MAX_ARTIFACT_BYTES or len(self._artifacts | {name: b""}) > MAX_ARTIFACTS:
-            raise InvalidInput(f"a prefix holds at most {MAX_ARTIFACTS} artifacts of {MAX_ARTIFACT_BYTES} bytes "
-                               "together")
-        self._artifacts[name] = data
+        if name not in self._artifacts and len(self._artifacts) >= MAX_ARTIFACTS:
+            raise InvalidInput(f"a prefix holds at most {MAX_ARTIFACTS} artifacts")
+        others = sum(info.size for n, (_, info) in self._artifacts.items() if n != name)
+        if others + len(data) + self._crc.nbytes > self._artifact_budget:
+            raise InvalidInput(f"the artifacts of this prefix may take at most {self._artifact_budget} bytes "
+                               f"together (its page files' size, or store.limits.MIN_ARTIFACT_BUDGET when more): "
+                               f"{others + len(data)} bytes and its page checksums do not fit")
+        self._stage(name, data)
+
+    def _stage(self, name: str, data: bytes) -> None:
+        """Write ``data`` to a fresh staged file, record its size and digest, then drop any older one of ``name``."""
+        staged = f"{STAGED_PREFIX}{self._n_staged:03d}"
+        self._n_staged += 1
+        write_file(self.tmp_dir / staged, data, self.store.config.fsync)
+        info = ArtifactInfo(name=name, size=len(data), blake2b=digest(data))
+        old = self._artifacts.get(name)
+        self._artifacts[name] = (staged, info)
+        if old is not None:
+            (self.tmp_dir / old[0]).unlink(missing_ok=True)
 
     def commit(self) -> Manifest:
-        """Make the prefix durable and visible: artifacts and manifest written into the temp dir (the
-        manifest last), the dir renamed into place (the commit point on disk), then the metadata commit."""
+        """Make the prefix durable and visible: staged artifacts renamed to their final names and the manifest
+        written into the temp dir (the manifest last), the dir renamed into place (the commit point on disk),
+        then the metadata commit."""
         self._drain(0)
         self._shutdown()
         missing = sorted(set(range(self.layout.n_layers)) - set(self._files))
         if missing:
             raise InvalidInput(f"cannot commit: layers {missing} were not written")
-        arts = dict(self._artifacts)
-        arts[PAGE_CRC_ARTIFACT] = self._crc.tobytes()
+        if self._sealed:
+            raise InvalidInput("this prefix's commit has already started")
+        self._sealed = True
+        self._stage(PAGE_CRC_ARTIFACT, self._crc.tobytes())
+        staged = sorted(self._artifacts.items())
+        for i, (_, (file, _)) in enumerate(staged):
+            os.rename(self.tmp_dir / file, self.tmp_dir / artifact_file_name(i))
         manifest = Manifest(
             prefix_id=self.prefix_id, key=self.key, model_name=self.model_name, n_tokens=self.n_tokens,
             files=tuple(self._files[i] for i in range(self.layout.n_layers)),
-            artifacts=tuple(ArtifactInfo(name=n, size=len(b), blake2b=digest(b)) for n, b in sorted(arts.items())),
-            created_at=time.time(), tenant=self.tenant,
+            artifacts=tuple(info for _, (_, info) in staged), created_at=time.time(), tenant=self.tenant,
         )
         with self.store.quota_guard(self.tenant, prefix_bytes(manifest)):  # quotas hold across concurrent commits
-            self._publish(manifest, arts)
+            self._publish(manifest)
         return manifest
 
-    def _publish(self, manifest: Manifest, arts: dict[str, bytes]) -> None:
-        """Write the record, rename the directory into place, register it (taken back when the metadata is full)."""
+    def _publish(self, manifest: Manifest) -> None:
+        """Write the manifest, rename the directory into place, register it (taken back when the metadata is full)."""
         fsync = self.store.config.fsync
-        write_record(self.tmp_dir, manifest, arts, fsync=fsync)
+        publish(self.tmp_dir, manifest, fsync=fsync)  # fsyncs the dir: the artifacts' renames are durable too
         final = self.store.prefix_dir(self.prefix_id)
         if final.exists():  # an older copy the metadata does not list (we hold the prefill lock): replace it
             old = self.store.prefixes_dir / tmp_dir_name(self.prefix_id)
@@ -198,7 +228,7 @@ class PrefixWriter:
         if fsync:
             fsync_dir(self.store.prefixes_dir)
         try:
-            self.store._commit(manifest, arts)
+            self.store._commit(manifest)
         except StoreFull:  # the metadata has no room for it: take the directory back (a full disk keeps no
             gone = self.store.prefixes_dir / tmp_dir_name(self.prefix_id)  # prefix nobody lists)
             os.rename(final, gone)

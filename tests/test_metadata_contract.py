@@ -1,5 +1,6 @@
 """One contract for every metadata backend (LMDB and a real redis-server): commits, listing,
-deletes, leases, single-flight prefill locks, LRU byte accounting, eviction, restarts."""
+deletes, leases, single-flight prefill locks, LRU byte accounting, eviction, restarts; and no artifact
+bytes (a manifest lists artifacts; their bytes are files of the prefix directory)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ LAYOUT = KVLayout(n_layers=1, n_kv_heads=1, head_dim=8, dtype="float32", page_si
 
 
 def make_manifest(seed: int, kv_bytes: int = 1000, artifacts: Mapping[str, bytes] | None = None) -> Manifest:
-    """A manifest of ``kv_bytes`` page bytes plus ``artifacts``; its id depends on ``seed`` only."""
+    """A manifest of ``kv_bytes`` page bytes plus (the entries of) ``artifacts``; its id depends on ``seed`` only."""
     key = PrefixKey(model_fingerprint="fp", tenant_salt="salt", token_hash=f"{seed:064x}", layout=LAYOUT)
     arts = tuple(ArtifactInfo(name=n, size=len(b), blake2b=digest(b)) for n, b in sorted((artifacts or {}).items()))
     return Manifest(prefix_id=key.prefix_id, key=key, model_name="m", n_tokens=16,
@@ -39,7 +40,7 @@ def make_manifest(seed: int, kv_bytes: int = 1000, artifacts: Mapping[str, bytes
 def commit(meta: MetadataBackend, seed: int, kv_bytes: int = 1000, artifacts: Mapping[str, bytes] | None = None,
            ) -> str:
     m = make_manifest(seed, kv_bytes, artifacts)
-    meta.commit(m, artifacts or {})
+    meta.commit(m)
     return m.prefix_id
 
 
@@ -105,49 +106,45 @@ def meta(env: Env) -> MetadataBackend:
     return env.open()
 
 
-class ExplodingArtifacts(Mapping[str, bytes]):
-    """Yields one artifact, then fails: a commit interrupted half way through its artifacts."""
+class ExplodingManifest(Manifest):
+    """A manifest whose byte count fails: a commit interrupted half way (LMDB: after its manifest was put)."""
 
-    def __getitem__(self, name: str) -> bytes:
-        return b"first"
-
-    def __iter__(self) -> Iterator[str]:
-        yield "first"
+    @property
+    def artifact_bytes(self) -> int:
         raise RuntimeError("disk on fire")
 
-    def __len__(self) -> int:
-        return 2
+
+def exploding(m: Manifest) -> ExplodingManifest:
+    return ExplodingManifest(**{f.name: getattr(m, f.name) for f in fields(Manifest)})
 
 
 # -- registry --------------------------------------------------------------------------------
 def test_commit_is_visible_to_every_client(env: Env, meta: MetadataBackend) -> None:
     arts = {"phi": b"\x00\x01" * 100, "bounds": b"b"}
     m = make_manifest(1, 1000, arts)
-    meta.commit(m, arts)
+    meta.commit(m)
     pid, other = m.prefix_id, env.open()
-    assert other.manifest(pid) == m
-    assert other.artifact(pid, "phi") == arts["phi"] and other.artifact(pid, "bounds") == b"b"
-    assert other.artifact(pid, "nope") is None and other.manifest("0" * 32) is None
+    assert other.manifest(pid) == m and other.manifest("0" * 32) is None
     assert [m.prefix_id for m in other.manifests()] == [pid]
-    assert other.usage() == 1000 + 201
+    assert other.usage() == 1000 + 201  # artifacts are accounted (as files), not kept
+    assert not hasattr(other, "artifact")
 
 
 def test_interrupted_commit_leaves_nothing_and_keeps_the_old_version(meta: MetadataBackend) -> None:
     m = make_manifest(2)
     with pytest.raises(RuntimeError, match="on fire"):
-        meta.commit(m, ExplodingArtifacts())
-    assert meta.manifest(m.prefix_id) is None and meta.artifact(m.prefix_id, "first") is None
+        meta.commit(exploding(m))
+    assert meta.manifest(m.prefix_id) is None
     assert meta.manifests() == [] and meta.usage() == 0 and meta.prefix_usage(m.prefix_id) is None
     old = make_manifest(2, 1000, {"a": b"old"})
-    meta.commit(old, {"a": b"old"})
+    meta.commit(old)
     pid = old.prefix_id
     with pytest.raises(RuntimeError):
-        meta.commit(make_manifest(2, 5000), ExplodingArtifacts())
-    assert meta.manifest(pid) == old and meta.artifact(pid, "a") == b"old"
-    assert meta.artifact(pid, "first") is None and meta.usage() == 1003
+        meta.commit(exploding(make_manifest(2, 5000)))
+    assert meta.manifest(pid) == old and meta.usage() == 1003 and usage_of(meta, pid).bytes == 1003
 
 
-def test_manifest_is_never_visible_before_its_artifacts(env: Env, meta: MetadataBackend) -> None:
+def test_manifest_is_never_visible_before_its_accounting(env: Env, meta: MetadataBackend) -> None:
     arts = {f"a{i}": bytes([i]) * 40_000 for i in range(4)}
     ids = [make_manifest(100 + i, artifacts=arts).prefix_id for i in range(30)]
     reader, seen, done = env.open(), [0], threading.Event()
@@ -156,7 +153,7 @@ def test_manifest_is_never_visible_before_its_artifacts(env: Env, meta: Metadata
         while not done.is_set():
             for pid in ids:
                 if reader.manifest(pid) is not None:
-                    assert all(reader.artifact(pid, n) == b for n, b in arts.items()), pid
+                    assert usage_of(reader, pid).bytes == 1000 + 160_000, pid
                     seen[0] += 1
 
     t = threading.Thread(target=read)
@@ -170,10 +167,10 @@ def test_manifest_is_never_visible_before_its_artifacts(env: Env, meta: Metadata
     assert seen[0] > 0
 
 
-def test_recommit_replaces_artifacts_and_bytes(meta: MetadataBackend) -> None:
+def test_recommit_replaces_manifest_and_bytes(meta: MetadataBackend) -> None:
     pid = commit(meta, 3, 1000, {"a": b"aa", "b": b"bbb"})
     commit(meta, 3, 500, {"a": b"a"})
-    assert meta.artifact(pid, "b") is None and meta.artifact(pid, "a") == b"a"
+    assert [a.name for a in meta.manifest(pid).artifacts] == ["a"]  # type: ignore[union-attr]
     assert meta.usage() == 501 and usage_of(meta, pid).bytes == 501
     assert len(meta.manifests()) == 1
 
@@ -184,7 +181,7 @@ def test_delete_and_listing(meta: MetadataBackend) -> None:
     meta.pin(ids[0])
     lease = meta.acquire_lease(ids[0], "w", 60)
     assert meta.delete(ids[0]) is True  # explicit delete proceeds even when pinned and leased
-    assert meta.manifest(ids[0]) is None and meta.artifact(ids[0], "x") is None
+    assert meta.manifest(ids[0]) is None
     assert meta.prefix_usage(ids[0]) is None and meta.leases(ids[0]) == []
     assert meta.release_lease(lease) is False and meta.unpin(ids[0]) is False
     assert meta.delete(ids[0]) is False
@@ -198,7 +195,7 @@ def test_delete_unless_leased_refuses_while_a_lease_lives(env: Env, meta: Metada
     lease = env.open().acquire_lease(pid, "gen", 60)
     with pytest.raises(PrefixInUse):
         meta.delete(pid, unless_leased=True)
-    assert meta.manifest(pid) is not None and meta.artifact(pid, "x") == b"12345" and meta.usage() == 105
+    assert meta.manifest(pid) is not None and meta.usage() == 105
     assert [x.lease_id for x in meta.leases(pid)] == [lease]
     assert meta.release_lease(lease) is True
     assert meta.delete(pid, unless_leased=True) is True and meta.manifest(pid) is None
@@ -257,7 +254,7 @@ def test_single_flight_across_threads(env: Env) -> None:
             if meta.manifest(m.prefix_id) is None:
                 time.sleep(0.2)  # the forward pass
                 work.append(1)
-                meta.commit(m, {})
+                meta.commit(m)
             with lock:
                 holders[0] -= 1
 
@@ -287,7 +284,7 @@ CHILD = textwrap.dedent("""
     with meta.prefill_lock(m.prefix_id, ttl_s=5):
         if meta.manifest(m.prefix_id) is None:
             time.sleep(0.3)
-            meta.commit(m, {"a": b"x"})
+            meta.commit(m)
             print("did the work", flush=True)
 """)
 
@@ -308,7 +305,7 @@ def test_single_flight_across_processes(env: Env, tmp_path: Path) -> None:
     outs = [c.communicate(timeout=60) for c in children]
     assert all(c.returncode == 0 for c in children), [err for _, err in outs]
     assert sum(out.count("did the work") for out, _ in outs) == 1
-    assert env.open().artifact(m.prefix_id, "a") == b"x"
+    assert env.open().manifest(m.prefix_id) == m
 
 
 def test_prefill_lock_times_out_then_frees_when_its_holder_crashes(env: Env, meta: MetadataBackend,
@@ -390,17 +387,63 @@ def test_committed_state_survives_a_restart(env: Env, meta: MetadataBackend, har
     a = commit(meta, 60, 100, {"phi": b"p" * 1000})
     time.sleep(0.01)
     mb = make_manifest(61, 200, {"phi": b"q"})
-    meta.commit(mb, {"phi": b"q"})
+    meta.commit(mb)
     b = mb.prefix_id
     meta.pin(b)
     lease = meta.acquire_lease(a, "w", 60)
     usage = meta.usage()
     after = env.restart(hard=hard)
     assert {m.prefix_id for m in after.manifests()} == {a, b}
-    assert after.artifact(a, "phi") == b"p" * 1000 and after.manifest(b) == mb
+    assert usage_of(after, a).bytes == 1100 and after.manifest(b) == mb
     assert after.usage() == usage and usage_of(after, b).pinned
     assert [x.lease_id for x in after.leases(a)] == [lease] and after.eviction_candidates(10**12) == []
     assert after.release_lease(lease) is True and after.eviction_candidates(1) == [a]
+
+
+# -- metadata written by an older kvstash (artifact bytes kept beside the manifests) -------------
+def test_lmdb_drops_legacy_artifact_copies_at_open(tmp_path: Path) -> None:
+    import lmdb
+
+    from store.lmdb_metadata import LEGACY_ARTIFACTS_DB
+
+    meta = open_metadata("lmdb", tmp_path)
+    pid = commit(meta, 90, 100, {"phi": b"p" * 5000})
+    meta.close()
+    env = lmdb.open(str(tmp_path / "meta"), max_dbs=8, subdir=True)  # what an older version left
+    with env.begin(write=True) as txn:
+        old = env.open_db(LEGACY_ARTIFACTS_DB, txn=txn)
+        txn.put(f"{pid}/phi".encode(), b"p" * 5000, db=old)
+    env.close()
+    meta = open_metadata("lmdb", tmp_path)  # starts, and drops them
+    assert meta.manifest(pid) is not None and usage_of(meta, pid).bytes == 5100
+    meta.close()
+    env = lmdb.open(str(tmp_path / "meta"), max_dbs=8, subdir=True)
+    with env.begin() as txn:
+        assert txn.get(LEGACY_ARTIFACTS_DB) is None
+        assert sorted(bytes(k) for k in txn.cursor().iternext(values=False)) == [b"leases", b"lru", b"manifests",
+                                                                                 b"pins"]
+    env.close()
+
+
+def test_redis_deletes_legacy_artifact_copies_with_their_prefix(redis_server: RedisServer,  # noqa: F811
+                                                               tmp_path: Path) -> None:
+    import redis
+
+    from store.redis_metadata import LEGACY_ARTIFACTS
+
+    raw = redis.Redis.from_url(redis_server.url)
+    meta = open_metadata(redis_server.url, tmp_path)
+    a, b = commit(meta, 91, 100, {"phi": b"p"}), commit(meta, 92, 100, {"phi": b"p"})
+    for pid in (a, b):  # what an older version left
+        raw.hset(f"kvstash:{LEGACY_ARTIFACTS}:{pid}", "phi", b"p")
+    meta = open_metadata(redis_server.url, tmp_path)  # starts with them there
+    assert meta.manifest(a) is not None and meta.usage() == 202
+    commit(meta, 91, 100, {"phi": b"p"})  # a commit drops its prefix's copies
+    assert not raw.exists(f"kvstash:{LEGACY_ARTIFACTS}:{a}") and raw.exists(f"kvstash:{LEGACY_ARTIFACTS}:{b}")
+    assert meta.delete(b)  # and so does a delete (or an eviction)
+    assert not [k for k in raw.keys("*") if b"artifacts" in k]
+    for c in (meta, raw):
+        c.close()
 
 
 # -- Redis specifics -------------------------------------------------------------------------

@@ -11,10 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from store import disk_record, limits
 from store.config import StoreConfig
+from store.disk_record import MANIFEST_FILE, artifact_file_name
 from store.errors import CorruptData, InvalidInput, PrefixNotFound, StoreUnavailable
 from store.kvstore import KVStore
 from store.layout import KVLayout
+from store.manifest import ArtifactInfo
 from store.page_io import plan_runs
 from store.pages import layer_file_name, unpack_pages
 from store.prefix_key import PrefixKey, tenant_salt, token_hash
@@ -83,6 +86,133 @@ def test_artifacts_and_manifest(store: KVStore) -> None:
     assert [x.prefix_id for x in store.list_prefixes()] == [pid]
 
 
+def _flip(path: Path, at: int = 0) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "extended", "missing"])
+def test_artifact_is_read_from_its_file_and_checked(store: KVStore, damage: str) -> None:
+    pid, _ = _write(store, 40)
+    path = store.prefix_dir(pid) / artifact_file_name(0)  # "extra" sorts before "page_crc"
+    assert path.read_bytes() == b"hello"
+    if damage == "flipped":
+        _flip(path, 1)
+    elif damage == "truncated":
+        path.write_bytes(b"hell")
+    elif damage == "extended":
+        path.write_bytes(b"hello!")
+    else:
+        path.unlink()
+    with pytest.raises(CorruptData, match="extra"):
+        store.artifact(pid, "extra")
+    with pytest.raises(CorruptData, match="extra"):
+        store.verify(pid)
+    assert "extra" in (store.quick_check(pid) or "")
+    assert store.page_crcs(pid).shape == (3, 2, 3)  # the other artifact reads fine
+    with pytest.raises(PrefixNotFound, match="no artifact"):
+        store.artifact(pid, "nope")
+
+
+def test_artifact_reads_are_bounded_by_the_manifest(store: KVStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file grown far past its manifest's size is not read whole: at most size + 1 bytes."""
+    pid, _ = _write(store, 40)
+    path = store.prefix_dir(pid) / artifact_file_name(0)
+    with open(path, "ab") as f:
+        f.write(b"x" * (1 << 20))
+    asked: list[int] = []
+    real_open = open
+
+    class Spy:
+        def __init__(self, f) -> None:  # noqa: ANN001
+            self.f = f
+
+        def __enter__(self) -> Spy:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.f.close()
+
+        def read(self, n: int = -1) -> bytes:
+            asked.append(n)
+            return self.f.read(n)
+
+    monkeypatch.setattr(disk_record, "open", lambda *a, **k: Spy(real_open(*a, **k)), raising=False)
+    for call in (lambda: store.artifact(pid, "extra"), lambda: store.verify(pid)):
+        with pytest.raises(CorruptData, match="extra"):
+            call()
+    assert asked and all(0 <= n <= len(b"hello") + 1 for n in asked), asked
+
+
+def test_put_artifact_writes_its_file_and_keeps_no_bytes(store: KVStore) -> None:
+    key, kv = _key(20), _kv(20)
+    with store.write_prefix(key, model_name="m", n_tokens=20) as w:
+        w.put_artifact("../../b", b"first version")
+        w.put_artifact("a", b"A" * 1000)
+        w.put_artifact("../../b", b"second")  # replaces the first (its staged file goes)
+        staged = sorted(p.name for p in w.tmp_dir.iterdir())
+        assert len(staged) == 2 and b"A" * 1000 in [(w.tmp_dir / n).read_bytes() for n in staged]
+        for held in w._artifacts.values():  # only where each is staged, and its size and digest
+            assert [type(x) for x in held] == [str, ArtifactInfo]
+        assert not any(isinstance(v, bytes | bytearray | memoryview) and len(v) >= 6 for v in vars(w).values())
+        for layer, (k, v) in enumerate(kv):
+            w.write_layer(layer, k, v)
+        w.commit()
+    pid = key.prefix_id
+    m = store.manifest(pid)
+    assert [a.name for a in m.artifacts] == ["../../b", "a", "page_crc"]
+    assert store.artifact(pid, "../../b") == b"second" and store.artifact(pid, "a") == b"A" * 1000
+    names = sorted(p.name for p in store.prefix_dir(pid).iterdir())  # names never become file names
+    assert names == sorted([MANIFEST_FILE, *(artifact_file_name(i) for i in range(3)),
+                            *(layer_file_name(i) for i in range(3))])
+    store.verify(pid)
+
+
+def _page_bytes(n_tokens: int) -> int:
+    return _layout().n_layers * _layout().layer_file_bytes(n_tokens)
+
+
+def test_artifacts_are_bounded_by_the_page_files(store: KVStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above the floor, the artifacts of a prefix (its page checksums included) take at most its page files' size."""
+    monkeypatch.setattr(limits, "MIN_ARTIFACT_BUDGET", 1024)
+    n = 20
+    budget = _page_bytes(n)  # 3 layers * 2 heads * 2 pages * 4 KiB
+    crc_bytes = 3 * 2 * 2 * 4
+    assert budget > 1024 and limits.max_artifact_bytes(budget) == budget
+    with store.write_prefix(_key(n), model_name="m", n_tokens=n) as w:
+        with pytest.raises(InvalidInput, match=f"at most {budget} bytes"):
+            w.put_artifact("big", b"x" * (budget - crc_bytes + 1))
+        w.put_artifact("a", b"x" * 1000)
+        with pytest.raises(InvalidInput, match="at most"):
+            w.put_artifact("b", b"x" * (budget - crc_bytes - 999))  # together with "a": one byte too many
+        w.put_artifact("a", b"x" * (budget - crc_bytes))  # a replacement counts once: exactly fits
+        assert [p.name for p in w.tmp_dir.iterdir()] == [w._artifacts["a"][0]]  # the refused ones left nothing
+        for layer, (k, v) in enumerate(_kv(n)):
+            w.write_layer(layer, k, v)
+        w.commit()
+    m = store.manifest(_key(n).prefix_id)
+    assert m.artifact_bytes == budget and store.usage() == m.kv_bytes + budget  # accounted as before
+
+
+def test_artifact_budget_has_a_floor_and_a_count(store: KVStore) -> None:
+    n = 20
+    assert limits.max_artifact_bytes(_page_bytes(n)) == limits.MIN_ARTIFACT_BUDGET == 64 << 20
+    with store.write_prefix(_key(n), model_name="m", n_tokens=n) as w:
+        w.put_artifact("summary", b"s" * (_page_bytes(n) * 4))  # far past its page files, under the floor
+        for i in range(1, limits.MAX_ARTIFACTS):
+            w.put_artifact(f"a{i}", b"")
+        with pytest.raises(InvalidInput, match=f"at most {limits.MAX_ARTIFACTS} artifacts"):
+            w.put_artifact("one too many", b"")
+        w.put_artifact("a1", b"again")  # replacing one is no new one
+        for layer, (k, v) in enumerate(_kv(n)):
+            w.write_layer(layer, k, v)
+        w.commit()
+    assert store.artifact(_key(n).prefix_id, "a1") == b"again"
+
+
 def test_corrupted_page_file_is_detected(store: KVStore) -> None:
     pid, _ = _write(store, 50)
     path = store.prefix_dir(pid) / "layer_001.kv"
@@ -119,7 +249,7 @@ def test_rm_removes_every_file(store: KVStore) -> None:
     assert not store.prefix_dir(pid).exists()
     assert not (store.locks_dir / f"{pid}.lock").exists()
     assert store.list_prefixes() == []
-    assert store._meta.artifact(pid, "extra") is None  # the backend dropped it too
+    assert store._meta.manifest(pid) is None and store._meta.prefix_usage(pid) is None  # the backend dropped it too
     with pytest.raises(PrefixNotFound):
         store.manifest(pid)
     with pytest.raises(PrefixNotFound):

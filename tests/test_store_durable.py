@@ -4,6 +4,7 @@ finds and fixes disagreements; and the store's own bounds: write sizes, lease ho
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -19,7 +20,7 @@ from redis_server import RedisServer, redis_server  # noqa: F401 - the fixture
 from test_store import _key, _kv, _write
 
 from client.cli import main as cli_main
-from store import recovery
+from store import disk_record, recovery
 from store.config import StoreConfig
 from store.disk_record import MANIFEST_FILE, InvalidRecord, artifact_file_name, read_manifest
 from store.errors import InvalidInput, QuotaExceeded
@@ -155,18 +156,20 @@ def test_metadata_loss_deletes_nothing_committed(tmp_path: Path) -> None:
     home = tmp_path / "home"
     store = KVStore(_cfg(home))
     written = _fill(store)
-    pid_broken = next(iter(written))
+    pid_broken, pid_no_artifact = list(written)[:2]
     store.close()
     (home / "prefixes" / pid_broken / "layer_001.kv").write_bytes(b"short")  # cannot be registered
+    (home / "prefixes" / pid_no_artifact / artifact_file_name(0)).unlink()  # nor can this (no other copy)
     junk = home / "prefixes" / ("f" * 32)
     junk.mkdir()
     before = sorted(p.name for p in (home / "prefixes").iterdir())
     shutil.rmtree(home / "meta")
     store = KVStore(_cfg(home))
     assert sorted(p.name for p in (home / "prefixes").iterdir()) == before
-    assert sorted(m.prefix_id for m in store.list_prefixes()) == sorted(set(written) - {pid_broken})
+    assert sorted(m.prefix_id for m in store.list_prefixes()) == sorted(set(written) - {pid_broken, pid_no_artifact})
     report = store.recover()  # what the start found and left alone
-    assert sorted(report.names(recovery.ORPHAN)) == sorted([pid_broken, junk.name]) and not report.ok
+    assert sorted(report.names(recovery.ORPHAN)) == sorted([pid_broken, pid_no_artifact, junk.name])
+    assert not report.ok
     store.close()
 
 
@@ -193,10 +196,41 @@ def test_redis_flushed_then_store_restarted_lists_and_answers(redis_server: Redi
     store.close()
 
 
+# -- artifacts are files of the prefix directory only ------------------------------------------
+@pytest.mark.parametrize("backend", ["lmdb", "redis"])
+def test_metadata_holds_no_artifact_bytes(tmp_path: Path, backend: str, request: pytest.FixtureRequest) -> None:
+    url = request.getfixturevalue("redis_server").url if backend == "redis" else None
+    store = KVStore(_cfg(tmp_path / "home", metadata_url=url))
+    marker = os.urandom(64)
+    key = _key(20, seed=5)
+    with store.write_prefix(key, model_name="m", n_tokens=20) as w:
+        for layer, (k, v) in enumerate(_kv(20, seed=5)):
+            w.write_layer(layer, k, v)
+        w.put_artifact("summary", marker * 8)
+        w.commit()
+    pid = key.prefix_id
+    assert store.artifact(pid, "summary") == marker * 8
+    crcs = store.page_crcs(pid).tobytes()
+    if url is None:
+        raw = b"".join(p.read_bytes() for p in (tmp_path / "home" / "meta").iterdir() if p.is_file())
+        assert marker not in raw and crcs not in raw
+    else:
+        client = redis.Redis.from_url(url)
+        values: list[bytes] = []
+        for k in client.keys("*"):
+            kind = client.type(k)
+            values += ([client.get(k)] if kind == b"string" else list(client.hgetall(k).values()) if kind == b"hash"
+                       else [])
+        assert values and not any(marker in v or crcs in v for v in values)
+        assert not [k for k in client.keys("*") if b"artifact" in k]
+        client.close()
+    store.close()
+
+
 # -- check and repair --------------------------------------------------------------------------
 def _damage_every_way(store: KVStore) -> dict[str, str]:
     """One instance of each problem ``check`` knows; the names it should report by kind."""
-    ids = list(_fill(store, 7))
+    ids = list(_fill(store, 9))
     d = store.prefixes_dir
     (d / ids[0] / "layer_000.kv").unlink()  # dangling: a page file missing
     shutil.rmtree(d / ids[1])  # dangling: the directory missing
@@ -204,15 +238,18 @@ def _damage_every_way(store: KVStore) -> dict[str, str]:
     with open(d / ids[3] / "layer_002.kv", "r+b") as f:  # corrupt: same size, other bytes
         f.seek(100)
         f.write(b"\xff\xfe")
-    (d / ids[4] / MANIFEST_FILE).unlink()  # unrecorded
-    (d / ids[6] / artifact_file_name(0)).write_bytes(b"hellO")  # unrecorded: the disk's artifact is bad
-    m = store.manifest(ids[5])
-    store._meta.commit(m, {a.name: b"x" * a.size for a in m.artifacts})  # bad metadata: artifacts fail
+    (d / ids[4] / MANIFEST_FILE).unlink()  # unrecorded: the metadata's manifest is written again
+    (d / ids[5] / artifact_file_name(0)).unlink()  # dangling: an artifact file missing (its only copy)
+    (d / ids[6] / artifact_file_name(0)).write_bytes(b"hellO")  # corrupt: an artifact fails its checksum
+    store._meta.delete(ids[7])  # corrupt, and not registered: an artifact fails its checksum
+    (d / ids[7] / artifact_file_name(0)).write_bytes(b"jello")
+    m = store.manifest(ids[8])  # unrecorded: the directory holds another (valid) manifest
+    disk_record.publish(d / ids[8], dataclasses.replace(m, created_at=m.created_at + 1), fsync=False)
     (d / ("e" * 32)).mkdir()  # orphan: no manifest
     (d / "lost+found").mkdir()  # orphan: not a prefix directory
     (d / f".tmp-{ids[0]}-1-deadbeef").mkdir()  # a writer that died
-    return {recovery.DANGLING: sorted([ids[0], ids[1]]), recovery.UNREGISTERED: [ids[2]],
-            recovery.CORRUPT: [ids[3]], recovery.UNRECORDED: sorted([ids[4], ids[6]]), recovery.BAD_METADATA: [ids[5]],
+    return {recovery.DANGLING: sorted([ids[0], ids[1], ids[5]]), recovery.UNREGISTERED: [ids[2]],
+            recovery.CORRUPT: sorted([ids[3], ids[6], ids[7]]), recovery.UNRECORDED: sorted([ids[4], ids[8]]),
             recovery.ORPHAN: sorted(["e" * 32, "lost+found"]), recovery.STALE_TEMP: [f".tmp-{ids[0]}-1-deadbeef"],
             "ids": ids}  # type: ignore[dict-item]
 
@@ -226,12 +263,14 @@ def test_check_reports_every_problem_and_repair_fixes_them(tmp_path: Path) -> No
     assert not report.ok and not report.repaired
     assert {k: sorted(report.names(k)) for k in expect} == expect
     assert sorted(p.name for p in store.prefixes_dir.iterdir()) == before  # a plain check changes nothing
+    quick = store.check(hash_pages=False)  # page files only stat'ed; artifacts still hashed
+    assert sorted(quick.names(recovery.CORRUPT)) == sorted([ids[6], ids[7]])
 
     fixed = store.check(repair=True)
-    assert fixed.ok and all(p.fixed for p in fixed.problems) and fixed.prefixes == 4
+    assert fixed.ok and all(p.fixed for p in fixed.problems) and fixed.prefixes == 3
     after = store.check()
-    assert after.ok and after.problems == () and after.prefixes == 4
-    survivors = sorted([ids[2], ids[4], ids[5], ids[6]])
+    assert after.ok and after.problems == () and after.prefixes == 3
+    survivors = sorted([ids[2], ids[4], ids[8]])
     assert sorted(m.prefix_id for m in store.list_prefixes()) == survivors
     for pid in survivors:
         store.verify(pid)
@@ -245,15 +284,19 @@ def test_cli_store_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     home = tmp_path / "home"
     store = KVStore(_cfg(home))
     pid, _ = _write(store, 30)
+    damaged, _ = _write(store, 30, seed=1)
     (store.prefixes_dir / ("e" * 32)).mkdir()
     store._meta.delete(pid)
+    with open(store.prefix_dir(damaged) / artifact_file_name(0), "r+b") as f:
+        f.write(b"J")
     store.close()
     assert cli_main(["store", "check", "--home", str(home), "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
     assert not out["ok"] and {(p["kind"], p["name"]) for p in out["problems"]} == {
-        (recovery.ORPHAN, "e" * 32), (recovery.UNREGISTERED, pid)}
+        (recovery.ORPHAN, "e" * 32), (recovery.UNREGISTERED, pid), (recovery.CORRUPT, damaged)}
     assert cli_main(["store", "check", "--home", str(home), "--repair"]) == 0
-    assert "fixed" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert f"fixed  {recovery.CORRUPT:<13} {damaged}  artifact 'extra'" in text and "fixed  unregistered" in text
     assert cli_main(["store", "check", "--home", str(home), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {"ok": True, "prefixes": 1, "repaired": False, "busy": [],
                                                    "problems": []}
