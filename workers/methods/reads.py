@@ -2,7 +2,8 @@
 
 A step is one model forward (the first call may carry several query tokens). Per layer the
 step reads the union, over its query tokens, of the exact tokens they attend (anchors plus
-selected mid tokens) for each KV head; the one-time summary reads are counted separately.
+selected mid tokens) for each KV head, plus the summary bytes its selection scans or attends
+(index bytes, e.g. Double-P's centroids); the one-time summary reads are counted separately.
 Counts stay on the device until ``report`` (no sync per layer).
 """
 
@@ -23,6 +24,7 @@ class ReadCounter:
         self.n_layers, self.n_kv_heads, self.token_bytes = n_layers, n_kv_heads, token_bytes
         self._tokens: list[list[torch.Tensor]] = []
         self._pseudo: list[list[torch.Tensor]] = []
+        self._index: list[list[torch.Tensor]] = []
         self.once_bytes: dict[str, int] = {}
         self.once_token_equiv: dict[str, float] = {}
         self.info: dict[str, float] = {}
@@ -31,13 +33,17 @@ class ReadCounter:
         """Begin a new decode step (called at the step's first layer)."""
         self._tokens.append([])
         self._pseudo.append([])
+        self._index.append([])
 
-    def add_layer(self, n_tokens: torch.Tensor | int, n_pseudo: torch.Tensor | int = 0) -> None:
-        """Exact tokens (summed over KV heads) and pseudo-entries (per row, summed) one layer read."""
+    def add_layer(self, n_tokens: torch.Tensor | int, n_pseudo: torch.Tensor | int = 0,
+                  index_bytes: torch.Tensor | int = 0) -> None:
+        """Exact tokens (summed over KV heads), pseudo-entries (per row, summed) and summary bytes scanned
+        or attended per step (``Selection.index_bytes``) one layer read."""
         if not self._tokens:
             self.start_step()
         self._tokens[-1].append(torch.as_tensor(n_tokens))
         self._pseudo[-1].append(torch.as_tensor(n_pseudo))
+        self._index[-1].append(torch.as_tensor(index_bytes))
 
     def add_once(self, name: str, n_bytes: int, token_equiv: float = 0.0) -> None:
         """A one-time read (summary artifact, resident selector keys) in bytes and token equivalents
@@ -50,17 +56,21 @@ class ReadCounter:
         """Everything counted so far."""
         per_step = [int(sum(int(t) for t in step)) for step in self._tokens]
         pseudo = [int(sum(int(t) for t in step)) for step in self._pseudo]
+        index = sum(int(t) for step in self._index for t in step)
         units = max(1, self.n_layers * self.n_kv_heads)
         steps = max(1, len(per_step))
         extra: dict[str, float] = {
             "exact_tokens_per_step": sum(per_step) / steps,
             "token_equiv_per_step": sum(per_step) / steps / units,
             "pseudo_entries_per_step": sum(pseudo) / steps,
+            "index_bytes": float(index),
+            "index_bytes_per_step": index / steps,
+            "index_token_equiv_per_step": index / steps / units / self.token_bytes,
             **{f"once_bytes_{k}": float(v) for k, v in self.once_bytes.items()},
             **{f"once_token_equiv_{k}": v for k, v in self.once_token_equiv.items()},
             **self.info,
         }
-        return ReadReport(tokens_per_step=per_step, step_bytes=sum(per_step) * self.token_bytes,
+        return ReadReport(tokens_per_step=per_step, step_bytes=sum(per_step) * self.token_bytes + index,
                           once_bytes=sum(self.once_bytes.values()), once_kv_bytes=self.once_bytes.get(KV_ONCE, 0),
                           extra=extra)
 

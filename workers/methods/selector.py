@@ -64,6 +64,9 @@ class Selection:
     n_distinct: torch.Tensor | None = None
     """Distinct mid tokens of all rows and heads, where ``tokens`` repeats some (None: each row's valid
     ``tokens`` are distinct, so a single row reads ``counts.sum()``)."""
+    index_bytes: torch.Tensor | int = 0
+    """Bytes of summaries this selection read besides the tokens' K/V (Double-P: every centroid for stage 1,
+    the exact clusters' token ids, the approximated clusters' centroid K/V rows), summed over rows."""
 
 
 @dataclass(frozen=True)

@@ -144,12 +144,13 @@ class SparsePrefixAttention:
         hkv, n = ctx.kv.n_heads, ctx.n_tokens
         rows = q.permute(0, 2, 1, 3).reshape(b * l, hq, d)
         chunk = max(1, ROW_ELEMS // max(1, hq * n))
-        outs, lses, pseudo = [], [], []
+        outs, lses, pseudo, index = [], [], [], []
         if rows.shape[0] == 1:  # a decode step: one row's tokens need no marking to be counted
             sel, o, s = self._attend_rows(layer, ctx, ebias, rows, scale)
             outs, lses = [o], [s]
             n_mid = sel.n_distinct if sel.n_distinct is not None else sel.counts.sum()
             pseudo.append(sel.n_centroids.sum() if sel.n_centroids is not None else 0)
+            index.append(sel.index_bytes)
         else:
             hits = torch.zeros(hkv, n, dtype=torch.int32, device=q.device)
             for part in rows.split(chunk):
@@ -158,10 +159,11 @@ class SparsePrefixAttention:
                 lses.append(s)
                 mark_tokens(hits, sel.tokens, sel.counts)
                 pseudo.append(sel.n_centroids.sum() if sel.n_centroids is not None else 0)
+                index.append(sel.index_bytes)
             n_mid = (hits > 0).sum()
         n_read = n_mid + ctx.anchors.numel() * hkv
         phi_rows = rows.shape[0] * hq if self.completion is not None else 0
-        self.counter.add_layer(n_read, sum(pseudo) + phi_rows)
+        self.counter.add_layer(n_read, sum(pseudo) + phi_rows, sum(index))
         out = torch.cat(outs).reshape(b, l, hq, d).permute(0, 2, 1, 3)
         return out, torch.cat(lses).reshape(b, l, hq).permute(0, 2, 1)
 
