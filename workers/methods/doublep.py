@@ -6,9 +6,17 @@ one contiguous read once pages follow it). At decode:
 
 1. stage 1: ``Â = softmax(q C^T scale + log s)`` (the group's mean); the smallest top set whose
    mass reaches ``p1`` is kept, the rest is dropped;
-2. stage 2: the clusters ranked first until ``p2`` of the mass (or, under a token budget, while
-   their tokens fit it) are attended token by token; the other stage-1 clusters enter the same
-   softmax through their centroid (bias ``log s_i``, value ``V̄_i``).
+2. stage 2: the clusters ranked first until ``p2`` of the mass are attended token by token (their
+   ids read from the cluster-ordered token list); the other stage-1 clusters enter the same
+   softmax through their centroid (bias ``log s_i``, value ``V̄_i``), eq. 8-9.
+
+The paper has no token budget (p1, p2 are its knobs, 0.95 / 0.7 for Llama-3.1-8B). A request's
+budget acts through stage 2 only: the threshold shared by a step's KV heads is lowered from ``p2``
+to the largest one whose exact tokens fit the budget (``shared_top_p``), so concentrated heads take
+few tokens and diffuse ones more, and no budget is the limit of large ones: each row's exact set,
+hence a peaked set's error, is monotone in the budget. Stage 1 and the centroid approximation are
+the paper's at every budget. Every step scores all centroids: those bytes (with the exact clusters'
+ids and the approximated clusters' K/V rows) are charged per step (``Selection.index_bytes``).
 
 With φ completion (``doublep+phi``) the centroid approximations are replaced by the φ
 remainder term over every mid token not attended exactly.
@@ -196,7 +204,7 @@ class DoublePSelector(Selector):
 
 @dataclass(kw_only=True)
 class DoubleP(SparseMethod):
-    """Sink/tail anchors + Double-P hierarchical top-p (adaptive unless a budget is given)."""
+    """Sink/tail anchors + Double-P hierarchical top-p (a budget caps the second top-p's exact tokens)."""
 
     name = "doublep"
     summarizers: ClassVar[tuple[type[Summarizer], ...]] = (ClusterSummarizer,)
@@ -204,7 +212,7 @@ class DoubleP(SparseMethod):
     p1: float = 0.95
     """Stage-1 mass: clusters beyond it are dropped."""
     p2: float = 0.7
-    """Stage-2 mass: clusters attended token by token (without a budget)."""
+    """Stage-2 mass: clusters attended token by token (a budget can only lower it)."""
 
     def selector(self, source: PrefixSource, config: DecodeConfig) -> Selector:
         """A Double-P selector over the stored clusters."""
