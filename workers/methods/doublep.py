@@ -6,9 +6,17 @@ one contiguous read once pages follow it). At decode:
 
 1. stage 1: ``Â = softmax(q C^T scale + log s)`` (the group's mean); the smallest top set whose
    mass reaches ``p1`` is kept, the rest is dropped;
-2. stage 2: the clusters ranked first until ``p2`` of the mass (or, under a token budget, while
-   their tokens fit it) are attended token by token; the other stage-1 clusters enter the same
-   softmax through their centroid (bias ``log s_i``, value ``V̄_i``).
+2. stage 2: the clusters ranked first until ``p2`` of the mass are attended token by token (their
+   ids read from the cluster-ordered token list); the other stage-1 clusters enter the same
+   softmax through their centroid (bias ``log s_i``, value ``V̄_i``), eq. 8-9.
+
+The paper has no token budget (p1, p2 are its knobs, 0.95 / 0.7 for Llama-3.1-8B). A request's
+budget acts through stage 2 only: the threshold shared by a step's KV heads is lowered from ``p2``
+to the largest one whose exact tokens fit the budget (``shared_top_p``), so concentrated heads take
+few tokens and diffuse ones more, and no budget is the limit of large ones: each row's exact set,
+hence a peaked set's error, is monotone in the budget. Stage 1 and the centroid approximation are
+the paper's at every budget. Every step scores all centroids: those bytes (with the exact clusters'
+ids and the approximated clusters' K/V rows) are charged per step (``Selection.index_bytes``).
 
 With φ completion (``doublep+phi``) the centroid approximations are replaced by the φ
 remainder term over every mid token not attended exactly.
@@ -71,13 +79,59 @@ class ClusterSummarizer(Summarizer):
 @dataclass(frozen=True)
 class _Clusters:
     centroids: torch.Tensor  # [Hkv, C, D] float32
-    sizes: torch.Tensor  # [Hkv, C] long, after removing this request's extra anchors
+    log_sizes: torch.Tensor  # [Hkv, C] float32, log s_i after removing this request's extra anchors (-inf: empty)
+    sizes: torch.Tensor  # [Hkv, C] long
     vbar: torch.Tensor  # [Hkv, C, D] float32
-    labels: torch.Tensor  # [Hkv, n_mid] cluster of each mid token
+    perm: torch.Tensor  # [Hkv, n_mid] mid token ids in cluster order (this request's mid region only)
+    offsets: torch.Tensor  # [Hkv, C + 1] long, cluster c is perm[offsets[c]:offsets[c + 1]]
+
+
+def shared_top_p(mass: torch.Tensor, sizes: torch.Tensor, order: torch.Tensor, limit: torch.Tensor, budget: int,
+                 groups: int) -> torch.Tensor:
+    """Stage 2 under a token budget: one top-p threshold shared by the rows of each group.
+
+    ``mass [R, U]`` (rows: ``groups`` blocks of KV heads), ``order`` its ranking, ``limit [R]`` the top-``p2``
+    prefix lengths. A row's top-p prefix at threshold ``p`` holds the units whose mass ranked before them
+    is below ``p``; this raises ``p`` (at most to ``p2``: ``limit``) while the group's exact tokens fit
+    ``budget``, so heads whose mass is concentrated take few tokens and diffuse heads more. Returns each
+    row's prefix length ``[R]``; a larger budget never shortens one, and no budget at all gives ``limit``.
+    """
+    r, u = mass.shape
+    m = mass.gather(1, order).double()
+    before = (m.cumsum(-1) - m) / m.sum(-1, keepdim=True).clamp_min(1e-300)
+    eligible = torch.arange(u, device=mass.device) < limit[:, None]
+    entry = torch.where(eligible, before, torch.inf).reshape(groups, -1)
+    by_entry = torch.sort(entry, dim=-1, stable=True).indices  # stable: a row's units stay in rank order
+    cost = sizes.gather(1, order).reshape(groups, -1).gather(1, by_entry).cumsum(-1)
+    take = (cost <= budget) & entry.gather(1, by_entry).isfinite()
+    return torch.zeros_like(take).scatter_(1, by_entry, take).reshape(r, u).sum(-1)
+
+
+def cluster_tokens(cl: _Clusters, heads: torch.Tensor, exact: torch.Tensor, pad: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids of the clusters ``exact [R, C]`` (row r on KV head ``heads[r]``), read from the
+    cluster-ordered ``perm`` (no per-token scan): (``[R, max count]`` ascending ids, padded with ``pad``;
+    ``[R]`` counts)."""
+    r_idx, c_idx = exact.nonzero(as_tuple=True)
+    h_idx = heads[r_idx]
+    lens = cl.sizes[h_idx, c_idx]
+    counts = torch.zeros(exact.shape[0], dtype=torch.long, device=exact.device).index_add_(0, r_idx, lens)
+    width = int(counts.max()) if counts.numel() else 0
+    total = int(lens.sum())
+    seg = torch.repeat_interleave(torch.arange(lens.numel(), device=exact.device), lens, output_size=total)
+    within = torch.arange(total, device=exact.device) - (lens.cumsum(0) - lens)[seg]
+    ids = cl.perm[h_idx[seg], cl.offsets[h_idx, c_idx][seg] + within]
+    row = r_idx[seg]
+    col = torch.arange(total, device=exact.device) - (counts.cumsum(0) - counts)[row]
+    big = torch.iinfo(torch.long).max
+    out = torch.full((exact.shape[0], width), big, dtype=torch.long, device=exact.device)
+    out[row, col] = ids.long()
+    out = torch.sort(out, dim=-1).values
+    return torch.where(out == big, pad, out), counts
 
 
 class DoublePSelector(Selector):
-    """Two-stage top-p over clusters; optionally centroid pseudo-entries for the approximated ones."""
+    """Double-P's two top-p stages over clusters; optionally centroid pseudo-entries for the approximated ones."""
 
     def __init__(self, source: PrefixSource, *, p1: float, p2: float, centroid_fallback: bool):
         self.art = source.artifact(ClusterSummarizer.name)
@@ -90,56 +144,67 @@ class DoublePSelector(Selector):
         return int(meta[0]), int(meta[1])
 
     def prepare(self, layer: int, ctx: LayerContext) -> None:
-        """Token -> cluster labels; clusters lose the tokens this request attends as anchors."""
+        """Clusters restricted to ``ctx``'s mid region: they lose the tokens this request attends as anchors."""
         a = {key: self.art[f"{layer}.{key}"] for key in ("centroids", "sizes", "vsum", "perm", "offsets")}
         lo0, hi0 = self.summary_range(layer)
         h, c = a["sizes"].shape
-        pos = torch.arange(hi0 - lo0, device=ctx.device).expand(h, -1).contiguous()
-        pos_label = torch.searchsorted(a["offsets"][:, 1:].long().contiguous(), pos, right=True)
-        labels = torch.full((h, ctx.n_tokens), -1, dtype=torch.long, device=ctx.device)
-        labels.scatter_(1, a["perm"].long(), pos_label)
+        perm = a["perm"].long()
         sizes, vsum = a["sizes"].long(), a["vsum"].float()
         extra = torch.cat([torch.arange(lo0, ctx.lo), torch.arange(ctx.hi, hi0)]).to(ctx.device)
         if extra.numel() and c:
+            pos = torch.arange(hi0 - lo0, device=ctx.device).expand(h, -1).contiguous()
+            pos_label = torch.searchsorted(a["offsets"][:, 1:].long().contiguous(), pos, right=True)
+            labels = torch.full((h, ctx.n_tokens), -1, dtype=torch.long, device=ctx.device)
+            labels.scatter_(1, perm, pos_label)
             ds, dv = cluster_sums(ctx.kv.tokens(extra)[1].float(), labels[:, extra], c)
             sizes, vsum = sizes - ds, vsum - dv
+            perm = perm[(perm >= ctx.lo) & (perm < ctx.hi)].view(h, ctx.n_mid)  # same tokens leave every head
+        offsets = torch.cat([sizes.new_zeros(h, 1), sizes.cumsum(1)], dim=1)
         vbar = vsum / sizes.clamp_min(1).unsqueeze(-1)
-        self._layers[layer] = _Clusters(a["centroids"].float(), sizes, vbar, labels[:, ctx.lo:ctx.hi])
+        self._layers[layer] = _Clusters(a["centroids"].float(), sizes.float().log(), sizes, vbar,
+                                        perm.to(torch.int32), offsets)
 
     def extra_entries(self, layer: int) -> ExtraEntries | None:
         """Centroids with bias ``log s`` and value ``V̄`` (only without φ completion)."""
         if not self.centroid_fallback:
             return None
         cl = self._layers[layer]
-        return ExtraEntries(k=cl.centroids, v=cl.vbar, bias=cl.sizes.float().log())
+        return ExtraEntries(k=cl.centroids, v=cl.vbar, bias=cl.log_sizes)
 
     def select(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, k: int | None) -> Selection:
-        """Stage 1 (p1) and stage 2 (p2, or the token budget ``k``) over size-weighted centroid mass."""
+        """Stage 1 (top-``p1`` of the size-weighted centroid mass) and stage 2 (top-``p2`` of it exact; under a
+        token budget ``k`` per row, the threshold is lowered from ``p2`` to the largest one whose exact tokens
+        fit ``k`` per KV head on average)."""
         cl = self._layers[layer]
         t, hkv = q.shape[0], q.shape[1]
-        logits = torch.einsum("thgd,hcd->thgc", q.float(), cl.centroids) * scale + cl.sizes.float().log()[:, None]
+        n_clusters = cl.centroids.shape[1]
+        logits = torch.einsum("thgd,hcd->thgc", q.float(), cl.centroids) * scale + cl.log_sizes[:, None]
         mass = group_mass(logits).reshape(t * hkv, -1)
         order = rank_units(mass)
         sizes = cl.sizes.expand(t, -1, -1).reshape(t * hkv, -1)
-        if k is None:
-            exact = choose_units(mass, p=self.p2, order=order)
-        else:
-            exact = choose_units(mass, sizes=sizes, budget=k, order=order)
-        labels = cl.labels.expand(t, -1, -1).reshape(t * hkv, -1)
-        ids, counts = mask_to_index(exact.mask().gather(1, labels), offset=ctx.lo)
-        sel = Selection(tokens=ids.reshape(t, hkv, -1), counts=counts.reshape(t, hkv))
+        stage1 = choose_units(mass, p=self.p1, order=order).n_chosen
+        n_exact = torch.minimum(choose_units(mass, p=self.p2, order=order).n_chosen, stage1)
+        if k is not None:
+            n_exact = shared_top_p(mass, sizes, order, n_exact, budget=k * hkv, groups=t)
+        heads = torch.arange(hkv, device=q.device).repeat(t)
+        ids, counts = cluster_tokens(cl, heads, Ranked(order, n_exact).mask(), pad=ctx.lo)
+        # Read per step: every centroid and its log-size (stage 1), the exact clusters' offsets and token ids.
+        index_bytes = hkv * n_clusters * (cl.centroids.shape[-1] * cl.centroids.element_size() + 4) + (
+            n_exact.sum() * 2 * cl.offsets.element_size() + counts.sum() * cl.perm.element_size())
+        sel = Selection(tokens=ids.reshape(t, hkv, -1), counts=counts.reshape(t, hkv), index_bytes=index_bytes)
         if not self.centroid_fallback:
             return sel
-        stage1 = choose_units(mass, p=self.p1, order=order).n_chosen
-        approx = Ranked(order, torch.maximum(stage1, exact.n_chosen)).mask(start=exact.n_chosen) & (sizes > 0)
+        approx = Ranked(order, stage1).mask(start=n_exact) & (sizes > 0)
         cids, ccounts = mask_to_index(approx)
+        # The approximated clusters enter the attention as one K and one V row each (model dtype).
+        index_bytes = index_bytes + ccounts.sum() * 2 * cl.centroids.shape[-1] * ctx.kv.dtype.itemsize
         return Selection(tokens=sel.tokens, counts=sel.counts, centroids=cids.reshape(t, hkv, -1),
-                         n_centroids=ccounts.reshape(t, hkv))
+                         n_centroids=ccounts.reshape(t, hkv), index_bytes=index_bytes)
 
 
 @dataclass(kw_only=True)
 class DoubleP(SparseMethod):
-    """Sink/tail anchors + Double-P hierarchical top-p (adaptive unless a budget is given)."""
+    """Sink/tail anchors + Double-P hierarchical top-p (a budget caps the second top-p's exact tokens)."""
 
     name = "doublep"
     summarizers: ClassVar[tuple[type[Summarizer], ...]] = (ClusterSummarizer,)
@@ -147,7 +212,7 @@ class DoubleP(SparseMethod):
     p1: float = 0.95
     """Stage-1 mass: clusters beyond it are dropped."""
     p2: float = 0.7
-    """Stage-2 mass: clusters attended token by token (without a budget)."""
+    """Stage-2 mass: clusters attended token by token (a budget can only lower it)."""
 
     def selector(self, source: PrefixSource, config: DecodeConfig) -> Selector:
         """A Double-P selector over the stored clusters."""

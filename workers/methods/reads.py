@@ -7,7 +7,8 @@ over the same steps (every prefix token's K and V, per layer and KV head, per st
 
 - per step: the exact tokens attended (sink + tail anchors and selected mid tokens, their K and V)
   and the exact keys selection read (the indexed Top-K's shortlist beyond the tokens attended, K
-  only); with a page fetcher, instead, the whole pages the step requested from the tiers (GPU
+  only) and the summary bytes selection scans or attends per step (Double-P's centroids, its
+  exact clusters' token ids); with a page fetcher, instead, the whole pages the step requested from the tiers (GPU
   page cache hits included), since those are what moved;
 - once per generation: every summary and index read at open (Quest's page bounds, the key index,
   Double-P's clusters, the φ cache) and prefix K/V a selector holds (``topk-exact``'s keys).
@@ -36,6 +37,7 @@ class ReadCounter:
         self._tokens: list[list[torch.Tensor]] = []
         self._pseudo: list[list[torch.Tensor]] = []
         self._keys: list[list[torch.Tensor]] = []
+        self._index: list[list[torch.Tensor]] = []
         self.once_bytes: dict[str, int] = {}
         self.once_token_equiv: dict[str, float] = {}
         self.info: dict[str, float] = {}
@@ -50,16 +52,19 @@ class ReadCounter:
         self._tokens.append([])
         self._pseudo.append([])
         self._keys.append([])
+        self._index.append([])
 
     def add_layer(self, n_tokens: torch.Tensor | int, n_pseudo: torch.Tensor | int = 0,
-                  n_keys: torch.Tensor | int = 0) -> None:
-        """Exact tokens (K and V, summed over KV heads), pseudo-entries (per row, summed) and key-only
-        reads of selection (summed over KV heads) of one layer."""
+                  n_keys: torch.Tensor | int = 0, index_bytes: torch.Tensor | int = 0) -> None:
+        """Exact tokens (K and V, summed over KV heads), pseudo-entries (per row, summed), key-only reads of
+        selection (summed over KV heads) and summary bytes scanned or attended per step
+        (``Selection.index_bytes``) of one layer."""
         if not self._tokens:
             self.start_step()
         self._tokens[-1].append(torch.as_tensor(n_tokens))
         self._pseudo[-1].append(torch.as_tensor(n_pseudo))
         self._keys[-1].append(torch.as_tensor(n_keys))
+        self._index[-1].append(torch.as_tensor(index_bytes))
 
     def add_once(self, name: str, n_bytes: int, token_equiv: float = 0.0) -> None:
         """A one-time read (summary artifact, resident selector keys) in bytes and token equivalents
@@ -73,6 +78,7 @@ class ReadCounter:
         per_step = [int(sum(int(t) for t in step)) for step in self._tokens]
         pseudo = [int(sum(int(t) for t in step)) for step in self._pseudo]
         keys = [int(sum(int(t) for t in step)) for step in self._keys]
+        index = sum(int(t) for step in self._index for t in step)
         units = max(1, self.n_layers * self.n_kv_heads)
         steps = max(1, len(per_step))
         extra: dict[str, float] = {
@@ -80,11 +86,14 @@ class ReadCounter:
             "token_equiv_per_step": sum(per_step) / steps / units,
             "pseudo_entries_per_step": sum(pseudo) / steps,
             "selection_keys_per_step": sum(keys) / steps,
+            "index_bytes": float(index),
+            "index_bytes_per_step": index / steps,
+            "index_token_equiv_per_step": index / steps / units / self.token_bytes,
             **{f"once_bytes_{k}": float(v) for k, v in self.once_bytes.items()},
             **{f"once_token_equiv_{k}": v for k, v in self.once_token_equiv.items()},
             **self.info,
         }
-        step_bytes = sum(per_step) * self.token_bytes + sum(keys) * self.key_bytes
+        step_bytes = sum(per_step) * self.token_bytes + sum(keys) * self.key_bytes + index
         return ReadReport(tokens_per_step=per_step, step_bytes=step_bytes,
                           once_bytes=sum(self.once_bytes.values()), once_kv_bytes=self.once_bytes.get(KV_ONCE, 0),
                           extra=extra)

@@ -117,7 +117,9 @@ class SparsePrefixAttention:
         if (fetcher := self.source.fetcher) is not None:
             # What the tiers really moved: whole pages, GPU-cache hits included.
             report.extra.update(offload_counters(fetcher, self.source.device_cache, len(report.tokens_per_step)))
-            report.step_bytes = int(report.extra["offload_pages_requested"]) * self.source.layout.page_payload_bytes
+            # Plus what selection scanned from resident summaries (Double-P's centroids): no tier moved it.
+            report.step_bytes = (int(report.extra["offload_pages_requested"]) * self.source.layout.page_payload_bytes
+                                 + int(report.extra.get("index_bytes", 0)))
         return report
 
     def _layer(self, layer: int) -> tuple[LayerContext, torch.Tensor | None]:
@@ -153,7 +155,7 @@ class SparsePrefixAttention:
         hkv, n = ctx.kv.n_heads, ctx.n_tokens
         rows = q.permute(0, 2, 1, 3).reshape(b * l, hq, d)
         chunk = max(1, ROW_ELEMS // max(1, hq * n))
-        outs, lses, pseudo = [], [], []
+        outs, lses, pseudo, index = [], [], [], []
         plan = self._plans.get(layer)
         key = None
         if rows.shape[0] == 1 and self.graphs is not None and plan is not None and ebias is None:
@@ -178,6 +180,7 @@ class SparsePrefixAttention:
             pseudo.append(sel.n_centroids.sum() if sel.n_centroids is not None else 0)
             if sel.scored is not None:  # the shortlist holds the attended tokens: the rest are key-only reads
                 n_keys = sel.scored[0].numel() - sel.counts.sum()
+            index.append(sel.index_bytes)
         else:
             hits = torch.zeros(hkv, n, dtype=torch.int32, device=q.device)
             scored = torch.zeros_like(hits)
@@ -190,11 +193,12 @@ class SparsePrefixAttention:
                     mark_tokens(scored, sel.scored, torch.full(sel.scored.shape[:2], sel.scored.shape[-1],
                                                                device=q.device))
                 pseudo.append(sel.n_centroids.sum() if sel.n_centroids is not None else 0)
+                index.append(sel.index_bytes)
             n_mid = (hits > 0).sum()
             n_keys = ((scored > 0) & (hits == 0)).sum()
         n_read = n_mid + ctx.anchors.numel() * hkv
         phi_rows = rows.shape[0] * hq if self.completion is not None else 0
-        self.counter.add_layer(n_read, sum(pseudo) + phi_rows, n_keys)
+        self.counter.add_layer(n_read, sum(pseudo) + phi_rows, n_keys, sum(index))
         out = torch.cat(outs).reshape(b, l, hq, d).permute(0, 2, 1, 3)
         return out, torch.cat(lses).reshape(b, l, hq).permute(0, 2, 1)
 
