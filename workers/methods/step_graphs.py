@@ -5,7 +5,7 @@ cache or resident KV) launches the same kernels with the same shapes every token
 gather, attend. Launching them one by one from Python costs far more than running them on the
 GPU, so after one eager warm-up step per layer the step is captured into a graph over a static
 query buffer and replayed per token. Everything a replay produces (output, lse, the step's read
-count) lands in static tensors: output and lse are valid until the layer's next replay.
+count) lands in static tensors, copied out after each replay.
 """
 
 from __future__ import annotations
@@ -53,9 +53,8 @@ class StepGraphs:
             g.q.copy_(q)
             g.graph.replay()
             self.replays += 1
-            # Output and lse are overwritten by this layer's next replay (a later step): the caller uses
-            # them within this step. The read count is kept across steps, so it is copied.
-            return g.out[0], g.out[1], g.out[2].clone()
+            # Copies: the static outputs are overwritten by this layer's next replay, and a caller may keep them.
+            return g.out[0].clone(), g.out[1].clone(), g.out[2].clone()
         calls = self._eager_calls.get(layer, 0)
         if self.failed or calls < self.WARM_CALLS:
             self._eager_calls[layer] = calls + 1
