@@ -133,8 +133,10 @@ def test_reads_per_step_fit_the_matched_budget(method: str, fraction: float) -> 
         assert per_head == plan.sink + plan.tail + plan.k_exact(phi)
     key_only = report.extra["selection_keys_per_step"]  # the indexed Top-K's shortlist beyond its picks
     assert key_only == (0 if not method.startswith("topk") or "exact" in method else hkv * plan.k_exact(phi))
+    index = report.extra["index_bytes"]  # summaries selection scanned this step (Double-P's centroids)
+    assert (index > 0) == method.startswith("doublep")
     assert report.step_bytes == (report.tokens_per_step[0] * src.layout.token_kv_bytes()
-                                 + key_only * src.layout.token_kv_bytes() // 2)
+                                 + key_only * src.layout.token_kv_bytes() // 2 + index)
 
 
 DOC = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november " * 6

@@ -182,10 +182,15 @@ class DoublePSelector(Selector):
         mass = group_mass(logits).reshape(t * hkv, -1)
         order = rank_units(mass)
         sizes = cl.sizes.expand(t, -1, -1).reshape(t * hkv, -1)
-        stage1 = choose_units(mass, p=self.p1, order=order).n_chosen
-        n_exact = torch.minimum(choose_units(mass, p=self.p2, order=order).n_chosen, stage1)
-        if k is not None:
-            n_exact = shared_top_p(mass, sizes, order, n_exact, budget=k * hkv, groups=t)
+        if k is not None and k >= ctx.n_mid:
+            # A budget that covers the mid region reads it all exactly, as for every method (the paper's
+            # thresholds only decide what to leave out; here nothing has to be).
+            stage1 = n_exact = torch.full((t * hkv,), n_clusters, dtype=torch.long, device=q.device)
+        else:
+            stage1 = choose_units(mass, p=self.p1, order=order).n_chosen
+            n_exact = torch.minimum(choose_units(mass, p=self.p2, order=order).n_chosen, stage1)
+            if k is not None:
+                n_exact = shared_top_p(mass, sizes, order, n_exact, budget=k * hkv, groups=t)
         heads = torch.arange(hkv, device=q.device).repeat(t)
         ids, counts = cluster_tokens(cl, heads, Ranked(order, n_exact).mask(), pad=ctx.lo)
         # Read per step: every centroid and its log-size (stage 1), the exact clusters' offsets and token ids.
