@@ -63,7 +63,9 @@ def test_query_is_separate_and_formatted(ctx):
     assert sample.query == PROMPT.query_template.format(question=sample.query.split("Question: ")[1].split("\n")[0])
     assert sample.query not in sample.document
     assert PROMPT.clean(" 1234567\nQuestion: more") == "1234567"
-    assert PROMPT.runtime_config("</s>") == {"query_template": PROMPT.query_template, "stop": ["</s>", "\n"]}
+    assert PROMPT.runtime_config("</s>") == {"query_template": PROMPT.query_template, "stop": ["</s>", "\n"],
+                                             "repeat_question": PROMPT.repeat_question,
+                                             "answer_prefix": PROMPT.answer_prefix}
 
 
 def test_multikey_has_distractors_and_multivalue_has_all_values(ctx):

@@ -14,9 +14,10 @@ from transformers import PreTrainedModel
 VOLATILE_CONFIG_KEYS = frozenset({"_name_or_path", "transformers_version", "_attn_implementation_autoset",
                                   "_attn_implementation", "dtype", "torch_dtype", "architectures"})
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
-NOT_WEIGHTS = frozenset({"lookahead.safetensors"})
-"""Files beside the weights hashed on their own: the LookaheadKV adapter names the fingerprint of the model
-without it (so a mismatched adapter can be refused), and its digest is folded in when it is loaded."""
+NOT_WEIGHTS = frozenset({"lookahead.safetensors", "phi_map.safetensors"})
+"""Files beside the weights hashed on their own (their digests are folded in when they are loaded): the
+LookaheadKV adapter names the fingerprint of the weights alone, so a mismatched adapter can be refused and
+a φ map replaced or removed beside it does not make the adapter look foreign."""
 HASH_CHUNK = 1 << 22
 
 
