@@ -50,6 +50,7 @@ def test_both_variants_train_equally_long_and_resume(plain_export: Path, tmp_pat
         assert meta["step"] == 4 and meta["train_config"]["start_step"] == 1
         card = (models / name / "README.md").read_text()
         assert "lab.train.continued" in card and "steps 1-4" in card
+        assert ("memory gates" in card) == (name == "kvstash-tiny-rat")  # the plain model has none
         assert len((models / name / "logs" / "continued.jsonl").read_text().splitlines()) == 3
     rat = AutoModelForCausalLM.from_pretrained(models / "kvstash-tiny-rat")
     plain = AutoModelForCausalLM.from_pretrained(models / "kvstash-tiny-cont")

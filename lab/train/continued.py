@@ -149,8 +149,9 @@ def card(variant: str, cfg: TrainConfig, step: int, command: str, log: str) -> s
         "",
         f"From `kvstash-tiny` (step {cfg.start_step}), steps {cfg.start_step}-{step} of a {cfg.steps - cfg.start_step}"
         f"-step stage (`PRESETS['continued']` in `lab/train/config.py`: stage 3's data mix and curriculum, lr "
-        f"{cfg.lr:g} with {cfg.warmup_steps} warm-up steps and cosine decay, memory gates at "
-        f"{cfg.memory_lr_scale:g}× the lr, {cfg.tokens_per_batch} tokens per batch, seed {cfg.seed}).",
+        f"{cfg.lr:g} with {cfg.warmup_steps} warm-up steps and cosine decay, "
+        + (f"memory gates at {cfg.memory_lr_scale:g}× the lr, " if variant == "rat" else "")
+        + f"{cfg.tokens_per_batch} tokens per batch, seed {cfg.seed}).",
         "",
         "```",
         command,
