@@ -12,11 +12,12 @@ import torch
 
 from workers.attention import dense_attention
 from workers.methods.memory import MemorySource, summarize_layers
-from workers.methods.registry import METHODS, QUERY_TIME, get_method
+from workers.methods.registry import METHODS, QUERY_TIME, compression_methods, get_method
 from workers.requests import DecodeConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-SPARSE = sorted(m for m in METHODS if m != "full" and m not in QUERY_TIME)
+SPARSE = sorted(m for m in METHODS if m != "full" and m not in QUERY_TIME and m not in compression_methods())
+"""Methods that select over the stored prefix per step (compressed caches: tests/test_compressed.py)."""
 
 
 def _kv(n: int, hkv: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
