@@ -41,7 +41,7 @@ class StepGraphs:
         self._eager_calls: dict[int, int] = {}
         self._pool: tuple[int, int] | None = None
         self.failed = False
-        """Set when a capture failed: every later step of this generation runs eagerly."""
+        """Set when a capture failed: no further layer is captured (those captured before keep replaying)."""
         self.replays = 0
 
     def run(self, layer: int, key: object, q: torch.Tensor, step: StepFn
