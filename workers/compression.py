@@ -34,7 +34,8 @@ class Compressions:
 
     def __init__(self, store: KVStore, lm: LoadedModel, *, progress: bool = False):
         self.store, self.lm, self.progress = store, lm, progress
-        self._locks: dict[tuple[str, str], threading.Lock] = {}
+        self._locks: dict[tuple[str, str], tuple[threading.Lock, int]] = {}
+        """Per (prefix, artifact) being built: its lock and how many requests hold or wait for it."""
         self._guard = threading.Lock()
         self.builds = 0
         """Compact caches this worker built (not counting those found committed)."""
@@ -45,10 +46,20 @@ class Compressions:
 
     @contextmanager
     def _single_flight(self, prefix_id: str, name: str) -> Iterator[None]:
+        key = (prefix_id, name)
         with self._guard:
-            lock = self._locks.setdefault((prefix_id, name), threading.Lock())
-        with lock:
-            yield
+            lock, users = self._locks.get(key, (threading.Lock(), 0))
+            self._locks[key] = (lock, users + 1)
+        try:
+            with lock:
+                yield
+        finally:
+            with self._guard:  # the last one out drops the entry: one per build in flight, not per cache ever built
+                lock, users = self._locks[key]
+                if users == 1:
+                    del self._locks[key]
+                else:
+                    self._locks[key] = (lock, users - 1)
 
     def ensure(self, manifest: Manifest, method: CompressionMethod, ratio: float) -> Manifest:
         """The prefix's manifest listing ``method``'s compact cache at ``ratio`` (built now if missing)."""
