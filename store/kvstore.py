@@ -200,13 +200,15 @@ class KVStore:
         with self._meta.prefill_lock(name, wait_s=QUOTA_LOCK_WAIT_S):
             yield True
 
-    def _check_tenant_quota(self, tenant: str, page_bytes: int) -> None:
+    def _check_tenant_quota(self, tenant: str, page_bytes: int, *, new_prefix: bool = True) -> None:
+        """QuotaExceeded when ``page_bytes`` more (and, with ``new_prefix``, one more prefix) would take ``tenant``
+        over its quotas; an artifact added to a prefix the tenant has counts bytes only."""
         cfg = self.config
         if cfg.max_bytes_per_tenant is None and cfg.max_prefixes_per_tenant is None:
             return
         # A scan of the registry: quotas are checked once per write, which is far costlier anyway.
         mine = [m for m in self._meta.manifests() if m.tenant == tenant]
-        if cfg.max_prefixes_per_tenant is not None and len(mine) >= cfg.max_prefixes_per_tenant:
+        if new_prefix and cfg.max_prefixes_per_tenant is not None and len(mine) >= cfg.max_prefixes_per_tenant:
             raise QuotaExceeded(f"tenant {tenant!r} stores {len(mine)} prefixes, its quota is "
                                 f"{cfg.max_prefixes_per_tenant}")
         used = sum(prefix_bytes(m) for m in mine)
@@ -251,7 +253,7 @@ class KVStore:
                                                     ArtifactInfo(name=name, size=len(data), blake2b=digest(data))))
             d = self.prefix_dir(prefix_id)
             with self._quota_lock(m.tenant):  # the byte quota re-checked and used atomically with the commit
-                self._check_tenant_bytes(m.tenant, len(data))
+                self._check_tenant_quota(m.tenant, len(data), new_prefix=False)
                 disk_record.write_artifact(d, len(m.artifacts), data, fsync=self.config.fsync)
                 disk_record.publish(d, new, fsync=self.config.fsync)
                 try:
@@ -260,16 +262,6 @@ class KVStore:
                     disk_record.publish(d, m, fsync=self.config.fsync)  # the directory says what the index says
                     raise
             return new
-
-    def _check_tenant_bytes(self, tenant: str, extra: int) -> None:
-        """QuotaExceeded when ``extra`` more bytes would take ``tenant`` over its byte quota (the prefix count
-        does not change: an artifact joins a prefix the tenant already has)."""
-        cap = self.config.max_bytes_per_tenant
-        if cap is None:
-            return
-        used = sum(prefix_bytes(m) for m in self._meta.manifests() if m.tenant == tenant)
-        if used + extra > cap:
-            raise QuotaExceeded(f"tenant {tenant!r} stores {used} bytes; {extra} more exceed its quota of {cap}")
 
     # -- manifests and tenancy -----------------------------------------------------------------
     def find(self, prefix_id: str) -> Manifest | None:

@@ -342,6 +342,22 @@ def test_tenant_quotas(tmp_path: Path) -> None:
     assert QuotaExceeded.grpc_code == "RESOURCE_EXHAUSTED" and QuotaExceeded.http_status == 429
 
 
+def test_an_added_artifact_counts_bytes_not_prefixes(tmp_path: Path) -> None:
+    """``add_artifact`` (a compressed cache built later) checks the byte quota, not the prefix count, and a
+    refusal changes nothing."""
+    probe = KVStore(_cfg(tmp_path / "probe"))
+    m = probe.manifest(_write(probe, 20)[0])
+    size = m.kv_bytes + m.artifact_bytes
+    store = KVStore(_cfg(tmp_path / "home", max_prefixes_per_tenant=1, max_bytes_per_tenant=size + 10))
+    pid = _write(store, 20, tenant="alice")[0]
+    after = store.add_artifact(pid, "small", b"x" * 10)  # at its prefix quota, within its bytes
+    files = sorted(p.name for p in store.prefix_dir(pid).iterdir())
+    with pytest.raises(QuotaExceeded, match="alice"):
+        store.add_artifact(pid, "big", b"y")
+    assert store.manifest(pid) == after and after.artifact("big") is None
+    assert sorted(p.name for p in store.prefix_dir(pid).iterdir()) == files
+
+
 def test_capacity_eviction_runs_after_each_commit(tmp_path: Path) -> None:
     probe = KVStore(_cfg(tmp_path / "probe"))
     size = probe.usage_of(_write(probe, 20)[0]).bytes  # type: ignore[union-attr]
