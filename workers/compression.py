@@ -20,6 +20,7 @@ from store.errors import InvalidInput
 from store.kvstore import KVStore
 from store.manifest import Manifest
 from workers.methods.compressed import CompressionMethod, compact_cache
+from workers.methods.source import PrefixSource
 from workers.model import LoadedModel
 from workers.progress import PrefillProgress
 
@@ -71,7 +72,8 @@ class Compressions:
             m = self.store.manifest(pid)
             if m.artifact(name) is not None:  # another request (or worker) built it while we waited
                 return m
-            kv = [self._layer(m, layer) for layer in range(m.layout.n_layers)]
+            source = PrefixSource(self.store, m, self.lm.device)
+            kv = [source.layer_kv(layer) for layer in range(m.layout.n_layers)]
             scores = None
             if method.needs_scores(ratio) and (sname := method.scores_name()) is not None:
                 m, scores = self._scores(m, method, sname, kv)
@@ -82,10 +84,6 @@ class Compressions:
             self.seconds["compact"] = time.perf_counter() - t0
             self.builds += 1
             return self.store.add_artifact(pid, name, data)
-
-    def _layer(self, m: Manifest, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self.store.read_layer(m.prefix_id, layer, manifest=m, verify=True)
-        return k.to(self.lm.device), v.to(self.lm.device)
 
     def _scores(self, m: Manifest, method: CompressionMethod, name: str,
                 kv: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[Manifest, torch.Tensor]:
