@@ -6,11 +6,11 @@ TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: install system-deps demo test test-fast lint fmt clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $@
 
 install: $(VENV)/.installed

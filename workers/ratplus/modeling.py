@@ -71,12 +71,14 @@ class RatAttention(llama.LlamaAttention):
         self.memory_gate = MemoryGate(config)
         self.rope = llama.LlamaRotaryEmbedding(config)  # to un-rotate stored states (no stored weights)
 
-    def forward(self, hidden_states: torch.Tensor,  # type: ignore[override]  # kwargs: transformers' and ours
+    def forward(self, hidden_states: torch.Tensor,  # type: ignore[override,unused-ignore]  # kwargs: transformers' and ours
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
                 attention_mask: torch.Tensor | None = None, past_key_values: Any = None,
-                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+                cache: Any = None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """As ``LlamaAttention.forward``, with (k̃, ṽ) in place of (k, v)."""
         assert position_embeddings is not None, "RatModel passes the rotary embeddings"
+        # transformers >= 5.24 passes the cache as ``cache``; earlier releases as ``past_key_values``
+        past_key_values = past_key_values if past_key_values is not None else cache
         b, t = hidden_states.shape[:2]
         hkv, d = self._kv_shape()
         q = self.q_proj(hidden_states).view(b, t, -1, d).transpose(1, 2)
