@@ -73,3 +73,50 @@ def test_selection_equals_brute_force(n: int, block: int, g: int, lo: int, hi: i
             ids = set(got.tokens[i, h, : int(got.counts[i, h])].tolist())
             assert ids == want[i][h], (i, h)
     assert any(want[i][h] for i in range(t) for h in range(hkv)) or budget == 0
+
+
+def _paper_top_block(k: torch.Tensor, q: torch.Tensor, block: int, lo: int, hi: int) -> list[int]:
+    """Per query head, MoBA's gate from the paper in plain torch: argmax over mid blocks of q . mean(K_block)."""
+    hkv, n, _ = k.shape
+    g = q.shape[0] // hkv
+    first, last = lo // block, (hi - 1) // block
+    out = []
+    for h in range(q.shape[0]):
+        kh = k[h // g]
+        scores = [float(q[h] @ kh[b * block:min(n, (b + 1) * block)].mean(0)) for b in range(first, last + 1)]
+        out.append(first + max(range(len(scores)), key=scores.__getitem__))
+    return out
+
+
+def test_aligned_block_is_attended_per_kv_head() -> None:
+    """Each KV head has one 64-token block whose keys align with its own query group, and a decoy block aligned
+    (more strongly) with the other group's queries: at a budget of one block, the method attends exactly the
+    anchors and the aligned block (GQA head mapping, block bounds and the budget's translation to blocks, all
+    checked against exact attention over those tokens)."""
+    from workers.attention import dense_attention
+    from workers.methods.memory import MemorySource
+    from workers.methods.moba import Moba
+    from workers.requests import DecodeConfig
+
+    gen = torch.Generator().manual_seed(0)
+    hkv, g, n, d, block = 2, 4, 1030, 32, MobaBlocks.block
+    sink, tail = 4, 16
+    targets, decoys = (3, 9), (12, 5)  # per KV head: the block aligned with its group, and the decoy
+    k = 0.3 * torch.randn(hkv, n, d, generator=gen)
+    v = torch.randn(hkv, n, d, generator=gen)
+    dirs = torch.linalg.qr(torch.randn(d, hkv, generator=gen)).Q.T  # orthonormal: one direction per group
+    for h in range(hkv):
+        k[h, targets[h] * block:(targets[h] + 1) * block] += 3 * dirs[h]
+        k[h, decoys[h] * block:(decoys[h] + 1) * block] += 6 * dirs[1 - h]
+    q = 8 * dirs.repeat_interleave(g, 0) + 0.1 * torch.randn(hkv * g, d, generator=gen)  # [Hq, D]
+    assert _paper_top_block(k, q, block, sink, n - tail) == [targets[h // g] for h in range(hkv * g)]
+    src = MemorySource.build([(k, v)], Moba.summarizers)
+    attn = Moba().open(src, DecodeConfig(budget=0.1, sink=sink, tail=tail))  # 103 - 20 = 83 mid tokens: one block
+    scale = d ** -0.5
+    out, lse = attn.attend(0, q[None, :, None], scale)
+    for h, b in enumerate(targets):
+        keep = torch.cat([torch.arange(sink), torch.arange(b * block, (b + 1) * block), torch.arange(n - tail, n)])
+        heads = slice(h * g, (h + 1) * g)
+        ref, ref_lse = dense_attention(q[None, heads, None], k[None, h:h + 1, keep], v[None, h:h + 1, keep], scale)
+        torch.testing.assert_close(out[:, heads], ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse[:, heads], ref_lse, atol=1e-5, rtol=0)
