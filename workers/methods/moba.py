@@ -5,6 +5,10 @@ score for a query head is ``scale · q . mean(K_block)``; a KV head's blocks are
 softmax over these scores (every query head of the group has an equal say) and taken best-first while
 their mid tokens fit the budget, exactly as Quest takes pages. MoBA's always-attended first and local
 blocks are the method's sink and tail anchors.
+
+Training-free, a block mean dilutes a key that matters alone (a needle held by one token adds only 1/64 of
+its logit's excess to its block's score): on the shipped tiny models MoBA misses NIAH needles that Quest's bounds
+keep (``docs/benchmarks/ratplus.md``, ``bench/bench_selection_recall.py``).
 """
 
 from __future__ import annotations
