@@ -3,9 +3,10 @@
 The product's worker server (its fair scheduler: one decode step per turn, round-robin across
 tenants, bounded admission) serves a tiny random Llama on loopback gRPC; the model never ends an
 answer early (no EOS), so every request runs to its max_new_tokens. Tenant B sends ``--b-requests``
-short generations (``--b-tokens`` each) one after another, first alone, then while tenant A keeps
-``--a-streams`` max-length generations (``--a-tokens`` each, the worker's cap) going at once from
-another process (as a client would: its threads take no share of the server's interpreter lock);
+short generations (``--b-tokens`` each) one after another from its own process, first alone, then while
+tenant A keeps ``--a-streams`` max-length generations (``--a-tokens`` each, the worker's cap) going at
+once from a third process (each tenant is a client elsewhere, as in production: a client's threads take
+no share of the server's interpreter lock, so B's latency is the server's doing, not its own client's);
 an A request the worker refuses (over A's ``--max-per-tenant``) waits the retry-after hint and retries.
 Printed side by side: B's p50 and p95 latency unloaded and loaded, and the ratio (the target is
 p95 loaded <= 2x p95 unloaded), with A's token rate while it floods.
@@ -68,6 +69,13 @@ def b_latencies(stub: pb_grpc.WorkerStub, pid: str, n: int, tokens: int) -> list
     return out
 
 
+def b_process(address: str, pid: str, conn: Any) -> None:
+    """Tenant B (in B's process): for each ``(n, tokens)`` received, run the requests and send back their latencies."""
+    stub = pb_grpc.WorkerStub(channel(address))
+    while (job := conn.recv()) is not None:
+        conn.send(b_latencies(stub, pid, *job))
+
+
 def flood(address: str, pid: str, tokens: int, stop: Any, pieces: Any, refused: Any) -> None:
     """One of tenant A's streams (in A's process): max-length generations until ``stop`` is set."""
     stub = pb_grpc.WorkerStub(channel(address))
@@ -120,19 +128,32 @@ def run(args: argparse.Namespace, home: Path) -> dict:
                                                     max_active=2 * args.max_per_tenant,
                                                     hand_back_s=args.hand_back_ms / 1000))
     server.start()
+    ctx = multiprocessing.get_context("spawn")
+    b_conn, b_end = ctx.Pipe()
+    b_proc = None
     try:
         stub = pb_grpc.WorkerStub(channel(cfg.address))
         pids = {t: stub.Prefill(iter([pb.PrefillChunk(text=DOC)]), metadata=MD[t]).prefix_id for t in MD}
-        b_latencies(stub, pids["b"], 2, args.b_tokens)  # warm-up
+        b_proc = ctx.Process(target=b_process, args=(cfg.address, pids["b"], b_end), daemon=True)
+        b_proc.start()
+
+        def b_run(n: int) -> list[float]:
+            b_conn.send((n, args.b_tokens))
+            return list(b_conn.recv())
+
+        b_run(2)  # warm-up
         alone, loaded, rates, refusals = [], [], [], 0
         per_round = max(1, args.b_requests // args.rounds)
         for _ in range(args.rounds):  # alternate, so a drift in the machine's load hits both phases alike
-            alone += b_latencies(stub, pids["b"], per_round, args.b_tokens)
-            b, rate, refused = _loaded_phase(args, stub, cfg.address, pids, per_round)
+            alone += b_run(per_round)
+            b, rate, refused = _loaded_phase(args, ctx, cfg.address, pids, per_round, b_run)
             loaded += b
             rates.append(rate)
             refusals += refused
     finally:
+        if b_proc is not None:
+            b_conn.send(None)
+            b_proc.join(30)
         server.stop(0)
         store.close()
     return {"device": str(lm.device), "shape": args.shape, "layers": spec.n_layers,
@@ -144,10 +165,9 @@ def run(args: argparse.Namespace, home: Path) -> dict:
             "rounds": args.rounds, "torch_threads": torch.get_num_threads()}
 
 
-def _loaded_phase(args: argparse.Namespace, stub: pb_grpc.WorkerStub, address: str, pids: dict[str, str],
-                  n: int) -> tuple[list[float], float, int]:
+def _loaded_phase(args: argparse.Namespace, ctx: Any, address: str, pids: dict[str, str], n: int,
+                  b_run: Any) -> tuple[list[float], float, int]:
     """B's latencies while A floods from its own process; A's piece rate meanwhile; A's refusals."""
-    ctx = multiprocessing.get_context("spawn")
     stop, pieces, refused = ctx.Event(), ctx.Value("q", 0), ctx.Value("q", 0)
     a = ctx.Process(target=flood_process, args=(address, pids["a"], args.a_streams, args.a_tokens, stop, pieces,
                                                 refused))
@@ -157,7 +177,7 @@ def _loaded_phase(args: argparse.Namespace, stub: pb_grpc.WorkerStub, address: s
             time.sleep(0.05)
         time.sleep(args.settle_s)
         t0, p0 = time.perf_counter(), pieces.value
-        loaded = b_latencies(stub, pids["b"], n, args.b_tokens)
+        loaded = b_run(n)
         return loaded, (pieces.value - p0) / (time.perf_counter() - t0), refused.value
     finally:
         stop.set()
