@@ -1,5 +1,12 @@
 """LMDB metadata backend: everything in one environment, one write transaction per change.
 
+Commits are written without a sync, and the changes that must survive a power loss (a manifest, a
+deletion, a pin) sync the environment right after their commit. Leases and last-used times do not: they
+are taken and dropped on every generation, and an fsync each (milliseconds) was most of the time a short
+request spent outside its decode steps. A system crash may lose those, or damage the environment if
+the disk reordered its writes; a damaged environment is moved aside and rebuilt from the prefix
+directories at the next open, and leases lapse anyway.
+
 Sub-databases: ``manifests`` (pid -> manifest JSON), ``lru`` (pid -> last used, bytes), ``pins``, ``leases``.
 No artifact bytes: an environment written before artifacts left the metadata has an ``artifacts``
 sub-database, which opening drops (``LEGACY_ARTIFACTS_DB``).
@@ -76,7 +83,7 @@ class LmdbMetadata(MetadataBackend):
 
     def _open(self, path: Path, map_size: int) -> None:
         self._lock_dir.mkdir(parents=True, exist_ok=True)
-        self._env = lmdb.open(str(path), map_size=map_size, max_dbs=8, subdir=True)
+        self._env = lmdb.open(str(path), map_size=map_size, max_dbs=8, subdir=True, sync=False)
         self._manifests = self._env.open_db(b"manifests")
         self._lru = self._env.open_db(b"lru")
         self._pins = self._env.open_db(b"pins")
@@ -88,10 +95,13 @@ class LmdbMetadata(MetadataBackend):
                 pass
 
     @contextlib.contextmanager
-    def _txn(self, write: bool = False) -> Iterator[lmdb.Transaction]:
+    def _txn(self, write: bool = False, durable: bool = True) -> Iterator[lmdb.Transaction]:
+        """A transaction; a ``durable`` write is on disk when this returns (a volatile one is in the OS cache)."""
         try:
             with self._env.begin(write=write) as txn:
                 yield txn
+            if write and durable:
+                self._env.sync(True)
         except lmdb.Error as e:
             if write and (isinstance(e, lmdb.MapFullError) or self._disk_full()):
                 raise StoreFull(f"metadata store could not commit: no space left ({e})") from e
@@ -205,7 +215,7 @@ class LmdbMetadata(MetadataBackend):
     def acquire_lease(self, prefix_id: str, holder: str, ttl_s: float) -> str:
         """Lease a committed prefix (expired leases of it are dropped on the way)."""
         ttl_s, now = check_ttl(ttl_s), time.time()
-        with self._txn(write=True) as txn:
+        with self._txn(write=True, durable=False) as txn:
             if txn.get(prefix_id.encode(), db=self._manifests) is None:
                 raise PrefixNotFound(f"no prefix {prefix_id!r}")
             for k, d in self._scan_leases(txn, prefix_id):
@@ -225,7 +235,7 @@ class LmdbMetadata(MetadataBackend):
     def renew_lease(self, lease_id: str, ttl_s: float) -> bool:
         """Extend a live lease; a lapsed one is dropped and stays lapsed."""
         ttl_s, now = check_ttl(ttl_s), time.time()
-        with self._txn(write=True) as txn:
+        with self._txn(write=True, durable=False) as txn:
             d = self._take_lease(txn, lease_id, now)
             if d is not None:
                 self._put_lease(txn, lease_id, d["holder"], now + ttl_s)
@@ -233,7 +243,7 @@ class LmdbMetadata(MetadataBackend):
 
     def release_lease(self, lease_id: str) -> bool:
         """End a lease; False when it had already lapsed or is unknown."""
-        with self._txn(write=True) as txn:
+        with self._txn(write=True, durable=False) as txn:
             return self._take_lease(txn, lease_id, time.time()) is not None
 
     def leases(self, prefix_id: str) -> list[Lease]:
@@ -251,7 +261,7 @@ class LmdbMetadata(MetadataBackend):
     def touch(self, prefix_id: str) -> bool:
         """Mark a prefix as just used."""
         key = prefix_id.encode()
-        with self._txn(write=True) as txn:
+        with self._txn(write=True, durable=False) as txn:
             raw = txn.get(key, db=self._lru)
             if raw is None:
                 return False

@@ -400,6 +400,43 @@ def test_committed_state_survives_a_restart(env: Env, meta: MetadataBackend, har
     assert after.release_lease(lease) is True and after.eviction_candidates(1) == [a]
 
 
+# -- LMDB: what is synced to disk ------------------------------------------------------------------
+class _CountingEnv:
+    """An LMDB environment that counts its syncs (the rest is the real environment's)."""
+
+    def __init__(self, env: object) -> None:
+        self.env, self.syncs = env, 0
+
+    def sync(self, force: bool = False) -> None:
+        self.syncs += 1
+        self.env.sync(force)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.env, name)
+
+
+def test_lmdb_syncs_registry_changes_but_not_leases_or_last_used(tmp_path: Path) -> None:
+    """A generation takes a lease, touches and releases it: no fsync each (they were most of a short request's
+    time outside its steps); a commit, a pin and a delete are on disk when they return."""
+    from store.lmdb_metadata import LmdbMetadata
+
+    meta = open_metadata("lmdb", tmp_path)
+    assert isinstance(meta, LmdbMetadata)
+    counting = _CountingEnv(meta._env)
+    meta._env = counting  # type: ignore[assignment]
+    pid = commit(meta, 95)
+    assert counting.syncs == 1
+    lease = meta.acquire_lease(pid, "w", 30)
+    assert meta.touch(pid) and meta.renew_lease(lease, 30) and meta.release_lease(lease)
+    assert counting.syncs == 1, "leases and last-used times are not synced"
+    meta.pin(pid)
+    meta.unpin(pid)
+    assert meta.delete(pid)
+    assert counting.syncs == 4
+    meta._env = counting.env  # type: ignore[assignment]
+    meta.close()
+
+
 # -- metadata written by an older kvstash (artifact bytes kept beside the manifests) -------------
 def test_lmdb_drops_legacy_artifact_copies_at_open(tmp_path: Path) -> None:
     import lmdb
