@@ -354,15 +354,16 @@ class ArtifactStream:
         """Append the next bytes of the artifact; InvalidInput (the stream discarded) past the prefix's budget."""
         if self._file is None:
             raise InvalidInput("this artifact stream is closed")
+        size = memoryview(data).nbytes
         if self._budgeted:
             try:
-                self._writer._check_artifact_room(self, self.written + len(data))
+                self._writer._check_artifact_room(self, self.written + size)
             except InvalidInput:
                 self.discard()
                 raise
         self._file.write(data)
         self._hash.update(data)
-        self.written += len(data)
+        self.written += size
 
     def close(self) -> None:
         """Finish the artifact (durable unless the store skips fsync) and record it in the writer."""
