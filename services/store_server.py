@@ -28,7 +28,7 @@ from store.layout import KVLayout
 from store.limits import MAX_SUMMARIZERS, check_holder, check_write
 from store.manifest import Manifest
 from store.prefix_key import PrefixKey, tenant_salt
-from store.writer import LayerStream
+from store.writer import ArtifactStream, LayerStream
 
 MAX_LEASE_TTL_S = 3600.0
 READ_CHUNK_BYTES = 4 << 20
@@ -161,11 +161,26 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
 
 def _fill(writer: PrefixWriter, chunks: Iterator[pb.WriteChunk]) -> Manifest:
-    """Feed a write stream into ``writer``: layers' bytes arrive in order and go to their page files as they
-    come (memory stays bounded whatever the layer size); each layer completes before commit."""
+    """Feed a write stream into ``writer``: layers' and artifacts' bytes arrive in order and go to their files
+    as they come (memory stays bounded by one message whatever their size); each layer completes before commit.
+
+    An artifact starts with a chunk at offset 0 and each next chunk continues it at the bytes received so far;
+    one artifact is open at a time, and any other message (the next artifact's start included) closes it."""
     open_layers: dict[int, LayerStream] = {}
+    artifact: ArtifactStream | None = None
     for chunk in chunks:
         part = chunk.WhichOneof("part")
+        if part == "artifact" and chunk.artifact.offset != 0:
+            a = chunk.artifact
+            if artifact is None or a.name != artifact.name or a.offset != artifact.written:
+                raise InvalidInput(f"artifact chunk at offset {a.offset} does not continue the open artifact"
+                                   + (f" ({artifact.written} bytes received)" if artifact and a.name == artifact.name
+                                      else " (each artifact starts at offset 0, one at a time)"))
+            artifact.write(a.data)  # InvalidInput past the prefix's artifact budget
+            continue
+        if artifact is not None:
+            artifact.close()
+            artifact = None
         if part == "layer":
             c = chunk.layer
             stream = open_layers.get(c.layer)
@@ -178,7 +193,8 @@ def _fill(writer: PrefixWriter, chunks: Iterator[pb.WriteChunk]) -> Manifest:
             if stream.written == stream.size:
                 open_layers.pop(c.layer).close()
         elif part == "artifact":
-            writer.put_artifact(chunk.artifact.name, chunk.artifact.data)
+            artifact = writer.open_artifact(chunk.artifact.name)
+            artifact.write(chunk.artifact.data)
         elif part == "commit" and chunk.commit:
             return writer.commit()
         else:

@@ -13,13 +13,12 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, BinaryIO, Protocol
 
 import numpy as np
 
-from store.artifacts import digest
 from store.crc32 import crc32
-from store.disk_record import artifact_file_name, fsync_dir, publish, write_file
+from store.disk_record import artifact_file_name, fsync_dir, publish
 from store.errors import InvalidInput, StoreFull
 from store.layout import KVLayout
 from store.limits import MAX_ARTIFACTS, check_text, max_artifact_bytes
@@ -85,6 +84,8 @@ class PrefixWriter:
         self._sealed = False
         """Set once a commit starts moving artifacts to their final names: no more artifacts or commits."""
         self._streams: dict[int, LayerStream] = {}
+        self._artifact_streams: dict[str, ArtifactStream] = {}
+        """Artifacts being written (``open_artifact``), not yet recorded."""
         n_pages = self.layout.n_pages(n_tokens)
         self._crc = np.zeros((self.layout.n_layers, self.layout.n_kv_heads, n_pages), dtype=np.uint32)
         self._pending: list[tuple[int, str, int, Future, list[Future]]] = []
@@ -161,34 +162,56 @@ class PrefixWriter:
                 f.result()
             self._files[layer] = FileInfo(name=name, size=size, blake2b=str(digest_job.result()))
 
-    def put_artifact(self, name: str, data: bytes) -> None:
-        """Write an artifact to its file in the temp dir now (committed with the manifest; a later one of the
-        same name replaces it). InvalidInput past ``MAX_ARTIFACTS`` or the prefix's artifact budget
-        (``store.limits.max_artifact_bytes``, the page checksums included)."""
+    def put_artifact(self, name: str, data: bytes | memoryview) -> None:
+        """Write an artifact to its file in the temp dir now (``open_artifact`` with all of its bytes at once)."""
+        with self.open_artifact(name) as stream:
+            stream.write(data)
+
+    def open_artifact(self, name: str) -> ArtifactStream:
+        """A sink for one artifact's bytes as they arrive, written to its file in the temp dir as they come
+        (committed with the manifest once ``ArtifactStream.close`` recorded it; a later one of the same name
+        replaces it). InvalidInput past ``MAX_ARTIFACTS`` or, as soon as a write would go past it, the prefix's
+        artifact budget (``store.limits.max_artifact_bytes``, the page checksums included)."""
         check_text("artifact name", name)
         if self._sealed:
             raise InvalidInput("this prefix's commit has already started")
         if not name or name == PAGE_CRC_ARTIFACT:
             raise InvalidInput(f"invalid artifact name {name!r}")
-        if name not in self._artifacts and len(self._artifacts) >= MAX_ARTIFACTS:
+        if name in self._artifact_streams:
+            raise InvalidInput(f"artifact {name!r} is already being written")
+        names = set(self._artifacts) | set(self._artifact_streams)
+        if name not in names and len(names) >= MAX_ARTIFACTS:
             raise InvalidInput(f"a prefix holds at most {MAX_ARTIFACTS} artifacts")
-        others = sum(info.size for n, (_, info) in self._artifacts.items() if n != name)
-        if others + len(data) + self._crc.nbytes > self._artifact_budget:
-            raise InvalidInput(f"the artifacts of this prefix may take at most {self._artifact_budget} bytes "
-                               f"together (its page files' size, or store.limits.MIN_ARTIFACT_BUDGET when more): "
-                               f"{others + len(data)} bytes and its page checksums do not fit")
-        self._stage(name, data)
+        return self._open_stream(name, budgeted=True)
 
-    def _stage(self, name: str, data: bytes) -> None:
-        """Write ``data`` to a fresh staged file, record its size and digest, then drop any older one of ``name``."""
+    def _open_stream(self, name: str, *, budgeted: bool) -> ArtifactStream:
         staged = f"{STAGED_PREFIX}{self._n_staged:03d}"
         self._n_staged += 1
-        write_file(self.tmp_dir / staged, data, self.store.config.fsync)
-        info = ArtifactInfo(name=name, size=len(data), blake2b=digest(data))
-        old = self._artifacts.get(name)
-        self._artifacts[name] = (staged, info)
+        stream = ArtifactStream(self, name, staged, budgeted=budgeted)
+        self._artifact_streams[name] = stream
+        return stream
+
+    def _check_artifact_room(self, stream: ArtifactStream, size: int) -> None:
+        """InvalidInput when ``stream`` growing to ``size`` bytes would put the artifacts past the budget."""
+        others = sum(info.size for n, (_, info) in self._artifacts.items() if n != stream.name)
+        others += sum(s.written for n, s in self._artifact_streams.items() if n != stream.name)
+        if others + size + self._crc.nbytes > self._artifact_budget:
+            raise InvalidInput(f"the artifacts of this prefix may take at most {self._artifact_budget} bytes "
+                               f"together (its page files' size, or store.limits.MIN_ARTIFACT_BUDGET when more): "
+                               f"{others + size} bytes and its page checksums do not fit")
+
+    def _finish_artifact(self, stream: ArtifactStream, info: ArtifactInfo) -> None:
+        """Record a closed artifact stream, then drop any older one of its name."""
+        del self._artifact_streams[stream.name]
+        old = self._artifacts.get(stream.name)
+        self._artifacts[stream.name] = (stream.staged, info)
         if old is not None:
             (self.tmp_dir / old[0]).unlink(missing_ok=True)
+
+    def _stage(self, name: str, data: bytes) -> None:
+        """Write an artifact the writer makes itself (outside the budget, which reserves its room)."""
+        with self._open_stream(name, budgeted=False) as stream:
+            stream.write(data)
 
     def commit(self) -> Manifest:
         """Make the prefix durable and visible: staged artifacts renamed to their final names and the manifest
@@ -201,6 +224,8 @@ class PrefixWriter:
             raise InvalidInput(f"cannot commit: layers {missing} were not written")
         if self._sealed:
             raise InvalidInput("this prefix's commit has already started")
+        if self._artifact_streams:
+            raise InvalidInput(f"cannot commit: {len(self._artifact_streams)} artifact(s) are still being written")
         self._sealed = True
         self._stage(PAGE_CRC_ARTIFACT, self._crc.tobytes())
         staged = sorted(self._artifacts.items())
@@ -239,6 +264,8 @@ class PrefixWriter:
         """Discard everything written so far."""
         for stream in list(self._streams.values()):
             stream.discard()
+        for artifact in list(self._artifact_streams.values()):
+            artifact.discard()
         for *_, digest_job, other_jobs in self._pending:
             for f in (digest_job, *other_jobs):
                 f.cancel()
@@ -309,3 +336,70 @@ class LayerStream:
         """Close the file without finishing the layer (the writer's abort removes it)."""
         self._file.close()
         self._writer._streams.pop(self.layer, None)
+
+
+class ArtifactStream:
+    """One artifact, written to its staged file as its bytes arrive (digest computed on the way, budget checked
+    before each write): memory holds one ``write`` at most. Recorded by ``close``; a context manager that
+    closes on success and discards on an exception."""
+
+    def __init__(self, writer: PrefixWriter, name: str, staged: str, *, budgeted: bool) -> None:
+        self.name, self.staged, self.written = name, staged, 0
+        self._writer, self._budgeted = writer, budgeted
+        self._path = writer.tmp_dir / staged
+        self._file: BinaryIO | None = open(self._path, "wb")  # noqa: SIM115 - closed by close/discard
+        self._hash = hashlib.blake2b(digest_size=32)  # the digest ``store.artifacts.digest`` gives
+
+    def write(self, data: bytes | memoryview) -> None:
+        """Append the next bytes of the artifact; InvalidInput (the stream discarded) past the prefix's budget."""
+        if self._file is None:
+            raise InvalidInput("this artifact stream is closed")
+        size = memoryview(data).nbytes
+        if self._budgeted:
+            try:
+                self._writer._check_artifact_room(self, self.written + size)
+            except InvalidInput:
+                self.discard()
+                raise
+        self._file.write(data)
+        self._hash.update(data)
+        self.written += size
+
+    def close(self) -> None:
+        """Finish the artifact (durable unless the store skips fsync) and record it in the writer."""
+        if self._file is None:
+            raise InvalidInput("this artifact stream is closed")
+        f, self._file = self._file, None
+        try:
+            f.flush()
+            if self._writer.store.config.fsync:
+                os.fsync(f.fileno())
+        except BaseException:
+            f.close()
+            self._remove()
+            raise
+        f.close()
+        self._writer._finish_artifact(self, ArtifactInfo(name=self.name, size=self.written,
+                                                         blake2b=self._hash.hexdigest()))
+
+    def discard(self) -> None:
+        """Drop the artifact: its staged file removed, nothing recorded (nothing if already closed)."""
+        if self._file is None:
+            return
+        self._file.close()
+        self._file = None
+        self._remove()
+
+    def _remove(self) -> None:
+        self._path.unlink(missing_ok=True)
+        if self._writer._artifact_streams.get(self.name) is self:
+            del self._writer._artifact_streams[self.name]
+
+    def __enter__(self) -> ArtifactStream:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.discard()

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from store import disk_record, limits
+from store.artifacts import digest
 from store.config import StoreConfig
 from store.disk_record import MANIFEST_FILE, artifact_file_name
 from store.errors import CorruptData, InvalidInput, PrefixNotFound, StoreUnavailable
@@ -211,6 +212,109 @@ def test_artifact_budget_has_a_floor_and_a_count(store: KVStore) -> None:
             w.write_layer(layer, k, v)
         w.commit()
     assert store.artifact(_key(n).prefix_id, "a1") == b"again"
+
+
+def _commit_with(store: KVStore, n: int, put: object) -> str:
+    """Commit ``_key(n)`` with its layers and the artifacts ``put(writer)`` writes; its prefix id."""
+    with store.write_prefix(_key(n), model_name="m", n_tokens=n) as w:
+        put(w)  # type: ignore[operator]
+        for layer, (k, v) in enumerate(_kv(n)):
+            w.write_layer(layer, k, v)
+        w.commit()
+    return _key(n).prefix_id
+
+
+def test_streamed_artifact_is_the_same_on_disk_as_a_put_one(tmp_path: Path) -> None:
+    """``open_artifact`` written in chunks (a replaced one among them) commits the same files, sizes and digests as
+    ``put_artifact`` of the whole bytes; each chunk is on disk before the next arrives."""
+    data, n = os.urandom(300_001), 20
+    put_home, streamed_home = (KVStore(StoreConfig(home=tmp_path / h)) for h in ("put", "streamed"))
+
+    def put(w) -> None:  # noqa: ANN001 - a PrefixWriter
+        w.put_artifact("big", data)
+        w.put_artifact("small", b"hello")
+
+    def streamed(w) -> None:  # noqa: ANN001 - a PrefixWriter
+        w.put_artifact("big", b"an older version")
+        with w.open_artifact("big") as a:
+            for off in range(0, len(data), 65_536):
+                a.write(memoryview(data)[off:off + 65_536])
+                staged = w.tmp_dir / a.staged
+                assert staged.stat().st_size == a.written == min(off + 65_536, len(data))
+            assert "big" in w._artifacts  # the older version stays recorded until this one closes
+        a2 = w.open_artifact("small")
+        a2.write(b"hel")
+        a2.write(b"lo")
+        a2.close()
+
+    pid = _commit_with(put_home, n, put)
+    assert _commit_with(streamed_home, n, streamed) == pid
+    want, got = put_home.manifest(pid), streamed_home.manifest(pid)
+    assert got.artifacts == want.artifacts and got.files == want.files
+    assert sorted(p.name for p in streamed_home.prefix_dir(pid).iterdir()) == \
+        sorted(p.name for p in put_home.prefix_dir(pid).iterdir())
+    for i in range(len(want.artifacts)):
+        assert (streamed_home.prefix_dir(pid) / artifact_file_name(i)).read_bytes() == \
+            (put_home.prefix_dir(pid) / artifact_file_name(i)).read_bytes()
+    assert streamed_home.artifact(pid, "big") == data and got.artifact("big").blake2b == digest(data)
+    streamed_home.verify(pid)
+    put_home.close()
+    streamed_home.close()
+
+
+def test_streamed_artifact_past_the_budget_is_refused_as_it_arrives(store: KVStore,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The write that would go past the budget raises, its partial file goes at once, and nothing is recorded."""
+    monkeypatch.setattr(limits, "MIN_ARTIFACT_BUDGET", 1024)
+    n = 20
+    budget, crc_bytes = _page_bytes(n), 3 * 2 * 2 * 4
+    with store.write_prefix(_key(n), model_name="m", n_tokens=n) as w:
+        w.put_artifact("kept", b"k" * 1000)
+        a = w.open_artifact("big")
+        room = budget - crc_bytes - 1000
+        a.write(b"x" * (room - 10))
+        assert (w.tmp_dir / a.staged).stat().st_size == room - 10
+        with pytest.raises(InvalidInput, match=f"at most {budget} bytes"):
+            a.write(b"x" * 11)
+        assert [p.name for p in w.tmp_dir.iterdir()] == [w._artifacts["kept"][0]]
+        with pytest.raises(InvalidInput, match="closed"):
+            a.write(b"x")
+        # Open streams count against each other too.
+        b, c = w.open_artifact("b"), w.open_artifact("c")
+        b.write(b"b" * (room - 5))
+        with pytest.raises(InvalidInput, match="at most"):
+            c.write(b"c" * 6)
+        b.close()
+        for layer, (k, v) in enumerate(_kv(n)):
+            w.write_layer(layer, k, v)
+        w.commit()
+    m = store.manifest(_key(n).prefix_id)
+    assert [a.name for a in m.artifacts] == ["b", "kept", "page_crc"] and m.artifact_bytes == budget - 5
+
+
+def test_an_unclosed_artifact_stream_records_nothing(store: KVStore) -> None:
+    """A stream left by an exception is discarded (its file gone); commit refuses one still open; abort removes all."""
+    n = 20
+    with store.write_prefix(_key(n), model_name="m", n_tokens=n) as w:
+        with pytest.raises(RuntimeError), w.open_artifact("failed") as a:
+            a.write(b"partial")
+            raise RuntimeError("the producer failed")
+        assert list(w.tmp_dir.iterdir()) == [] and "failed" not in w._artifacts
+        w.open_artifact("open").write(b"x")
+        with pytest.raises(InvalidInput, match="already being written"):
+            w.open_artifact("open")
+        for layer, (k, v) in enumerate(_kv(n)):
+            w.write_layer(layer, k, v)
+        with pytest.raises(InvalidInput, match="still being written"):
+            w.commit()
+        tmp = w.tmp_dir
+    assert not tmp.exists() and store.list_prefixes() == [] and list(store.prefixes_dir.iterdir()) == []
+    with store.write_prefix(_key(n), model_name="m", n_tokens=n) as w:  # open streams count towards MAX_ARTIFACTS
+        streams = [w.open_artifact(f"a{i}") for i in range(limits.MAX_ARTIFACTS)]
+        with pytest.raises(InvalidInput, match=f"at most {limits.MAX_ARTIFACTS} artifacts"):
+            w.open_artifact("one too many")
+        streams[0].discard()
+        w.open_artifact("one too many").close()
 
 
 def test_corrupted_page_file_is_detected(store: KVStore) -> None:

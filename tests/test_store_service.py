@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -279,5 +281,132 @@ def test_write_streams_to_disk_and_a_cancelled_stream_leaves_nothing(plain_stub,
         plain_stub.WritePrefix(stream(), metadata=ALICE, timeout=60)
     assert e.value.code() == grpc.StatusCode.UNKNOWN  # the client's own exception
     assert on_disk[0] >= layer_bytes // 2 - chunk, "the server held the layer's bytes instead of writing them"
+    _wait_for(lambda: list(store.prefixes_dir.iterdir()) == [], "the temp dir to go")
+    assert store.list_prefixes() == []
+
+
+# -- artifacts in chunks: larger than one message, bounded memory, checked offsets ----------------
+def _artifact_chunks(name: str, data: bytes, chunk: int) -> list[pb.WriteChunk]:
+    return [pb.WriteChunk(artifact=pb.NamedBytes(name=name, offset=o, data=data[o:o + chunk]))
+            for o in range(0, max(len(data), 1), chunk)]
+
+
+@pytest.fixture()
+def src_prefix(tmp_path: Path) -> Iterator[tuple[KVStore, str]]:
+    from store.config import StoreConfig
+
+    src = KVStore(StoreConfig(home=tmp_path / "src", fsync=False))
+    yield src, _write(src, 70)[0]
+    src.close()
+
+
+def _layers_and(src_prefix: tuple[KVStore, str], *middle: pb.WriteChunk, commit: bool = True) -> list[pb.WriteChunk]:
+    """``src_prefix``'s write stream with ``middle`` in place of its one-message artifact."""
+    msgs = [m for m in _write_stream(*src_prefix, commit=commit) if m.WhichOneof("part") != "artifact"]
+    return msgs[:-1] + [*middle, msgs[-1]] if commit else [*msgs, *middle]
+
+
+def test_artifact_larger_than_a_message_is_written_in_chunks(plain_stub, store: KVStore,
+                                                              src_prefix: tuple[KVStore, str]) -> None:
+    """An artifact past the gRPC message cap arrives in chunks and reads back identical, with the digest
+    ``put_artifact`` gives; a one-message artifact (an older client) still works beside it."""
+    from services.grpc_common import MAX_MESSAGE_BYTES
+    from store.artifacts import digest
+
+    big = os.urandom(MAX_MESSAGE_BYTES + (1 << 20) + 3)
+    with pytest.raises(grpc.RpcError) as e:  # why chunks: one message cannot carry it
+        plain_stub.WritePrefix(iter(_layers_and(src_prefix, *_artifact_chunks("big", big, len(big)))),
+                               metadata=ALICE, timeout=60)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and store.list_prefixes() == []
+    msgs = _layers_and(src_prefix, pb.WriteChunk(artifact=pb.NamedBytes(name="big", data=b"an older version")),
+                       *_artifact_chunks("big", big, 4 << 20),
+                       pb.WriteChunk(artifact=pb.NamedBytes(name="small", data=b"hello")))
+    m = plain_stub.WritePrefix(iter(msgs), metadata=ALICE, timeout=60)
+    info = store.manifest(m.prefix_id).artifact("big")
+    assert info is not None and info.size == len(big) and info.blake2b == digest(big)
+    assert store.artifact(m.prefix_id, "big") == big and store.artifact(m.prefix_id, "small") == b"hello"
+    assert [a.name for a in m.artifacts] == ["big", "page_crc", "small"]
+    store.verify(m.prefix_id)
+
+
+def test_artifact_past_the_budget_is_refused_mid_stream(plain_stub, store: KVStore, src_prefix: tuple[KVStore, str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chunk that takes an artifact past the prefix's budget fails the write: nothing of it is committed."""
+    from store import limits
+
+    monkeypatch.setattr(limits, "MIN_ARTIFACT_BUDGET", 1 << 20)
+    released, ended = threading.Event(), threading.Event()
+
+    def chunks() -> Iterator[pb.WriteChunk]:
+        yield from _layers_and(src_prefix, *_artifact_chunks("big", b"x" * (2 << 20), 64 << 10), commit=False)
+        released.wait(30)  # the stream stays open: the refusal cannot wait for its end
+        ended.set()
+
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            plain_stub.WritePrefix(chunks(), metadata=ALICE, timeout=60)
+        assert not ended.is_set(), "refused only once the stream ended"
+    finally:
+        released.set()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most" in e.value.details()
+    assert len(e.value.details()) < 300
+    _wait_for(lambda: list(store.prefixes_dir.iterdir()) == [], "the temp dir to go")
+    assert store.list_prefixes() == []
+
+
+BAD_ARTIFACT_SEQUENCES = {
+    "gap": [("a", 0, 10), ("a", 20, 10)],
+    "rewind": [("a", 0, 10), ("a", 5, 10)],
+    "repeat": [("a", 0, 10), ("a", 10, 10), ("a", 10, 10)],
+    "not-starting-at-0": [("a", 7, 10)],
+    "negative": [("a", 0, 10), ("a", -10, 10)],
+    "interleaved": [("a", 0, 10), ("b", 0, 10), ("a", 10, 10)],
+    "other-name-continuing": [("a", 0, 10), ("b", 10, 10)],
+    "after-a-layer": [("a", 0, 10), "layer", ("a", 10, 10)],
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ARTIFACT_SEQUENCES))
+def test_artifact_chunks_that_do_not_continue_are_refused(plain_stub, store: KVStore,
+                                                          src_prefix: tuple[KVStore, str], case: str) -> None:
+    msgs = _layers_and(src_prefix)
+    layer_msgs = [m for m in msgs if m.WhichOneof("part") == "layer"]
+    last_layer = msgs.index(layer_msgs[-1])
+    middle = [layer_msgs[-1] if step == "layer" else
+              pb.WriteChunk(artifact=pb.NamedBytes(name=step[0], offset=step[1], data=b"z" * step[2]))
+              for step in BAD_ARTIFACT_SEQUENCES[case]]
+    # The artifacts go before the last layer chunk ("after-a-layer" sends that chunk between them).
+    stream = msgs[:last_layer] + middle + ([] if case == "after-a-layer" else [layer_msgs[-1]]) + msgs[last_layer + 1:]
+    with pytest.raises(grpc.RpcError) as e:
+        plain_stub.WritePrefix(iter(stream), metadata=ALICE, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    assert "does not continue" in e.value.details() and len(e.value.details()) < 200
+    _wait_for(lambda: list(store.prefixes_dir.iterdir()) == [], "the temp dir to go")
+    assert store.list_prefixes() == []
+
+
+def test_cancelled_artifact_stream_is_on_disk_as_it_comes_and_leaves_nothing(
+        plain_stub, store: KVStore, src_prefix: tuple[KVStore, str]) -> None:
+    """Artifact bytes reach their staged file while the stream is open, and a client that goes away
+    mid-artifact leaves no file behind."""
+    chunk, n_chunks = 256 << 10, 16
+    on_disk: list[int] = []
+
+    def staged() -> int:
+        return sum(f.stat().st_size for d in store.prefixes_dir.iterdir() for f in d.glob(".artifact-*"))
+
+    def stream() -> Iterator[pb.WriteChunk]:
+        yield from _layers_and(src_prefix, commit=False)
+        for i in range(n_chunks):
+            yield pb.WriteChunk(artifact=pb.NamedBytes(name="big", offset=i * chunk, data=bytes([i]) * chunk))
+        with contextlib.suppress(AssertionError):
+            _wait_for(lambda: staged() >= (n_chunks - 1) * chunk, "the artifact on disk", timeout_s=10)
+        on_disk.append(staged())
+        raise RuntimeError("client gives up")  # the RPC is cancelled mid-artifact
+
+    with pytest.raises(grpc.RpcError) as e:
+        plain_stub.WritePrefix(stream(), metadata=ALICE, timeout=60)
+    assert e.value.code() == grpc.StatusCode.UNKNOWN  # the client's own exception
+    assert on_disk[0] >= (n_chunks - 1) * chunk, "the server held the artifact's bytes instead of writing them"
     _wait_for(lambda: list(store.prefixes_dir.iterdir()) == [], "the temp dir to go")
     assert store.list_prefixes() == []

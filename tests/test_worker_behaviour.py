@@ -144,3 +144,58 @@ def test_a_top_p_under_float32s_range_keeps_the_top_token(top_p: float) -> None:
     logits = torch.tensor([0.1, 3.0, -2.0, 2.9])
     sampler = Sampler(SamplingParams(temperature=1.0, top_p=top_p, seed=0), torch.device("cpu"))
     assert [sampler(logits) for _ in range(5)] == [1] * 5
+
+
+_HOST_MOVES: list[tuple[str, int]] = []
+
+
+class _Tracked(torch.Tensor):
+    """A summary tensor that notes when it is moved (``cpu``/``to``), with the layer it summarizes."""
+
+    _layer: int
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206 - torch's protocol
+        if func in (torch.Tensor.cpu, torch.Tensor.to):
+            _HOST_MOVES.append(("host", args[0]._layer))
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))  # a plain tensor from here on
+        out = super().__torch_function__(func, types, args, kwargs)
+        if isinstance(out, _Tracked) and isinstance(args[0], _Tracked):
+            out._layer = args[0]._layer
+        return out
+
+
+def test_prefill_moves_each_layers_summaries_off_the_device_as_they_come(
+        store: KVStore, tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Summary tensors leave the device right after their layer is summarized, not all at the end (so device
+    memory never holds every layer's summaries); the stored artifacts are the same bytes either way."""
+    from workers import engine
+
+    real = engine.build_summarizers
+
+    class Noting:
+        def __init__(self, inner) -> None:  # noqa: ANN001 - a Summarizer
+            self.inner, self.name = inner, inner.name
+
+        def summarize(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
+            _HOST_MOVES.append(("summarize", layer))
+            out = {}
+            for name, t in self.inner.summarize(layer, k, v).items():
+                out[name] = t.as_subclass(_Tracked)
+                out[name]._layer = layer
+            return out
+
+    lm = load_model(str(tiny_model_dir), progress=False)
+    plain_store = KVStore(StoreConfig(home=tmp_path / "plain", fsync=False))
+    plain = Worker(plain_store, lm, progress=False).prefill(DOC)
+    plain_store.close()
+    monkeypatch.setattr(engine, "build_summarizers", lambda *a, **k: [Noting(s) for s in real(*a, **k)])
+    _HOST_MOVES.clear()
+    noted = Worker(store, lm, progress=False).prefill(DOC)
+    n_layers = lm.layout.n_layers
+    assert n_layers >= 2
+    for layer in range(n_layers - 1):
+        moved = _HOST_MOVES.index(("host", layer))
+        assert moved < _HOST_MOVES.index(("summarize", layer + 1)), f"layer {layer}'s summaries stayed on the device"
+    assert noted.prefix_id == plain.prefix_id and noted.manifest.artifacts == plain.manifest.artifacts

@@ -148,8 +148,8 @@ class Worker:
                                                        progress=self.progress, desc=shown.forward_desc)):
                 w.write_layer(layer, k, v)
                 for s in summarizers:
-                    for name, t in s.summarize(layer, k, v).items():
-                        parts[s.name][f"{layer}.{name}"] = t
+                    for name, t in s.summarize(layer, k, v).items():  # kept on the host from here: the device
+                        parts[s.name][f"{layer}.{name}"] = t.detach().cpu()  # holds one layer's summaries at most
             with shown.committing():  # pending page writes, fsyncs, artifacts and the metadata commit
                 for s in summarizers:
                     w.put_artifact(s.name, tensors_to_bytes(parts[s.name]))

@@ -99,12 +99,14 @@ class LayerChunk(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class NamedBytes(_message.Message):
-    __slots__ = ("name", "data")
+    __slots__ = ("name", "data", "offset")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
     name: str
     data: bytes
-    def __init__(self, name: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+    offset: int
+    def __init__(self, name: _Optional[str] = ..., data: _Optional[bytes] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class WriteChunk(_message.Message):
     __slots__ = ("header", "layer", "artifact", "commit")
