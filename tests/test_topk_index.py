@@ -15,7 +15,13 @@ import torch
 
 from workers.budget import plan_budget
 from workers.methods.base import ReportsReads
-from workers.methods.key_index import KeyIndexConfig, KeyIndexSummarizer, dequantize_keys, quantize_keys
+from workers.methods.key_index import (
+    KeyIndexConfig,
+    KeyIndexSummarizer,
+    dequantize_keys,
+    index_logits,
+    quantize_keys,
+)
 from workers.methods.memory import MemorySource
 from workers.methods.registry import get_method
 from workers.methods.selector import LayerContext, group_mass, top_tokens
@@ -66,6 +72,24 @@ def test_quantized_keys_are_within_half_a_step() -> None:
         assert ((back - k).abs() <= step / 2 + 1e-2 * step + 1e-3).all()
         n_bytes = sum(t.numel() * t.element_size() for n, t in art.items() if n != "meta")
         assert n_bytes == pytest.approx(2 * 1000 * cfg.bytes_per_token(32), rel=0.02)
+
+
+@pytest.mark.parametrize(("bits", "block"), [(4, 64), (8, 16), (4, 7)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "start", "end", "chunk"), [(1000, 0, 1000, None), (1000, 4, 987, 128),
+                                                          (300, 65, 130, 64), (5003, 3, 4999, 512)])
+def test_scores_from_codes_equal_scores_on_the_dequantized_keys(bits: int, block: int, dtype: torch.dtype, n: int,
+                                                                 start: int, end: int, chunk: int | None) -> None:
+    """``index_logits`` (per block ``q . lo + (q * step) . codes``, chunked) equals ``q . dequantize_keys`` to
+    1e-5 of the largest logit: unaligned mid ranges, a partial last block, several chunks, bf16 queries."""
+    k, dirs = structured_keys(2, n, 32, seed=n)
+    art = quantize_keys(k, KeyIndexConfig(bits=bits, block=block))
+    q = _queries(dirs, n_q=3, g_size=4, seed=5).to(dtype)
+    keys = dequantize_keys(art["codes"], art["lo"], art["step"], bits, block, start, end)
+    ref = torch.einsum("thgd,hnd->thgn", q.float(), keys)
+    got = index_logits(q, art["codes"], art["lo"], art["step"], bits, block, start, end, chunk_tokens=chunk)
+    assert got.shape == ref.shape == (3, 2, 4, end - start) and got.dtype == torch.float32
+    assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
 @pytest.mark.parametrize("k_tok", [16, 48])

@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 
 from workers.methods.base import Summarizer
-from workers.methods.key_index import KeyIndexSummarizer, dequantize_keys
+from workers.methods.key_index import KeyIndexSummarizer, index_logits
 from workers.methods.phi import PhiSummarizer
 from workers.methods.selector import LayerContext, Selection, Selector, group_mass, top_tokens
 from workers.methods.source import PrefixSource
@@ -73,9 +73,9 @@ class IndexedTopKSelector(Selector):
 
     def approx_logits(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float) -> torch.Tensor:
         """Logits ``[T, Hkv, G, n_mid]`` (float32) of every mid token on the index."""
-        keys = dequantize_keys(self.index[f"{layer}.codes"], self.index[f"{layer}.lo"], self.index[f"{layer}.step"],
-                               self.bits, self.block, ctx.lo, ctx.hi)
-        return torch.einsum("thgd,hnd->thgn", q.float(), keys) * scale
+        logits = index_logits(q, self.index[f"{layer}.codes"], self.index[f"{layer}.lo"], self.index[f"{layer}.step"],
+                              self.bits, self.block, ctx.lo, ctx.hi)
+        return logits.mul_(scale)
 
     def select(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, k: int | None) -> Selection:
         """The shortlist's best ``k`` by exact group mass (normalized by the index's log-sum-exp over the whole
