@@ -15,8 +15,8 @@ from workers.requests import LIMITS
 
 METHOD_HELP = {
     "full": "exact attention over every prefix token (reads it all; ignores --budget)",
-    "topk": "sink/tail anchors + the top-k prefix tokens by attention score (low-bit key index, exact re-score "
-            "of a shortlist)",
+    "topk": "sink/tail anchors + the k/page_size prefix pages holding the most attention, scored on a low-bit "
+            "key index (reads about the budget, fetched or not)",
     "quest": "sink/tail anchors + the pages whose key bounds score highest (Quest)",
     "moba": "sink/tail anchors + the 64-token blocks whose mean key scores highest (MoBA)",
     "doublep": "sink/tail anchors + hierarchical top-p over key clusters (adaptive without --budget)",
@@ -25,6 +25,8 @@ METHOD_HELP = {
     "doublep+phi": "doublep, plus a feature-map estimate of the clusters it does not read",
     "topk-exact": "topk from every mid token's exact key (the selection oracle; reads every mid key)",
     "topk-exact+phi": "topk-exact, plus a feature-map estimate of the tokens it does not read",
+    "topk-token": "sink/tail anchors + the top-k prefix tokens on the key index, a shortlist re-scored on exact "
+                  "keys (fetched, each token pulls its page)",
     "snapkv": "query-time cache: the query's attention keeps --budget-tokens prefix entries per KV head (SnapKV)",
     "lookahead": "query-time cache: trained lookahead tokens after the query pick the kept entries (LookaheadKV)",
     "kvzip": "a compressed cache: the KV pairs the model attends most while repeating the document (--ratio)",

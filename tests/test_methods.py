@@ -129,10 +129,10 @@ def test_reads_per_step_fit_the_matched_budget(method: str, fraction: float) -> 
     plan = plan_budget(prefill_len=n, fraction=fraction, head_dim=d, phi_dim=d if phi else 0)
     per_head = report.tokens_per_step[0] / hkv
     assert per_head + (plan.n_off if phi else 0) <= plan.n_budget
-    if method.startswith("topk"):  # top-k fills its budget exactly
+    if method.startswith(("topk-exact", "topk-token")):  # token-granular top-k fills its budget exactly
         assert per_head == plan.sink + plan.tail + plan.k_exact(phi)
-    key_only = report.extra["selection_keys_per_step"]  # the indexed Top-K's shortlist beyond its picks
-    assert key_only == (0 if not method.startswith("topk") or "exact" in method else hkv * plan.k_exact(phi))
+    key_only = report.extra["selection_keys_per_step"]  # the token-granular indexed Top-K's shortlist beyond its picks
+    assert key_only == (hkv * plan.k_exact(phi) if method == "topk-token" else 0)
     index = report.extra["index_bytes"]  # summaries selection scanned this step (Double-P's centroids)
     assert (index > 0) == method.startswith("doublep")
     assert report.step_bytes == (report.tokens_per_step[0] * src.layout.token_kv_bytes()

@@ -14,7 +14,7 @@ import torch
 from tests.test_methods import DOC, planted, random_kv, rel_l1
 from workers.attention import ObservesQuery, dense_attention
 from workers.engine import Worker
-from workers.methods.keep_set import KeepConfig, keep_ids, pooled_scores, prefix_attention_mass
+from workers.methods.keep_set import KeepConfig, QueryTimeAttention, keep_ids, pooled_scores, prefix_attention_mass
 from workers.methods.memory import MemorySource
 from workers.methods.registry import get_method
 from workers.own_kv import OwnKV
@@ -87,7 +87,8 @@ def test_error_falls_as_budget_tokens_grow_and_reads_match_the_budget() -> None:
         errs.append(rel_l1(out, ref))
         report = attn.read_report()
         assert report.tokens_per_step == [n * hkv, min(budget, n) * hkv]  # query step: all; then the kept set
-        assert report.once_kv_bytes == n * hkv * src.layout.token_kv_bytes()  # the prefix read once
+        assert report.once_kv_bytes == 0  # the query step's read of the prefix is in its step, not charged again
+        assert report.step_bytes + report.once_bytes == (n + min(budget, n)) * hkv * src.layout.token_kv_bytes()
     assert errs[-1] < 1e-5, errs
     for small, big in zip(errs, errs[1:]):
         assert big <= small * 1.02 + 1e-4, errs
@@ -121,5 +122,26 @@ def test_greedy_generation_with_covering_budget_equals_full(worker: Worker, lm) 
     units = lm.layout.n_layers * lm.layout.n_kv_heads
     assert small.prefix_tokens_per_step == [n * units] + [24 * units] * (small.steps - 1)
     assert small.extra["kept_tokens_per_head"] == 24
-    assert small.bytes_fetched == n * units * lm.layout.token_kv_bytes() + sum(small.prefix_tokens_per_step) * \
-        lm.layout.token_kv_bytes()
+    # the prefix is read once, by the query step (counted there), then only the kept entries
+    assert small.bytes_fetched == sum(small.prefix_tokens_per_step) * lm.layout.token_kv_bytes()
+    assert small.bytes_fetched == (n + 24 * (small.steps - 1)) * units * lm.layout.token_kv_bytes()
+
+
+def test_a_layer_read_only_for_scoring_is_charged_once() -> None:
+    """A layer the scorer reads but no query step attended is charged once as prefix K/V; attended ones are not."""
+    n, hkv, d = 300, 2, 16
+    kv = random_kv(2, hkv, n, d, seed=3)
+    src = MemorySource.build(kv, ())
+
+    def scorer(attn: QueryTimeAttention, own: OwnKV, position: int) -> dict[int, torch.Tensor]:
+        return {layer: attn.layer_full(layer)[0].float().norm(dim=-1) for layer in range(2)}
+
+    attn = QueryTimeAttention(src, KeepConfig(budget_tokens=32), observe_query=False, scorer=scorer)
+    q = torch.randn(1, hkv, 3, d, generator=torch.Generator().manual_seed(1))
+    attn.attend(0, q, d ** -0.5)  # the query step attends layer 0 only
+    attn.query_done(_own(src), n + 3)
+    report = attn.read_report()
+    token_bytes = src.layout.token_kv_bytes()
+    assert report.tokens_per_step == [n * hkv]
+    assert report.once_kv_bytes == n * hkv * token_bytes  # layer 1, read by the scorer alone
+    assert report.step_bytes + report.once_bytes == 2 * n * hkv * token_bytes  # each layer exactly once

@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from workers.methods.key_index import KeyIndexSummarizer
+from workers.methods.key_index import KeyIndexSummarizer, dequantize_keys
 from workers.methods.quest import QuestBounds, QuestSelector
 from workers.methods.selector import LayerContext
 from workers.methods.topk import ExactTopKSelector, IndexedTopKSelector
@@ -109,3 +109,23 @@ def test_indexed_topk_picks_the_shortlist_tokens_with_the_most_group_mass(k_toke
     want = masked.topk(k_tokens, dim=-1).indices + lo
     assert torch.equal(s.tokens.sort(-1).values, want.sort(-1).values)
     assert (s.counts == k_tokens).all()
+
+
+@pytest.mark.parametrize(("n_pages", "lo", "hi"), [(1, 16, 176), (3, 16, 176), (5, 20, 170), (8, 4, 192)])
+def test_page_topk_picks_the_pages_holding_the_most_index_mass(n_pages: int, lo: int, hi: int) -> None:
+    """Page-granular indexed Top-K: per row, the pages whose mid tokens carry the most group mass on the
+    dequantized index (softmax over the mid region per query head, mean over the group, summed per page)."""
+    k = _keys(6)
+    art = KeyIndexSummarizer().summarize(0, k, k)
+    sel = IndexedTopKSelector({f"0.{n}": t for n, t in art.items()}, page_size=PAGE)
+    q = torch.randn(3, 2, 2, 8, generator=torch.Generator().manual_seed(7))
+    picked = sel.select_pages(0, _ctx(k, lo, hi), q, 0.5, n_pages)
+    keys = dequantize_keys(art["codes"], art["lo"], art["step"], int(art["meta"][0]), int(art["meta"][1]))
+    mass = _group_mass(torch.einsum("thgd,hnd->thgn", q, keys[:, lo:hi]) * 0.5)  # [T, Hkv, n_mid]
+    p0, p1 = lo // PAGE, -(-hi // PAGE)
+    for t in range(3):
+        for h in range(2):
+            per_page = [float(sum(mass[t, h, i - lo] for i in range(p * PAGE, (p + 1) * PAGE) if lo <= i < hi))
+                        for p in range(p0, p1)]
+            want = sorted(range(p0, p1), key=lambda p: -per_page[p - p0])[:n_pages]
+            assert sorted(picked[t, h].tolist()) == sorted(want)

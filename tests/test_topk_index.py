@@ -15,7 +15,13 @@ import torch
 
 from workers.budget import plan_budget
 from workers.methods.base import ReportsReads
-from workers.methods.key_index import KeyIndexConfig, KeyIndexSummarizer, dequantize_keys, quantize_keys
+from workers.methods.key_index import (
+    KeyIndexConfig,
+    KeyIndexSummarizer,
+    dequantize_keys,
+    index_logits,
+    quantize_keys,
+)
 from workers.methods.memory import MemorySource
 from workers.methods.registry import get_method
 from workers.methods.selector import LayerContext, group_mass, top_tokens
@@ -68,6 +74,24 @@ def test_quantized_keys_are_within_half_a_step() -> None:
         assert n_bytes == pytest.approx(2 * 1000 * cfg.bytes_per_token(32), rel=0.02)
 
 
+@pytest.mark.parametrize(("bits", "block"), [(4, 64), (8, 16), (4, 7)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "start", "end", "chunk"), [(1000, 0, 1000, None), (1000, 4, 987, 128),
+                                                          (300, 65, 130, 64), (5003, 3, 4999, 512)])
+def test_scores_from_codes_equal_scores_on_the_dequantized_keys(bits: int, block: int, dtype: torch.dtype, n: int,
+                                                                 start: int, end: int, chunk: int | None) -> None:
+    """``index_logits`` (per block ``q . lo + (q * step) . codes``, chunked) equals ``q . dequantize_keys`` to
+    1e-5 of the largest logit: unaligned mid ranges, a partial last block, several chunks, bf16 queries."""
+    k, dirs = structured_keys(2, n, 32, seed=n)
+    art = quantize_keys(k, KeyIndexConfig(bits=bits, block=block))
+    q = _queries(dirs, n_q=3, g_size=4, seed=5).to(dtype)
+    keys = dequantize_keys(art["codes"], art["lo"], art["step"], bits, block, start, end)
+    ref = torch.einsum("thgd,hnd->thgn", q.float(), keys)
+    got = index_logits(q, art["codes"], art["lo"], art["step"], bits, block, start, end, chunk_tokens=chunk)
+    assert got.shape == ref.shape == (3, 2, 4, end - start) and got.dtype == torch.float32
+    assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
 @pytest.mark.parametrize("k_tok", [16, 48])
 def test_index_recalls_exact_topk_and_a_broken_index_does_not(k_tok: int) -> None:
     k, dirs = structured_keys(2, 4096, 64, seed=1)
@@ -90,7 +114,7 @@ def test_read_report_is_index_once_plus_shortlist_keys_plus_topk_kv() -> None:
     n, hkv, d, layers, budget, steps = 2000, 2, 32, 2, 0.05, 5
     kv = [structured_keys(hkv, n, d, seed=10 + i)[0] for i in range(layers)]
     src = MemorySource.build([(k, k.flip(1)) for k in kv], TopK.summarizers)
-    attn = get_method("topk").open(src, DecodeConfig(budget=budget))
+    attn = get_method("topk-token").open(src, DecodeConfig(budget=budget))
     q = torch.randn(1, hkv * 2, 1, d, generator=torch.Generator().manual_seed(4))
     _steps(attn, q, steps)
     assert isinstance(attn, ReportsReads)
@@ -104,17 +128,35 @@ def test_read_report_is_index_once_plus_shortlist_keys_plus_topk_kv() -> None:
     assert report.extra["selection_keys_per_step"] == layers * hkv * (SHORTLIST - 1) * plan.k_topk
 
 
-def test_topk_total_reads_stay_within_2_5x_the_budget_at_16k() -> None:
-    """16k prefix, 2% budget, bf16 keys, 16 steps: index + shortlist keys + top-k K/V <= 5% of full."""
+def test_page_topk_reads_the_index_once_plus_whole_pages_of_the_budget() -> None:
+    """Page-granular ``topk``: per step and KV head the anchors plus k // page_size pages' tokens, no key-only
+    reads; the index once."""
+    n, hkv, d, layers, budget, steps = 2000, 2, 32, 2, 0.05, 5
+    kv = [structured_keys(hkv, n, d, seed=10 + i)[0] for i in range(layers)]
+    src = MemorySource.build([(k, k.flip(1)) for k in kv], TopK.summarizers)
+    attn = get_method("topk").open(src, DecodeConfig(budget=budget))
+    _steps(attn, torch.randn(1, hkv * 2, 1, d, generator=torch.Generator().manual_seed(4)), steps)
+    report = attn.read_report()
+    plan = plan_budget(prefill_len=n, fraction=budget, head_dim=d)
+    page = src.layout.page_size
+    mid = plan.k_topk // page * page  # pages inside the mid region: every token of a picked page is a mid token
+    assert report.tokens_per_step == [layers * hkv * (plan.sink + plan.tail + mid)] * steps
+    assert report.extra["selection_keys_per_step"] == 0
+    assert report.once_bytes == layers * (hkv * n * d // 2 + 2 * hkv * math.ceil(n / 64) * d * 2 + 2 * 8)
+
+
+@pytest.mark.parametrize("method", ["topk", "topk-token"])
+def test_topk_total_reads_stay_within_2_5x_the_budget_at_16k(method: str) -> None:
+    """16k prefix, 2% budget, bf16 keys, 16 steps: index + (shortlist keys +) top-k K/V <= 5% of full."""
     n, d, steps, budget = 16384, 128, 16, 0.02
     k, dirs = structured_keys(1, n, d, seed=7)
     k = k.bfloat16()
     src = MemorySource.build([(k, k)], TopK.summarizers)
-    attn = get_method("topk").open(src, DecodeConfig(budget=budget))
+    attn = get_method(method).open(src, DecodeConfig(budget=budget))
     q = _queries(dirs, n_q=1, g_size=4, seed=8).permute(0, 1, 2, 3).reshape(1, 4, 1, d).bfloat16()
     _steps(attn, q, steps)
     report = attn.read_report()
     full = steps * n * 2 * d * 2
-    assert report.once_bytes > 0 and report.extra["selection_keys_per_step"] > 0
+    assert report.once_bytes > 0 and (report.extra["selection_keys_per_step"] > 0) == (method == "topk-token")
     assert (report.step_bytes + report.once_bytes) / full <= 2.5 * budget
     assert report.step_bytes / full <= 1.6 * budget  # per step: n(f) plus the shortlist's extra keys

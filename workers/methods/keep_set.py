@@ -1,7 +1,8 @@
 """A query-time cache: the prefix entries a scoring pass keeps per KV head, attended for the rest of a generation.
 
 SnapKV and LookaheadKV both run in two phases over a stored prefix. While the query is fed, its
-tokens attend the whole prefix exactly (each layer's K/V read once through the ``PrefixSource``);
+tokens attend the whole prefix exactly (each layer's K/V read once through the ``PrefixSource``, and
+counted once, as the query step's reads: the scoring pass reuses the copy on the device);
 once the query is in (``query_done``), importance scores (the query's own attention for SnapKV,
 the lookahead tokens' for LookaheadKV) pick ``budget_tokens`` entries per KV head, the full layers
 are dropped, and every later step attends only the kept entries. Scores are per query head,
@@ -100,13 +101,15 @@ class QueryTimeAttention:
         """The query's accumulated attention mass per layer ``[Hq, N]`` (SnapKV)."""
         self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
         self.kept_ids: dict[int, torch.Tensor] = {}
+        self.uncounted: set[int] = set()
+        """Layers read through the source that no query step has attended yet (their read is not counted yet)."""
 
     def layer_full(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A layer's whole K/V, read through the source on first use (counted once as prefix K/V)."""
+        """A layer's whole K/V, read through the source on first use (counted by the step that attends it, or
+        once as prefix K/V at ``query_done`` when no step did)."""
         if layer not in self.full:
-            k, v = self.source.layer_kv(layer)
-            self.counter.add_once(KV_ONCE, 2 * k.numel() * k.element_size())
-            self.full[layer] = (k, v)
+            self.full[layer] = self.source.layer_kv(layer)
+            self.uncounted.add(layer)
         return self.full[layer]
 
     def attend(self, layer: int, q: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,7 +121,8 @@ class QueryTimeAttention:
             self.counter.add_layer(k.shape[0] * k.shape[1])
             return dense_attention(q, k[None], v[None], scale)
         k, v = self.layer_full(layer)
-        self.counter.add_layer(k.shape[0] * k.shape[1])
+        self.counter.add_layer(k.shape[0] * k.shape[1])  # the query step's read of the layer: counted here only
+        self.uncounted.discard(layer)
         if self.observe_query:
             mass = prefix_attention_mass(q[0], k, scale)
             self.mass[layer] = mass if layer not in self.mass else self.mass[layer] + mass
@@ -139,7 +143,10 @@ class QueryTimeAttention:
             at = ids.unsqueeze(-1).expand(-1, -1, k.shape[-1])
             kept[layer] = (k.gather(1, at).contiguous(), v.gather(1, at).contiguous())
             self.kept_ids[layer] = ids
-        self.kept, self.full, self.mass = kept, {}, {}
+        for layer in sorted(self.uncounted):  # read for scoring only, never attended by a step
+            k, _ = self.full[layer]
+            self.counter.add_once(KV_ONCE, 2 * k.numel() * k.element_size())
+        self.kept, self.full, self.mass, self.uncounted = kept, {}, {}, set()
         self.counter.info["kept_tokens_per_head"] = float(next(iter(kept.values()))[0].shape[1])
 
     def read_report(self) -> ReadReport:

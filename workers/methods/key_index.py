@@ -4,7 +4,7 @@ Prefill stores, per layer and KV head, every key at ``bits`` bits per element: f
 ``block`` consecutive tokens and each channel d, ``lo[d]`` and ``step[d]`` (float16) map code ``c``
 to ``lo + step * c``. Keys are quantized per channel, not per token, because post-RoPE keys have
 a few large channels that would otherwise set every token's scale. The index is read once per
-generation and held on the device; a step scores every mid token on it (``scores``) without
+generation and held on the device; a step scores every mid token on its codes (``index_logits``) without
 touching the exact keys.
 """
 
@@ -73,6 +73,49 @@ def dequantize_keys(codes: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, b
     n = c.shape[1]
     blk = torch.arange(start, start + n, device=c.device) // block
     return lo[:, blk].to(dtype) + step[:, blk].to(dtype) * c.to(dtype)
+
+
+SCORE_CHUNK_TOKENS = {"cpu": 1024, "cuda": 32768}
+"""Tokens whose codes ``index_logits`` unpacks at a time, per device type: bounds its temporaries whatever the
+prefix length (small on CPU, where cache-sized chunks run fastest; large on a GPU, for few launches)."""
+
+
+def index_logits(q: torch.Tensor, codes: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, bits: int, block: int,
+                 start: int = 0, end: int | None = None, chunk_tokens: int | None = None) -> torch.Tensor:
+    """``q . k`` (float32, unscaled) of queries q ``[T, Hkv, G, D]`` against the index's keys of tokens
+    ``[start, end)``, computed from the codes: ``[T, Hkv, G, end - start]``.
+
+    Equal to ``q . dequantize_keys(...)`` up to float32 rounding, without materializing the keys:
+    per block, ``q . k = q . lo + (q * step) . codes``.
+    """
+    h, n = codes.shape[:2]
+    end = n if end is None else end
+    t, _, g, d = q.shape
+    chunk = chunk_tokens or SCORE_CHUNK_TOKENS.get(q.device.type, SCORE_CHUNK_TOKENS["cpu"])
+    qf = q.float().permute(1, 0, 2, 3).reshape(h, t * g, d)  # [Hkv, R, D], R = T * G rows per KV head
+    order = torch.arange(d, device=q.device)
+    if bits == 4:  # the codes unpack as [low nibbles (even channels), high nibbles (odd ones)]
+        order = torch.cat([order[0::2], order[1::2]])
+    q_codes = qf[..., order]
+    out = torch.empty(t, h, g, end - start, device=q.device)
+    chunk_blocks = max(1, chunk // block)
+    last = -(-end // block)
+    for b0 in range(start // block, last, chunk_blocks):
+        b1 = min(b0 + chunk_blocks, last)
+        q_lo = torch.einsum("hrd,hbd->hbr", qf, lo[:, b0:b1].float())  # a constant per block and row
+        w = q_codes[:, None] * step[:, b0:b1, None][..., order].float()  # [Hkv, nb, R, D]: the codes' weights
+        c = codes[:, b0 * block:min(b1 * block, n)]
+        pad = (b1 - b0) * block - c.shape[1]  # the prefix's last block may be partial
+        if pad:
+            c = torch.cat([c, c.new_zeros(h, pad, c.shape[2])], 1)
+        c = c.view(h, b1 - b0, block, -1)
+        if bits == 4:
+            c = torch.cat([c & 0xF, c >> 4], -1)
+        part = w @ c.float().transpose(-1, -2) + q_lo[..., None]  # [Hkv, nb, R, block]
+        part = part.permute(0, 2, 1, 3).reshape(h, t, g, -1)  # [Hkv, T, G, tokens from b0 * block]
+        a, z = max(start, b0 * block), min(end, b1 * block)
+        out[..., a - start:z - start] = part[..., a - b0 * block:z - b0 * block].transpose(0, 1)
+    return out
 
 
 class KeyIndexSummarizer(Summarizer):

@@ -6,7 +6,7 @@ The one definition of a generation's reads, used by ``--stats``, ``kvstash eval`
 over the same steps (every prefix token's K and V, per layer and KV head, per step). It sums
 
 - per step: the exact tokens attended (sink + tail anchors and selected mid tokens, their K and V)
-  and the exact keys selection read (the indexed Top-K's shortlist beyond the tokens attended, K
+  and the exact keys selection read (``topk-token``'s shortlist beyond the tokens attended, K
   only) and the summary bytes selection scans or attends per step (Double-P's centroids, its
   exact clusters' token ids); with a page fetcher, instead, the whole pages the step requested from the tiers (GPU
   page cache hits included), since those are what moved;

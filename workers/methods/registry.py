@@ -18,7 +18,7 @@ from workers.methods.quest import Quest, QuestPhi
 from workers.methods.snapkv import SnapKV
 from workers.methods.sparse import SparseMethod
 from workers.methods.streamingllm import StreamingLLM
-from workers.methods.topk import TopK, TopKExact, TopKExactPhi, TopKPhi
+from workers.methods.topk import TopK, TopKExact, TopKExactPhi, TopKPhi, TopKToken
 
 METHODS: dict[str, type[Method]] = {
     m.name: m
@@ -33,6 +33,7 @@ METHODS: dict[str, type[Method]] = {
         DoublePPhi,
         TopKExact,
         TopKExactPhi,
+        TopKToken,
         SnapKV,
         LookaheadKV,
         KVzip,

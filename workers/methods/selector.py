@@ -66,7 +66,7 @@ class Selection:
     ``tokens`` are distinct, so a single row reads ``counts.sum()``)."""
     scored: torch.Tensor | None = None
     """``[T, Hkv, s]`` distinct ids of mid tokens whose exact keys selection read (a superset of each row's
-    ``tokens``: the indexed Top-K's shortlist), or None where selection reads no prefix K/V per step."""
+    ``tokens``: ``topk-token``'s shortlist), or None where selection reads no prefix K/V per step."""
     index_bytes: torch.Tensor | int = 0
     """Bytes of summaries this selection read besides the tokens' K/V (Double-P: every centroid for stage 1,
     the exact clusters' token ids, the approximated clusters' centroid K/V rows), summed over rows."""

@@ -1,11 +1,14 @@
 """Top-K over the mid region: indexed (the product) and exhaustive (the accuracy oracle).
 
 ``topk`` scores every mid token on a resident low-bit key index (``key_index.py``, read once per
-generation), keeps a shortlist of ``SHORTLIST`` x k tokens, reads only the shortlist's exact keys
-to re-score it, and attends the K/V of the best k. Its per-step reads are the shortlist's keys
-plus the final tokens' values (and the anchors), so its total reads stay a small multiple of the
-budget. ``topk-exact`` computes every mid logit from exact keys held for the generation: the
-reference selection, at the cost of reading every mid key.
+generation) and attends the whole pages of the store holding the most estimated mass (k / page_size
+of them, ``select_pages``): a fetched step moves exactly those pages and the anchors', so the reads
+a page fetcher makes match the budget instead of pulling a whole page per scattered token.
+``topk-token`` picks single tokens: it keeps a shortlist of ``SHORTLIST`` x k tokens, reads only the
+shortlist's exact keys to re-score it, and attends the K/V of the best k (resident, its reads are a
+small multiple of the budget; fetched, each scattered token costs its whole page). ``topk-exact``
+computes every mid logit from exact keys held for the generation: the reference selection, at the
+cost of reading every mid key.
 """
 
 from __future__ import annotations
@@ -13,13 +16,15 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from workers.methods.base import Summarizer
-from workers.methods.key_index import KeyIndexSummarizer, dequantize_keys
+from workers.methods.key_index import KeyIndexSummarizer, index_logits
 from workers.methods.phi import PhiSummarizer
 from workers.methods.selector import LayerContext, Selection, Selector, group_mass, top_tokens
 from workers.methods.source import PrefixSource
 from workers.methods.sparse import SparseMethod
+from workers.pages import page_span
 from workers.requests import DecodeConfig
 
 SHORTLIST = 2
@@ -62,20 +67,32 @@ class IndexedTopKSelector(Selector):
     """Top-k by group attention mass: a first pass on the key index, exact re-scoring of a shortlist.
 
     ``index``: the ``KeyIndexSummarizer`` artifact (``"{layer}.codes"``, ``.lo``, ``.step``, ``"0.meta"``)
-    on the decode device.
+    on the decode device. With ``page_size`` it also picks whole pages (``select_pages``): the pages
+    holding the most of the index's estimated mass, so a fetched step moves only the budget's pages.
     """
 
-    def __init__(self, index: dict[str, torch.Tensor], shortlist: int = SHORTLIST):
+    def __init__(self, index: dict[str, torch.Tensor], shortlist: int = SHORTLIST, page_size: int | None = None):
         if shortlist < 1:
             raise ValueError(f"shortlist must be >= 1, got {shortlist}")
-        self.index, self.shortlist = index, shortlist
+        self.index, self.shortlist, self.page_size = index, shortlist, page_size
         self.bits, self.block = (int(x) for x in index["0.meta"][:2])
+
+    def select_pages(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, n: int) -> torch.Tensor:
+        """The ``n`` pages overlapping the mid region whose mid tokens hold the most group mass on the index
+        (each page's sum: the share of the estimated attention that attending it recovers)."""
+        assert self.page_size is not None
+        p = self.page_size
+        p0, p1 = page_span(ctx.lo, ctx.hi, p)
+        mass = group_mass(self.approx_logits(layer, ctx, q, scale))  # [T, Hkv, n_mid]
+        mass = F.pad(mass, (ctx.lo - p0 * p, p1 * p - ctx.hi))  # tokens of boundary pages outside the mid: 0
+        pages = mass.view(*mass.shape[:-1], p1 - p0, p).sum(-1)
+        return top_tokens(pages, n) + p0
 
     def approx_logits(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float) -> torch.Tensor:
         """Logits ``[T, Hkv, G, n_mid]`` (float32) of every mid token on the index."""
-        keys = dequantize_keys(self.index[f"{layer}.codes"], self.index[f"{layer}.lo"], self.index[f"{layer}.step"],
-                               self.bits, self.block, ctx.lo, ctx.hi)
-        return torch.einsum("thgd,hnd->thgn", q.float(), keys) * scale
+        logits = index_logits(q, self.index[f"{layer}.codes"], self.index[f"{layer}.lo"], self.index[f"{layer}.step"],
+                              self.bits, self.block, ctx.lo, ctx.hi)
+        return logits.mul_(scale)
 
     def select(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, k: int | None) -> Selection:
         """The shortlist's best ``k`` by exact group mass (normalized by the index's log-sum-exp over the whole
@@ -96,13 +113,23 @@ class IndexedTopKSelector(Selector):
 
 
 class TopK(SparseMethod):
-    """Sink/tail anchors + indexed Top-K over the mid region."""
+    """Sink/tail anchors + indexed Top-K over the mid region, in whole pages of the store."""
 
     name = "topk"
     summarizers: ClassVar[tuple[type[Summarizer], ...]] = (KeyIndexSummarizer,)
 
     def selector(self, source: PrefixSource, config: DecodeConfig) -> Selector:
-        """A Top-K selector over the stored key index."""
+        """A page-granular Top-K selector over the stored key index."""
+        return IndexedTopKSelector(source.artifact(KeyIndexSummarizer.name), page_size=source.layout.page_size)
+
+
+class TopKToken(TopK):
+    """Sink/tail anchors + token-granular indexed Top-K (shortlist re-scored on exact keys)."""
+
+    name = "topk-token"
+
+    def selector(self, source: PrefixSource, config: DecodeConfig) -> Selector:
+        """A token-granular Top-K selector over the stored key index."""
         return IndexedTopKSelector(source.artifact(KeyIndexSummarizer.name))
 
 
