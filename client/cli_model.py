@@ -32,6 +32,9 @@ METHOD_HELP = {
     "kvzip": "a compressed cache: the KV pairs the model attends most while repeating the document (--ratio)",
     "hybridkv": "kvzip scored on the model's calibrated top half of heads, the other heads pruned (--ratio)",
     "streamingllm": "a compressed cache of sink tokens plus the most recent ones (--ratio)",
+    "kvzip+quest": "kvzip's cache, plus per step the evicted pages whose key bounds score highest (--ratio, "
+                   "--budget: recalled fraction of the prefix per step)",
+    "hybridkv+quest": "hybridkv's cache, plus the evicted pages as for kvzip+quest (--ratio, --budget)",
 }
 """Every decode method (``workers.methods.registry.METHODS``; a test keeps the two in step) in one line each."""
 

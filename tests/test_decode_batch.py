@@ -51,8 +51,8 @@ def pids(worker: Worker) -> list[str]:
     return [worker.prefill(d).prefix_id for d in DOCS]
 
 
-# Lookahead needs a trained adapter, hybridkv a shipped head ranking: the random test model has neither.
-@pytest.mark.parametrize("method", sorted(set(METHODS) - NEEDS_ADAPTER - {"hybridkv"}))
+# Lookahead needs a trained adapter, hybridkv (and its recall tier) a shipped head ranking: the test model has neither.
+@pytest.mark.parametrize("method", sorted(set(METHODS) - NEEDS_ADAPTER - {"hybridkv", "hybridkv+quest"}))
 def test_batched_greedy_tokens_equal_one_at_a_time(worker: Worker, pids: list[str], method: str) -> None:
     compressed = method in compression_methods()
     budgets = [DecodeConfig(ratio=f) if compressed else DecodeConfig(budget=f) for f in (0.1, 0.25, 0.5)]
@@ -66,7 +66,7 @@ def test_batched_greedy_tokens_equal_one_at_a_time(worker: Worker, pids: list[st
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("method", sorted(set(METHODS) - NEEDS_ADAPTER - {"hybridkv"}))
+@pytest.mark.parametrize("method", sorted(set(METHODS) - NEEDS_ADAPTER - {"hybridkv", "hybridkv+quest"}))
 def test_batched_greedy_tokens_equal_one_at_a_time_on_cuda(store, tiny_model_dir, method: str) -> None:
     lm = load_model(str(tiny_model_dir), device="cuda", dtype="bfloat16", page_size=16, progress=False)
     worker = Worker(store, lm, progress=False)

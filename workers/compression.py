@@ -68,19 +68,26 @@ class Compressions:
         if manifest.artifact(name) is not None:
             return manifest
         pid = manifest.prefix_id
+        base = method.base_method()
+        if base is not None:  # built from the base's cache, which is ensured first (outside this build's lock)
+            manifest = self.ensure(manifest, base, ratio)
         with self._single_flight(pid, name):
             m = self.store.manifest(pid)
             if m.artifact(name) is not None:  # another request (or worker) built it while we waited
                 return m
             source = PrefixSource(self.store, m, self.lm.device)
             kv = [source.layer_kv(layer) for layer in range(m.layout.n_layers)]
-            scores = None
-            if method.needs_scores(ratio) and (sname := method.scores_name()) is not None:
-                m, scores = self._scores(m, method, sname, kv)
-            t0 = time.perf_counter()
-            lay = m.layout
-            keep = method.keep(scores, ratio, lay.n_layers, lay.n_kv_heads, m.n_tokens)
-            data = tensors_to_bytes(compact_cache(keep, kv))
+            if base is not None:
+                t0 = time.perf_counter()
+                tensors = method.derive(source.artifact(base.cache_name(ratio)), kv, m.layout.page_size)
+            else:
+                scores = None
+                if method.needs_scores(ratio) and (sname := method.scores_name()) is not None:
+                    m, scores = self._scores(m, method, sname, kv)
+                t0 = time.perf_counter()
+                lay = m.layout
+                tensors = compact_cache(method.keep(scores, ratio, lay.n_layers, lay.n_kv_heads, m.n_tokens), kv)
+            data = tensors_to_bytes(tensors)
             self.seconds["compact"] = time.perf_counter() - t0
             self.builds += 1
             return self.store.add_artifact(pid, name, data)

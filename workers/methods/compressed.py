@@ -58,6 +58,17 @@ class CompressionMethod(Method):
         """The compact-cache artifact at ``ratio``."""
         return cache_artifact(self.name, ratio, self.version)
 
+    def base_method(self) -> CompressionMethod | None:
+        """The method whose compact cache this one decodes and builds its own artifact from (None: it keeps its
+        own cache; the recall tier builds on KVzip's)."""
+        return None
+
+    def derive(self, cache: dict[str, torch.Tensor], kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+               page_size: int) -> dict[str, torch.Tensor]:
+        """This method's artifact from the base's compact ``cache`` and the prefix's layers (only where
+        ``base_method`` is set)."""
+        raise NotImplementedError(f"{self.name} builds on no other cache")
+
     def score(self, lm: LoadedModel, context_ids: Sequence[int],
               kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Query-agnostic scores ``[layers, kv_heads, n_tokens]`` float32 (only when ``scorer`` is set)."""
@@ -68,13 +79,17 @@ class CompressionMethod(Method):
              n_tokens: int) -> torch.Tensor:
         """Keep mask ``[layers, kv_heads, n_tokens]`` bool keeping about ``ratio`` of all KV pairs."""
 
-    def open(self, source: PrefixSource, config: DecodeConfig) -> PrefixAttention:
-        """Decode over the compact cache at the request's ratio (built beforehand by the worker)."""
+    def cache(self, source: PrefixSource, config: DecodeConfig) -> dict[str, torch.Tensor]:
+        """This method's artifact at the request's ratio (built beforehand by the worker)."""
         name = self.cache_name(self.ratio_of(config))
         if source.manifest.artifact(name) is None:
             raise InvalidInput(f"prefix {source.manifest.prefix_id} has no compressed cache {name!r} "
                                "(the worker builds it on first use)")
-        return CompressedPrefixAttention(source, source.artifact(name))
+        return source.artifact(name)
+
+    def open(self, source: PrefixSource, config: DecodeConfig) -> PrefixAttention:
+        """Decode over the compact cache at the request's ratio."""
+        return CompressedPrefixAttention(source, self.cache(source, config))
 
 
 def n_keep(ratio: float, total: int) -> int:

@@ -64,7 +64,7 @@ class MobaSelector(QuestSelector):
             self._stacked[key] = self.bounds[f"{layer}.kmean"][:, p0:p1].transpose(1, 2).contiguous()
         return self._stacked[key]
 
-    def _upper_bounds(self, layer: int, q: torch.Tensor, scale: float, p0: int, p1: int) -> torch.Tensor:
+    def upper_bounds(self, layer: int, q: torch.Tensor, scale: float, p0: int, p1: int) -> torch.Tensor:
         """Block scores ``[T, Hkv, G, p1 - p0]`` (float32): ``scale · q . mean(K_block)``, one matmul per KV head."""
         kb = self._bounds_t(layer, p0, p1)
         t, hkv, g, _ = q.shape

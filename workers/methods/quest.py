@@ -70,7 +70,7 @@ class QuestSelector(Selector):
             self._stacked[key] = torch.cat([kmax, kmin], dim=-1).transpose(1, 2).contiguous()
         return self._stacked[key]
 
-    def _upper_bounds(self, layer: int, q: torch.Tensor, scale: float, p0: int, p1: int) -> torch.Tensor:
+    def upper_bounds(self, layer: int, q: torch.Tensor, scale: float, p0: int, p1: int) -> torch.Tensor:
         """Upper-bound logits ``[T, Hkv, G, p1 - p0]`` (float32) of pages ``[p0, p1)``:
         ``[q⁺, q⁻] . [kmax; kmin]`` in one matmul per KV head."""
         kb = self._bounds_t(layer, p0, p1)
@@ -82,14 +82,14 @@ class QuestSelector(Selector):
     def select_pages(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, n: int) -> torch.Tensor:
         """The ``n`` pages overlapping ``[ctx.lo, ctx.hi)`` with the most upper-bound mass."""
         p0, p1 = page_span(ctx.lo, ctx.hi, self.page)
-        return top_tokens(group_mass(self._upper_bounds(layer, q, scale, p0, p1)), n) + p0
+        return top_tokens(group_mass(self.upper_bounds(layer, q, scale, p0, p1)), n) + p0
 
     def select(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, k: int | None) -> Selection:
         """Pages overlapping the mid region, ranked by upper-bound mass; their mid tokens are attended."""
         t, hkv = q.shape[0], q.shape[1]
         p = self.page
         p0, p1 = page_span(ctx.lo, ctx.hi, p)
-        ub = self._upper_bounds(layer, q, scale, p0, p1)
+        ub = self.upper_bounds(layer, q, scale, p0, p1)
         starts = torch.arange(p0, p1, device=q.device) * p
         sizes = (torch.clamp(starts + p, max=ctx.hi) - torch.clamp(starts, min=ctx.lo)).clamp_min(0)
         ranked = choose_units(group_mass(ub).reshape(t * hkv, -1), sizes=sizes,

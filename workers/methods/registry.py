@@ -15,6 +15,7 @@ from workers.methods.moba import Moba
 from workers.methods.phi import PhiSummarizer
 from workers.methods.phi_maps import FeatureMap
 from workers.methods.quest import Quest, QuestPhi
+from workers.methods.recall import HybridKVQuest, KVzipQuest, RecallTier
 from workers.methods.snapkv import SnapKV
 from workers.methods.sparse import SparseMethod
 from workers.methods.streamingllm import StreamingLLM
@@ -39,6 +40,8 @@ METHODS: dict[str, type[Method]] = {
         KVzip,
         HybridKV,
         StreamingLLM,
+        KVzipQuest,
+        HybridKVQuest,
     )
 }
 
@@ -57,8 +60,9 @@ def get_method(name: str, phi_map: FeatureMap | None = None, lookahead: Lookahea
     method = LookaheadKV(lookahead) if name == LookaheadKV.name else METHODS[name]()
     if phi_map is not None and isinstance(method, SparseMethod) and method.completion:
         method.feature_map = phi_map
-    if isinstance(method, HybridKV):
-        method.heads = head_scores
+    target = method.base if isinstance(method, RecallTier) else method
+    if isinstance(target, HybridKV):
+        target.heads = head_scores
     return method
 
 
