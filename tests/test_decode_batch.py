@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -148,6 +150,73 @@ def test_cancel_from_another_thread_stops_only_that_generation(endless_worker: W
     stop.close()
     assert len("".join(keep)) > 0
     assert w.store.leases(pid) == [] and w.engine.running() == 0
+
+
+class _Gate:
+    """A turn on the model that a test holds shut: steps wait at it until ``open``."""
+
+    def __init__(self) -> None:
+        self.opened, self.entered = threading.Event(), threading.Event()
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        self.entered.set()
+        assert self.opened.wait(10), "the test never opened the gate"
+        yield
+
+
+def test_a_generation_that_joins_while_a_step_waits_for_its_turn_rides_that_step(endless_worker: Worker) -> None:
+    """The step's generations are taken once the model is its own, not before waiting (a tenant's request that
+    opened meanwhile would otherwise wait out a whole step of the others first)."""
+    w = endless_worker
+    pid = w.prefill(DOCS[0]).prefix_id
+    gate = _Gate()
+    w.engine.turn = gate
+    x = w.generate(pid, QUERIES[0], SamplingParams(max_new_tokens=4))
+    y = w.generate(pid, QUERIES[1], SamplingParams(max_new_tokens=4))
+    tx = threading.Thread(target=next, args=(x,))
+    tx.start()
+    assert gate.entered.wait(10)  # x's first step waits for the model
+    ty = threading.Thread(target=next, args=(y,))
+    ty.start()
+    for _ in range(1000):
+        if w.engine.running() == 2:
+            break
+        threading.Event().wait(0.01)
+    assert w.engine.running() == 2  # y joined while x's step waited
+    gate.opened.set()
+    tx.join(10)
+    ty.join(10)
+    assert x._gen.batch_sizes[0] == 2  # that step served y too
+    assert "".join(x) + "".join(y) is not None
+
+
+def test_closing_a_finished_generation_does_not_wait_for_a_step_without_it(endless_worker: Worker) -> None:
+    """Under load one step follows another at once: a generation waiting for every running step to end before it
+    may leave would wait for several."""
+    w = endless_worker
+    pid = w.prefill(DOCS[0]).prefix_id
+    x = w.generate(pid, QUERIES[0], SamplingParams(max_new_tokens=2))
+    y = w.generate(pid, QUERIES[1], SamplingParams(max_new_tokens=400))
+    next(y)
+    while not x._gen.done:
+        next(x)
+    gate = _Gate()
+    w.engine.turn = gate
+    ty = threading.Thread(target=next, args=(y,))
+    ty.start()
+    assert gate.entered.wait(10)  # a step of y alone is under way (waiting for the model)
+    closed = threading.Event()
+    tx = threading.Thread(target=lambda: ("".join(x), closed.set()))
+    tx.start()
+    try:
+        assert closed.wait(5), "closing x waited for a step that does not use it"
+    finally:
+        gate.opened.set()
+        tx.join(10)
+        ty.join(10)
+        y.close()
+    assert w.engine.running() == 0
 
 
 def test_engine_config_is_checked() -> None:

@@ -113,6 +113,8 @@ class DecodeEngine:
         """Notified when a step ends (``close`` waits for the step that may be using its generation)."""
         self._running: deque[Generation] = deque()
         self._stepping = False
+        self._in_step: set[Generation] = set()
+        """The generations of the step running now (``close`` waits for it only when it uses its generation)."""
         self._memory = has_decaying_memory(lm.model.config)
         """Whether the model continues a decaying memory (its step also gets the segments' states)."""
 
@@ -132,8 +134,8 @@ class DecodeEngine:
     def close(self, gen: Generation) -> None:
         """Take a generation out for good (waits for a step that may be using it to end)."""
         with self._lock:
-            gen.cancelled = gen.cancelled or not gen.done
-            while self._stepping and gen in self._running:
+            gen.cancelled = gen.cancelled or not gen.done  # not runnable: no later step takes it
+            while gen in self._in_step:  # not every running step: under load one follows another at once
                 self._idle.wait()
             if gen in self._running:
                 self._running.remove(gen)
@@ -162,12 +164,13 @@ class DecodeEngine:
                     gen.waiting = False
                     continue
                 self._stepping = True
-                batch = self._take_batch()
+            batch: list[Generation] = []
             try:
-                self._step(batch)
+                batch = self._step()
             finally:
                 with self._lock:
                     self._stepping = False
+                    self._in_step = set()
                     self._wake_after_step(gen, batch)
 
     def _wake_after_step(self, stepper: Generation, batch: list[Generation]) -> None:
@@ -227,14 +230,22 @@ class DecodeEngine:
         return members, ids, positions, segments, rows
 
     @torch.inference_mode()
-    def _step(self, batch: list[Generation]) -> None:
-        if not batch:
-            return
+    def _step(self) -> list[Generation]:
+        """One step of the generations running when the model is ours (returns them)."""
         dev = self.lm.device
-        members, ids, positions, segments, rows = self._pack(batch)
         t0 = time.perf_counter()
+        batch: list[Generation] = []
+        members: list[Generation] = []
         try:
             with self.turn():
+                # Taken once the turn is ours, not before waiting for it: a generation that opened meanwhile
+                # (opening takes a turn too) rides this step rather than waiting out one taken without it.
+                with self._lock:
+                    batch = self._take_batch()
+                    self._in_step = set(batch)
+                if not batch:
+                    return batch
+                members, ids, positions, segments, rows = self._pack(batch)
                 step = StepBatch(segments)
                 hooks: dict[str, object] = {STEP_KWARG: step, **({MEMORY_KWARG: step} if self._memory else {})}
                 out = self.lm.model(input_ids=torch.tensor([ids], device=dev),
@@ -249,12 +260,14 @@ class DecodeEngine:
                 g = e.key
                 assert isinstance(g, Generation)
                 g.error = e.cause
-            return
+            return batch
         except BaseException as e:  # the model itself failed: every generation of the step fails
+            if not members:  # nothing was stepped (the turn itself failed): the stepper's caller sees it
+                raise
             with self._lock:
                 for g in members:
                     g.error = e
-            return
+            return batch
         seconds = time.perf_counter() - t0
         with self._lock:
             for g, s in zip(members, segments, strict=True):
@@ -271,6 +284,7 @@ class DecodeEngine:
             for g, token in zip(sampled, tokens, strict=True):
                 if g not in failed:
                     self._emit(g, token)
+        return batch
 
     def _queries_done(self, sampled: list[Generation]) -> set[Generation]:
         """Tell query-time caches whose query just went in (their first token is not out yet); returns the
