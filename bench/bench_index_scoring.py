@@ -14,14 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import statistics
 import subprocess
 import sys
-import time
+from pathlib import Path
 
 import torch
 
-from workers.methods.key_index import dequantize_keys, index_logits
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import timed  # noqa: E402
+from workers.methods.key_index import dequantize_keys, index_logits  # noqa: E402
 
 HKV, G, D, BLOCK = 8, 4, 128, 64
 
@@ -52,16 +54,8 @@ def one(path: str, n: int, reps: int, device: torch.device) -> dict[str, float]:
         return torch.einsum("thgd,hnd->thgn", q.float(), dequantize_keys(codes, lo, step, 4, BLOCK))
 
     base = _peak(device)
-    times = []
-    for _ in range(reps + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        call()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return {"s": statistics.median(times[1:]), "peak_tmp_bytes": _peak(device) - base}
+    seconds = timed(call, reps, device, warmup=1)
+    return {"s": seconds, "peak_tmp_bytes": _peak(device) - base}
 
 
 def main() -> None:

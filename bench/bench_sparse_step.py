@@ -2,7 +2,8 @@
 
 Llama-3.1-8B attention shape (8 KV heads x G=4, D=128), bf16, one query token, summaries
 built once. Prints per-method medians and the ratio to exact attention over the whole context
-(``dense_attention``) and to SDPA over it. Meant for a GPU (CUDA events); runs on CPU too.
+(``dense_attention``) and to SDPA over it. Meant for a GPU (CUDA events); runs on CPU too. The per-step
+selection methods only: compressed and query-time caches need a stored prefix (bench them through the worker).
 
     python3 bench/bench_sparse_step.py --ctx 32768 --budget 0.02
 """
@@ -10,32 +11,20 @@ built once. Prints per-method medians and the ratio to exact attention over the 
 from __future__ import annotations
 
 import argparse
-import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from workers.attention import dense_attention
-from workers.methods.memory import MemorySource
-from workers.methods.registry import METHODS, get_method
-from workers.requests import DecodeConfig
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def timed(fn, reps: int, device: torch.device) -> float:  # noqa: ANN001 - any callable
-    """Median seconds of ``fn()`` over ``reps`` runs (after 3 warm-ups)."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from bench.common import timed  # noqa: E402
+from workers.attention import dense_attention  # noqa: E402
+from workers.methods.memory import MemorySource  # noqa: E402
+from workers.methods.registry import METHODS, QUERY_TIME, compression_methods, get_method  # noqa: E402
+from workers.requests import DecodeConfig  # noqa: E402
 
 
 def main() -> None:
@@ -62,9 +51,9 @@ def main() -> None:
     print("| method | step ms | / dense_attention | / SDPA full | exact tokens/KV head |")
     print("| --- | --- | --- | --- | --- |")
     print(f"| full (dense_attention) | {full * 1e3:.3f} | 1.00 | {full / sdpa:.2f} | {args.ctx} |")
-    for name in sorted(METHODS):
-        if name == "full":
-            continue
+    # Compressed and query-time caches are built from a stored prefix and its query (the worker's path):
+    # not a per-step selection over in-memory K/V.
+    for name in sorted(set(METHODS) - set(compression_methods()) - QUERY_TIME - {"full"}):
         attn = get_method(name).open(src, DecodeConfig(budget=args.budget))
         attn.attend(0, q, scale)
         t = timed(lambda a=attn: a.attend(0, q, scale), args.reps, dev)

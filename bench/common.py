@@ -1,10 +1,16 @@
-"""What several benches share: the random models and documents they run, and dropping the OS page cache."""
+"""What several benches share: the random models and documents they run, timing a call, and dropping the OS page
+cache."""
 
 from __future__ import annotations
 
 import os
 import random
+import statistics
+import time
+from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 from lab.tiny_random import TinyLlamaSpec, build_tiny_llama
 from workers.model import LoadedModel, load_model
@@ -54,3 +60,19 @@ def load_random_model(spec: TinyLlamaSpec, work: Path, page_size: int = 16) -> L
                     dtype="bfloat16" if cuda else "float32", page_size=page_size, progress=False)
     lm.model.generation_config.eos_token_id = []
     return lm
+
+
+def timed(fn: Callable[[], object], reps: int, device: torch.device, warmup: int = 3) -> float:
+    """Median seconds of ``fn()`` over ``reps`` runs after ``warmup`` unmeasured ones (CUDA work synchronized)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
