@@ -11,6 +11,7 @@ from typing import Any
 
 from client.cli_store import store_client
 from store.errors import InvalidInput
+from workers.methods.compressed_names import PREFILL_SCORERS
 from workers.requests import LIMITS
 
 METHOD_HELP = {
@@ -65,7 +66,7 @@ def _model_client(args: argparse.Namespace, progress: bool = True) -> Any:
 def cmd_prefill(args: argparse.Namespace) -> dict[str, Any]:
     """Prefill a file (``-`` for stdin)."""
     text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text(encoding="utf-8")
-    h = _model_client(args).prefill(text)
+    h = _model_client(args).prefill(text, compress=tuple(args.compress or ()))
     if not args.json:
         print(f"{h.prefix_id}  {h.n_tokens} tokens  {'cached' if h.cached else 'stored'}")
     return {"prefix_id": h.prefix_id, "n_tokens": h.n_tokens, "cached": h.cached}
@@ -138,6 +139,9 @@ def add_model_commands(sub: Any, model_opts: argparse.ArgumentParser) -> None:
                        description="Run the model over a document once and store its KV cache; prints its prefix "
                                    "id (a second prefill of the same text is a cache hit).")
     s.add_argument("file", help="UTF-8 text file, or - for stdin")
+    s.add_argument("--compress", action="append", choices=PREFILL_SCORERS, metavar="METHOD",
+                   help=f"also compute this compression method's scores now ({', '.join(PREFILL_SCORERS)}; "
+                        "repeatable): a later --method METHOD at any --ratio skips the scoring pass")
     s.set_defaults(func=cmd_prefill)
     s = sub.add_parser("generate", parents=[model_opts], help="answer a query over a stored prefix",
                        formatter_class=fmt, epilog=_methods_epilog(),

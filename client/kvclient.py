@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -129,7 +129,7 @@ class EmbeddedBackend:
         if trained is not None and (n := len(worker.tokenize_document(req.document))) > trained:
             warnings.warn(f"the document has {n} tokens; model {worker.lm.name} was trained on up to {trained}: "
                           "answers beyond that length are unreliable", UsageWarning, stacklevel=3)
-        r = worker.prefill(req.document, tenant=self.config.tenant)
+        r = worker.prefill(req.document, tenant=self.config.tenant, compress=req.compress)
         return r.prefix_id, r.n_tokens, r.cached
 
     def generate(self, req: GenerateRequest, stats: GenerationStats) -> Iterator[str]:
@@ -227,15 +227,16 @@ class KVClient:
             raise InvalidInput("this client talks to a remote worker")
         return self.backend.worker
 
-    def prefill(self, document: str) -> PrefixHandle:
-        """Store a document's KV cache (a cache hit when it is already stored)."""
-        pid, n, cached = self.backend.prefill(PrefillRequest(document=document))
+    def prefill(self, document: str, *, compress: Sequence[str] = ()) -> PrefixHandle:
+        """Store a document's KV cache (a cache hit when it is already stored); ``compress`` names compression
+        methods (``kvzip``, ``hybridkv``) whose scores to compute now rather than on first use."""
+        pid, n, cached = self.backend.prefill(PrefillRequest(document=document, compress=tuple(compress)))
         self.last_prefix = PrefixHandle(pid, n, cached, self)
         return self.last_prefix
 
-    def prefill_file(self, path: str | Path) -> PrefixHandle:
+    def prefill_file(self, path: str | Path, *, compress: Sequence[str] = ()) -> PrefixHandle:
         """Prefill the UTF-8 text of a file."""
-        return self.prefill(Path(path).read_text(encoding="utf-8"))
+        return self.prefill(Path(path).read_text(encoding="utf-8"), compress=compress)
 
     def generate(self, query: str, prefix: PrefixHandle | str | None = None, *,
                  max_new_tokens: int = LIMITS.max_new_tokens_default, method: str = LIMITS.method_default,

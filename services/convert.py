@@ -74,8 +74,11 @@ def document_chunks(document: str) -> Iterator[pb.PrefillChunk]:
 
 
 def prefill_chunks(req: PrefillRequest) -> Iterator[pb.PrefillChunk]:
-    """A prefill request as the Prefill client stream."""
-    return document_chunks(req.document)
+    """A prefill request as the Prefill client stream (its options ride on the first chunk)."""
+    for i, chunk in enumerate(document_chunks(req.document)):
+        if i == 0:
+            chunk.compress.extend(req.compress)
+        yield chunk
 
 
 def generate_request_to_pb(req: GenerateRequest) -> pb.GenerateRequest:

@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.auth import (
@@ -55,6 +55,7 @@ from workers.requests import (
     GenerationStats,
     PrefillRequest,
     SamplingParams,
+    compress_names,
 )
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,16 @@ class PrefillBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     document: str
+    compress: list[str] = Field(default_factory=list, max_length=LIMITS.compress_max_count)
+    """Compression methods (kvzip, hybridkv) whose scores the worker computes right after storing the prefix."""
+
+    @field_validator("compress")
+    @classmethod
+    def _scorers(cls, names: list[str]) -> list[str]:
+        try:
+            return list(compress_names(names))
+        except InvalidInput as e:  # pydantic's 422 with the reason, like every other out-of-bounds field
+            raise ValueError(str(e)) from None
 
     @model_validator(mode="before")
     @classmethod

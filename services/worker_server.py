@@ -30,7 +30,7 @@ from workers.methods.registry import METHODS
 from workers.model import load_model
 from workers.model_source import default_device, default_dtype, default_model
 from workers.offload.config import add_offload_args, offload_from_args
-from workers.requests import LIMITS, GenerateRequest, GenerationStats
+from workers.requests import LIMITS, GenerateRequest, GenerationStats, PrefillRequest
 
 DEFAULT_MAX_DOCUMENT_BYTES = 64 << 20
 DECODE_SERVICE = "\x00decode"
@@ -65,22 +65,27 @@ class WorkerService(pb_grpc.WorkerServicer):
         """Assemble the streamed document and prefill it (a cache hit does no forward pass)."""
         with mapped_errors(context):
             tenant = tenant_of(context, self.keys)
-            document = self._read_document(request_iterator)
-            # One turn for the whole prefill: its forward pass is not split into steps.
+            req = self._read_request(request_iterator)
+            # One turn for the whole prefill (and the scores it asks for): its forward pass is not split into steps.
             with self.scheduler.admit(tenant) as ticket, self._cancelled_with(context, ticket), \
                     self.scheduler.turn(ticket):
-                r = self.worker.prefill(document, tenant=tenant)
+                r = self.worker.prefill(req.document, tenant=tenant, compress=req.compress)
             return pb.PrefillResponse(prefix_id=r.prefix_id, n_tokens=r.n_tokens, cached=r.cached)
         raise AssertionError("unreachable")
 
-    def _read_document(self, chunks: Iterator[pb.PrefillChunk]) -> str:
-        parts, size = [], 0
+    def _read_request(self, chunks: Iterator[pb.PrefillChunk]) -> PrefillRequest:
+        """The streamed document, and the options its first chunk carries."""
+        parts, size, compress = [], 0, None
         for chunk in chunks:
+            if compress is None:
+                compress = tuple(chunk.compress)
+            elif chunk.compress:
+                raise InvalidInput("compress goes on the first chunk only")
             size += len(chunk.text.encode())
             if size > self.limits.max_document_bytes:
                 raise TooLarge(f"document over {self.limits.max_document_bytes} bytes")
             parts.append(chunk.text)
-        return "".join(parts)
+        return PrefillRequest(document="".join(parts), compress=compress or ())
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateEvent]:
         """Stream the answer; stops at the next step when the client cancels or the deadline passes."""

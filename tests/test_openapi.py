@@ -65,4 +65,4 @@ def test_streaming_routes_declare_server_sent_events(schema: dict[str, Any]) -> 
 
 def test_prefill_body_has_no_file_path(schema: dict[str, Any]) -> None:
     body = schema["components"]["schemas"]["PrefillBody"]
-    assert set(body["properties"]) == {"document"} and body["required"] == ["document"]
+    assert set(body["properties"]) == {"document", "compress"} and body["required"] == ["document"]

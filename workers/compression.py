@@ -1,5 +1,8 @@
 """Building compressed caches of stored prefixes: once per (prefix, method, ratio), on first use.
 
+A prefill may also compute a method's scores right away (``ensure_scores``): the expensive pass then runs
+at prefill time and the first generation at any ratio only compacts.
+
 A generation with a compression method asks ``Compressions.ensure`` for its compact cache. Within one
 worker a per-artifact lock makes concurrent requests wait for one build (single flight); across
 workers the store's ``add_artifact`` keeps the first committed copy, and a later writer uses it. The
@@ -92,8 +95,22 @@ class Compressions:
             self.builds += 1
             return self.store.add_artifact(pid, name, data)
 
+    def ensure_scores(self, manifest: Manifest, method: CompressionMethod) -> Manifest:
+        """The prefix's manifest listing ``method``'s scores artifact (computed now if missing; unchanged for a
+        method that needs no scores). Used at prefill: later caches at any ratio skip the scoring pass."""
+        name = method.scores_name()
+        if name is None or manifest.artifact(name) is not None:
+            return manifest
+        m = self.store.manifest(manifest.prefix_id)
+        if m.artifact(name) is not None:
+            return m
+        source = PrefixSource(self.store, m, self.lm.device)
+        kv = [source.layer_kv(layer) for layer in range(m.layout.n_layers)]
+        return self._scores(m, method, name, kv, at_prefill=True)[0]
+
     def _scores(self, m: Manifest, method: CompressionMethod, name: str,
-                kv: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[Manifest, torch.Tensor]:
+                kv: list[tuple[torch.Tensor, torch.Tensor]], *,
+                at_prefill: bool = False) -> tuple[Manifest, torch.Tensor]:
         """The stored scores, computed and stored first when missing (single flight too)."""
         with self._single_flight(m.prefix_id, name):
             m = self.store.manifest(m.prefix_id)
@@ -101,8 +118,11 @@ class Compressions:
                 return m, bytes_to_tensors(self.store.artifact(m.prefix_id, name))[SCORES_KEY]
             ids = self._token_ids(m, kv)
             t0 = time.perf_counter()
-            PrefillProgress(enabled=self.progress).note(f"scoring prefix {m.prefix_id} for {method.name}")
-            scores = method.score(self.lm, ids, kv).float().cpu()
+            shown = PrefillProgress(enabled=self.progress)
+            if not at_prefill:  # a generation waits on it: say why, in a line that stays
+                shown.note(f"scoring prefix {m.prefix_id} for {method.name}")
+            with shown.scoring(method.name):
+                scores = method.score(self.lm, ids, kv).float().cpu()
             self.seconds["score"] = time.perf_counter() - t0
             self.scorings += 1
             m = self.store.add_artifact(m.prefix_id, name, tensors_to_bytes({SCORES_KEY: scores}))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +32,7 @@ from workers.own_kv import FIRST_STEPS, OwnKV
 from workers.prefill import DEFAULT_CHUNK, prefill_kv
 from workers.progress import PrefillProgress
 from workers.ratplus import has_decaying_memory
-from workers.requests import DecodeConfig, GenerationStats, SamplingParams
+from workers.requests import DecodeConfig, GenerationStats, SamplingParams, compress_names
 from workers.sampling import Sampler
 from workers.textstream import TextStream
 
@@ -108,18 +108,32 @@ class Worker:
                                  "(leave room for the query)")
         return ids
 
-    def prefill(self, document: str, tenant: str = DEFAULT_TENANT) -> PrefillResult:
-        """Store a document's KV and summaries unless an identical prefix exists (then no forward pass)."""
+    def prefill(self, document: str, tenant: str = DEFAULT_TENANT, *, compress: Sequence[str] = ()) -> PrefillResult:
+        """Store a document's KV and summaries unless an identical prefix exists (then no forward pass); then
+        the scores of each ``compress`` method (``PREFILL_SCORERS``) unless stored, so that a generation with it
+        at any ratio only builds its compact cache."""
+        scorers = [self._scorer(name) for name in compress_names(tuple(compress))]  # refused before any work
         ids = self.tokenize_document(document)
         key = self.prefix_key(ids, tenant)
         pid = key.prefix_id
         if (m := self.store.find(pid)) is not None:
-            return PrefillResult(prefix_id=pid, n_tokens=m.n_tokens, cached=True, manifest=self._with_tokens(m, ids))
-        with self._prefill_lock(pid):  # single flight across processes and hosts sharing the metadata
-            if (m := self.store.find(pid)) is not None:
-                return PrefillResult(prefix_id=pid, n_tokens=m.n_tokens, cached=True, manifest=m)
-            m = self._write_prefix(key, ids, tenant)
-        return PrefillResult(prefix_id=pid, n_tokens=len(ids), cached=False, manifest=m)
+            m, cached = self._with_tokens(m, ids), True
+        else:
+            with self._prefill_lock(pid):  # single flight across processes and hosts sharing the metadata
+                if (m := self.store.find(pid)) is not None:
+                    cached = True
+                else:
+                    m, cached = self._write_prefix(key, ids, tenant), False
+        for method in scorers:  # outside the prefill lock: scoring has its own single flight
+            m = self.compressions.ensure_scores(m, method)
+        return PrefillResult(prefix_id=pid, n_tokens=m.n_tokens, cached=cached, manifest=m)
+
+    def _scorer(self, name: str) -> CompressionMethod:
+        """The compression method ``name``, able to score this model's prefixes (HybridKV: its head ranking)."""
+        method = get_method(name, head_scores=self.lm.head_scores)
+        if not isinstance(method, CompressionMethod) or method.scores_name() is None:  # PREFILL_SCORERS drifted
+            raise InvalidInput(f"method {name!r} has no scores to compute at prefill")
+        return method
 
     def _with_tokens(self, m: Manifest, ids: list[int]) -> Manifest:
         """A cached prefix stored before token ids were kept gets them now (compression repeats them)."""

@@ -20,6 +20,11 @@ def _desc(phase: int) -> str:
     return f"prefill {phase + 1}/{len(PHASES)} {PHASES[phase]}"
 
 
+def scoring_desc(method: str) -> str:
+    """The label of a compression method's scoring pass (after a prefill that asks for it, or on first use)."""
+    return f"scoring for {method}"
+
+
 class PrefillProgress:
     """Progress bars (stderr) over one prefill's phases, one after the other; nothing when not enabled."""
 
@@ -40,12 +45,19 @@ class PrefillProgress:
             yield item
             self._layers.update(1)
 
-    @contextlib.contextmanager
-    def committing(self) -> Iterator[None]:
+    def committing(self) -> contextlib.AbstractContextManager[None]:
         """The last phase, which has no counts: its elapsed time redraws every ``TICK_S`` until the block ends."""
         if self._layers is not None:
             self._layers.close()
-        bar = tqdm(total=None, desc=_desc(2), bar_format="{desc}: {elapsed}", disable=not self.enabled, leave=False)
+        return self._ticking(_desc(2))
+
+    def scoring(self, method: str) -> contextlib.AbstractContextManager[None]:
+        """A compression method's scoring pass (no counts either: elapsed time, like ``committing``)."""
+        return self._ticking(scoring_desc(method))
+
+    @contextlib.contextmanager
+    def _ticking(self, desc: str) -> Iterator[None]:
+        bar = tqdm(total=None, desc=desc, bar_format="{desc}: {elapsed}", disable=not self.enabled, leave=False)
         done = threading.Event()
 
         def tick() -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from store.errors import InvalidInput
+from workers.methods.compressed_names import PREFILL_SCORERS
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
@@ -59,6 +60,8 @@ class RequestLimits:
     query_max_chars: int = 1 << 20
     method_max_chars: int = 64
     prefix_id_max_chars: int = 128
+    compress_max_count: int = len(PREFILL_SCORERS)
+    """Most methods one prefill may score up front (each at most once)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_new_tokens_default <= self.max_new_tokens_cap <= INT32_MAX:
@@ -210,24 +213,42 @@ class PrefillRequest:
     ``KVClient.prefill_file``)."""
 
     document: str
+    compress: tuple[str, ...] = ()
+    """Compression methods whose scores to compute right after the prefix is stored (``PREFILL_SCORERS``): a
+    later generation with one of them at any ratio then builds only its compact cache."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.document, str):
             raise InvalidInput("document must be a string")
+        _set(self, "compress", compress_names(self.compress))
 
     def to_json(self) -> dict[str, Any]:
         """The REST body (POST /v1/prefixes)."""
-        return {"document": self.document}
+        return {"document": self.document, **({"compress": list(self.compress)} if self.compress else {})}
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> PrefillRequest:
         """The request a REST body describes (unknown fields are errors; ``file_path`` is refused by name)."""
         if isinstance(body, Mapping) and "file_path" in body:
             raise InvalidInput(FILE_PATH_REFUSED)
-        _known_keys(body, ("document",))
+        _known_keys(body, ("document", "compress"))
         if body.get("document") is None:
             raise InvalidInput("document is required")
-        return cls(document=body["document"])
+        return cls(document=body["document"], compress=body.get("compress") or ())
+
+
+def compress_names(names: object) -> tuple[str, ...]:
+    """The methods a prefill scores up front, checked (each one of ``PREFILL_SCORERS``, duplicates dropped)."""
+    if isinstance(names, str) or not isinstance(names, (list, tuple)):
+        raise InvalidInput("compress must be a list of method names")
+    if len(names) > LIMITS.compress_max_count:
+        raise InvalidInput(f"compress names at most {LIMITS.compress_max_count} methods")
+    for name in names:
+        if name not in PREFILL_SCORERS:
+            hint = " (it needs no scores)" if name == "streamingllm" else ""
+            raise InvalidInput(f"compress: cannot score {_show(name)} at prefill{hint}; "
+                               f"choose from {', '.join(PREFILL_SCORERS)}")
+    return tuple(dict.fromkeys(names))
 
 
 FILE_PATH_REFUSED = ("file_path is not accepted: servers read no files for a caller; send the file's text as "

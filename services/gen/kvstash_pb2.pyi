@@ -217,10 +217,12 @@ class StoreStats(_message.Message):
     def __init__(self, n_prefixes: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., artifact_bytes: _Optional[int] = ...) -> None: ...
 
 class PrefillChunk(_message.Message):
-    __slots__ = ("text",)
+    __slots__ = ("text", "compress")
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    COMPRESS_FIELD_NUMBER: _ClassVar[int]
     text: str
-    def __init__(self, text: _Optional[str] = ...) -> None: ...
+    compress: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, text: _Optional[str] = ..., compress: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("prefix_id", "n_tokens", "cached")

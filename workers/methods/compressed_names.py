@@ -12,6 +12,10 @@ from dataclasses import dataclass
 
 RATIO_DECIMALS = 4
 """Ratios are rounded to this many decimals: 0.3 and 0.30001 name (and build) the same cache."""
+PREFILL_SCORERS = ("kvzip", "hybridkv")
+"""Methods whose query-agnostic scores a prefill may compute up front (``compress=``): the ones whose keep set
+comes from a scoring pass. StreamingLLM needs no scores (its cache builds in milliseconds on first use) and the
+recall tiers (``kvzip+quest``) reuse their base's scores, so naming the base is enough."""
 _CACHE = re.compile(r"^(?P<method>[a-z0-9_+-]+)\.r(?P<ratio>[0-9.]+)\.v(?P<version>[0-9]+)$")
 
 
