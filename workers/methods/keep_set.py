@@ -6,8 +6,8 @@ the generation's tiers when it has a page fetcher, so a hot prefix comes from th
 counted once, as the query step's reads: the scoring pass reuses the copy on the device);
 once the query is in (``query_done``), importance scores (the query's own attention for SnapKV,
 the lookahead tokens' for LookaheadKV) pick ``budget_tokens`` entries per KV head, the full layers
-are dropped, and every later step attends only the kept entries (copies on the device: no later fetch). Scores are per query head,
-max-pooled over positions and averaged over the GQA group (SnapKV's defaults).
+are dropped, and every later step attends only the kept entries (copies on the device: no later fetch).
+Scores are per query head, max-pooled over positions and averaged over the GQA group (SnapKV's defaults).
 """
 
 from __future__ import annotations
