@@ -236,3 +236,32 @@ def test_cuda_offloaded_greedy_equals_resident(tiny_model_dir: Path, tmp_path: P
     if warm and method != "doublep":
         assert off.extra["offload_device_plan_pages"] > 0 and off.extra["offload_ssd_pages"] == 0
     store.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_query_time_cache_reads_a_hot_prefix_from_the_host_tier(tiny_model_dir: Path, tmp_path: Path,
+                                                                    dtype: str) -> None:
+    """On the GPU: SnapKV's whole-layer reads through the pinned host tier (Triton gather into a one-off pool)
+    give the resident path's tokens, and a second question is served by the host tier."""
+    from store.config import StoreConfig
+    from workers.model import load_model
+
+    lm = load_model(str(tiny_model_dir), device="cuda", dtype=dtype, page_size=16, progress=False)
+    store = KVStore(StoreConfig(home=tmp_path / "home", page_size=16))
+    resident = Worker(store, lm, progress=False, offload=None)
+    pid = resident.prefill(DOC).prefix_id
+    lay = lm.layout
+    layer_pages = lay.n_layers * lay.n_kv_heads * lay.n_pages(store.manifest(pid).n_tokens)
+
+    def ask(w: Worker) -> GenerationStats:
+        st = GenerationStats()
+        list(w.generate(pid, QUERY, SamplingParams(max_new_tokens=NEW_TOKENS), method="snapkv",
+                        decode=DecodeConfig(budget_tokens=24), stats=st, raw=True))
+        return st
+
+    w = Worker(store, lm, progress=False, offload=_tiers(lm, layer_pages + 10, warm_host_fraction=0))
+    ref, first, again = ask(resident), ask(w), ask(w)
+    assert first.token_ids == again.token_ids == ref.token_ids
+    assert again.extra["offload_ssd_pages"] == 0 and again.extra["offload_host_pages"] == layer_pages
+    store.close()
