@@ -15,6 +15,7 @@ from workers.engine import Worker
 from workers.fingerprint import model_fingerprint
 from workers.lookahead_adapter import AdapterMismatch, LookaheadAdapter, LookaheadConfig, save_adapter
 from workers.model import LoadedModel, load_model
+from workers.offload import OffloadConfig
 from workers.requests import DecodeConfig, GenerationStats, SamplingParams
 
 CFG = LookaheadConfig(n_lookahead=6, rank=4, alpha=8.0)
@@ -108,3 +109,26 @@ def test_lookahead_serving(store, adapted_lm: LoadedModel) -> None:
     small = runs["lookahead", 24]
     assert small.prefix_tokens_per_step == [n * units] + [24 * units] * (small.steps - 1)
     assert small.extra["lookahead_tokens"] == CFG.n_lookahead and small.extra["kept_tokens_per_head"] == 24
+
+
+def test_lookahead_reads_a_hot_prefix_from_the_host_tier(store, adapted_lm: LoadedModel) -> None:
+    """The query step's (and the lookahead pass's) whole-layer reads go through the worker's tiers: a second
+    question over the same prefix is served by the host tier, with the tokens of the resident path."""
+    lay = adapted_lm.layout
+    resident = Worker(store, adapted_lm, progress=False, offload=None)
+    pid = resident.prefill(DOC).prefix_id
+    layer_pages = lay.n_layers * lay.n_kv_heads * lay.n_pages(store.manifest(pid).n_tokens)
+    tiers = OffloadConfig(host_cache_bytes=(layer_pages + 10) * lay.page_bytes, warm_host_fraction=0, io_threads=2)
+    offloaded = Worker(store, adapted_lm, progress=False, offload=tiers)
+
+    def ask(w: Worker) -> GenerationStats:
+        st = GenerationStats()
+        list(w.generate(pid, " What is the code?", SamplingParams(max_new_tokens=8), method="lookahead",
+                        decode=DecodeConfig(budget_tokens=24), stats=st))
+        return st
+
+    ref, first, again = ask(resident), ask(offloaded), ask(offloaded)
+    assert first.token_ids == again.token_ids == ref.token_ids
+    assert first.extra["offload_ssd_pages"] == layer_pages
+    assert again.extra["offload_ssd_pages"] == 0 and again.extra["offload_host_pages"] == layer_pages
+    assert again.bytes_fetched == ref.bytes_fetched and again.prefix_tokens_per_step == ref.prefix_tokens_per_step

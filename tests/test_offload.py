@@ -221,6 +221,27 @@ def test_gpu_budget_is_respected_and_overflow_is_a_clear_error(store: KVStore) -
         f.fetch(0, torch.tensor([[0, 1], [2, 3]]))
 
 
+def test_read_layer_is_the_stored_layer_and_leaves_the_page_cache_alone(store: KVStore) -> None:
+    """A whole-layer read (a query-time cache's query step) goes through the tiers into a one-off pool: the
+    bytes the store reads, the host tier filled for the next generation, the layer's GPU page cache untouched."""
+    m, kv = write_prefix(store, PAGE * 5 + 3)  # a partial last page
+    n_keys = HEADS * 6
+    tier = HostTier(page_bytes=m.layout.page_bytes, budget_bytes=LAYERS * n_keys * m.layout.page_bytes, pin=False)
+    with PageFetcher(store, m, "cpu", _cfg(2), tier) as f:  # the layer is 6x the layer's page cache
+        k, v = f.read_layer(1, step=0)
+        sk, sv = store.read_layer(m.prefix_id, 1)
+        assert torch.equal(k, sk) and torch.equal(v, sv) and torch.equal(k, kv[1][0]) and torch.equal(v, kv[1][1])
+        assert (f.stats.total.pages, f.stats.total.ssd_pages, f.stats.overflow_fetches) == (n_keys, n_keys, 0)
+        f.fetch(1, torch.tensor([[0], [5]]))  # the layer's own cache holds none of the read's pages
+        assert (f.stats.total.gpu_hits, f.stats.total.host_pages) == (0, 2)
+    with PageFetcher(store, m, "cpu", _cfg(2), tier) as f:  # the next generation: all from the host tier
+        k2, v2 = f.read_layer(1)
+        assert torch.equal(k2, k) and torch.equal(v2, v)
+        assert (f.stats.total.host_pages, f.stats.total.ssd_pages) == (n_keys, 0)
+    with PageFetcher(store, m, "cpu", _cfg(2)) as f, pytest.raises(InvalidInput, match="layer"):
+        f.read_layer(LAYERS)
+
+
 def test_host_tier_is_shared_across_generations_under_its_budget(store: KVStore) -> None:
     m, _ = write_prefix(store, PAGE * 12)
     m2, _ = write_prefix(store, PAGE * 12, seed=1)

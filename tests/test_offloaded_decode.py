@@ -122,6 +122,35 @@ def test_host_tier_is_shared_across_generations(stored, lm) -> None:
     assert again.extra["offload_ssd_pages"] == 0 and again.extra["offload_host_pages"] > 0
 
 
+def test_query_time_cache_reads_a_hot_prefix_from_the_host_tier(stored, lm, monkeypatch) -> None:
+    """SnapKV's query step reads whole layers through the tiers: a second question over the same prefix comes
+    from the host tier (no page-file read), with the tokens of the resident path."""
+    store, pid = stored
+    lay, n = lm.layout, store.manifest(pid).n_tokens
+    decode = DecodeConfig(budget_tokens=24)
+
+    def ask(w: Worker) -> GenerationStats:
+        st = GenerationStats()
+        list(w.generate(pid, QUERY, SamplingParams(max_new_tokens=NEW_TOKENS), method="snapkv", decode=decode,
+                        stats=st, raw=True))
+        return st
+
+    ref = ask(Worker(store, lm, progress=False, offload=None))
+    store_reads: list[int] = []
+    read_layer = store.read_layer
+    monkeypatch.setattr(store, "read_layer", lambda *a, **kw: store_reads.append(1) or read_layer(*a, **kw))
+    layer_pages = lay.n_layers * lay.n_kv_heads * lay.n_pages(n)
+    w = Worker(store, lm, progress=False, offload=_tiers(lm, layer_pages + 10, warm_host_fraction=0))
+    first, again = ask(w), ask(w)
+    assert first.token_ids == again.token_ids == ref.token_ids and len(ref.token_ids) >= 1
+    assert first.extra["offload_ssd_pages"] == layer_pages  # every layer once, from the page files
+    assert again.extra["offload_ssd_pages"] == 0 and again.extra["offload_host_pages"] == layer_pages
+    assert store_reads == []  # never the store's own whole-layer read
+    # the reads stay counted as before: the prefix once (by the query step), then the kept entries
+    assert again.bytes_fetched == ref.bytes_fetched
+    assert again.prefix_tokens_per_step == ref.prefix_tokens_per_step
+
+
 @pytest.mark.parametrize("method", [m for m in FETCHING if m != "full"])
 def test_device_planned_fetch_of_a_warm_prefix_equals_resident(stored, resident, lm, method: str) -> None:
     """A prefix that fits the host tier is warmed whole; steps are then fetched through the device-planned
@@ -206,4 +235,33 @@ def test_cuda_offloaded_greedy_equals_resident(tiny_model_dir: Path, tmp_path: P
     assert off.token_ids == ref.token_ids and off.extra["offload_pages_requested"] > 0
     if warm and method != "doublep":
         assert off.extra["offload_device_plan_pages"] > 0 and off.extra["offload_ssd_pages"] == 0
+    store.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_query_time_cache_reads_a_hot_prefix_from_the_host_tier(tiny_model_dir: Path, tmp_path: Path,
+                                                                    dtype: str) -> None:
+    """On the GPU: SnapKV's whole-layer reads through the pinned host tier (Triton gather into a one-off pool)
+    give the resident path's tokens, and a second question is served by the host tier."""
+    from store.config import StoreConfig
+    from workers.model import load_model
+
+    lm = load_model(str(tiny_model_dir), device="cuda", dtype=dtype, page_size=16, progress=False)
+    store = KVStore(StoreConfig(home=tmp_path / "home", page_size=16))
+    resident = Worker(store, lm, progress=False, offload=None)
+    pid = resident.prefill(DOC).prefix_id
+    lay = lm.layout
+    layer_pages = lay.n_layers * lay.n_kv_heads * lay.n_pages(store.manifest(pid).n_tokens)
+
+    def ask(w: Worker) -> GenerationStats:
+        st = GenerationStats()
+        list(w.generate(pid, QUERY, SamplingParams(max_new_tokens=NEW_TOKENS), method="snapkv",
+                        decode=DecodeConfig(budget_tokens=24), stats=st, raw=True))
+        return st
+
+    w = Worker(store, lm, progress=False, offload=_tiers(lm, layer_pages + 10, warm_host_fraction=0))
+    ref, first, again = ask(resident), ask(w), ask(w)
+    assert first.token_ids == again.token_ids == ref.token_ids
+    assert again.extra["offload_ssd_pages"] == 0 and again.extra["offload_host_pages"] == layer_pages
     store.close()

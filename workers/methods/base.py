@@ -77,7 +77,8 @@ class Method(abc.ABC):
     name: ClassVar[str]
     summarizers: ClassVar[tuple[type[Summarizer], ...]] = ()
     fetches_pages: ClassVar[bool] = False
-    """Whether it reads the prefix through ``PrefixSource.layer`` (so a page fetcher serves it per step)."""
+    """Whether it reads the prefix through ``PrefixSource.layer`` (so a page fetcher serves it per step) or
+    ``PrefixSource.whole_layer`` (the tiers serve its whole-layer reads): the worker then opens a fetcher."""
 
     @abc.abstractmethod
     def open(self, source: PrefixSource, config: DecodeConfig) -> PrefixAttention:

@@ -1,12 +1,13 @@
 """A query-time cache: the prefix entries a scoring pass keeps per KV head, attended for the rest of a generation.
 
 SnapKV and LookaheadKV both run in two phases over a stored prefix. While the query is fed, its
-tokens attend the whole prefix exactly (each layer's K/V read once through the ``PrefixSource``, and
+tokens attend the whole prefix exactly (each layer's K/V read once through the ``PrefixSource``: through
+the generation's tiers when it has a page fetcher, so a hot prefix comes from the pinned host tier, and
 counted once, as the query step's reads: the scoring pass reuses the copy on the device);
 once the query is in (``query_done``), importance scores (the query's own attention for SnapKV,
 the lookahead tokens' for LookaheadKV) pick ``budget_tokens`` entries per KV head, the full layers
-are dropped, and every later step attends only the kept entries. Scores are per query head,
-max-pooled over positions and averaged over the GQA group (SnapKV's defaults).
+are dropped, and every later step attends only the kept entries (copies on the device: no later fetch).
+Scores are per query head, max-pooled over positions and averaged over the GQA group (SnapKV's defaults).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from workers.kernels.dense_attention import dense_attention
 from workers.methods.base import ReadReport, mid_range
 from workers.methods.reads import KV_ONCE, ReadCounter
 from workers.methods.source import PrefixSource
+from workers.methods.sparse import offload_counters
 
 if TYPE_CHECKING:
     from workers.own_kv import OwnKV
@@ -107,8 +109,8 @@ class QueryTimeAttention:
     def layer_full(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A layer's whole K/V, read through the source on first use (counted by the step that attends it, or
         once as prefix K/V at ``query_done`` when no step did)."""
-        if layer not in self.full:
-            self.full[layer] = self.source.layer_kv(layer)
+        if layer not in self.full:  # filed under the step being fed (the query's, or its last at scoring)
+            self.full[layer] = self.source.whole_layer(layer, step=max(0, self.counter.steps - 1))
             self.uncounted.add(layer)
         return self.full[layer]
 
@@ -150,5 +152,9 @@ class QueryTimeAttention:
         self.counter.info["kept_tokens_per_head"] = float(next(iter(kept.values()))[0].shape[1])
 
     def read_report(self) -> ReadReport:
-        """The whole prefix per step while the query was fed, the kept entries per step after."""
-        return self.counter.report()
+        """The whole prefix per step while the query was fed, the kept entries per step after (tokens, as
+        without a fetcher; the ``offload_*`` counters say which tiers the whole-layer reads came from)."""
+        report = self.counter.report()
+        if (fetcher := self.source.fetcher) is not None:
+            report.extra.update(offload_counters(fetcher, None, len(report.tokens_per_step)))
+        return report

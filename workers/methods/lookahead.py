@@ -80,6 +80,7 @@ class LookaheadKV(Method):
     """A query-time cache of ``budget_tokens`` entries per KV head, chosen by trained lookahead tokens."""
 
     name = "lookahead"
+    fetches_pages = True  # its query step's whole-layer reads go through the worker's tiers
 
     def __init__(self, lookahead: LookaheadModel | None = None):
         self.lookahead = lookahead

@@ -43,6 +43,11 @@ class ReadCounter:
         self.info: dict[str, float] = {}
 
     @property
+    def steps(self) -> int:
+        """Steps begun so far."""
+        return len(self._tokens)
+
+    @property
     def key_bytes(self) -> int:
         """Bytes of one token's key of one KV head (half of ``token_bytes``)."""
         return self.token_bytes // 2

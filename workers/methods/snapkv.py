@@ -24,6 +24,7 @@ class SnapKV(Method):
     """A query-time cache of ``budget_tokens`` entries per KV head, chosen by the query's attention."""
 
     name = "snapkv"
+    fetches_pages = True  # its query step's whole-layer reads go through the worker's tiers
 
     def open(self, source: PrefixSource, config: DecodeConfig) -> PrefixAttention:
         """State for one generation (the prefix is read when the query first attends it)."""

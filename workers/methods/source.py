@@ -56,6 +56,15 @@ class PrefixSource:
         self.bytes_read += 2 * k.numel() * k.element_size()
         return k.to(self.device), v.to(self.device)
 
+    def whole_layer(self, layer: int, *, step: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer_kv``, but through the generation's tiers when it has a fetcher (the pinned host tier, shared
+        across generations, serves a hot prefix; counted in the fetcher's stats under ``step``)."""
+        if self.fetcher is None:
+            return self.layer_kv(layer)
+        k, v = self.fetcher.read_layer(layer, step=step)
+        self.bytes_read += 2 * k.numel() * k.element_size()
+        return k, v
+
     def last_token_kv(self) -> torch.Tensor:
         """``[layers, 2, kv_heads, head_dim]`` on the device: every layer's K and V of the prefix's last token
         (one page per layer and KV head read, checked like any page)."""

@@ -122,6 +122,21 @@ class PageFetcher:
         with self.stats.timed("fetch", self.device):
             return self._fetch_keys(layer, self._token_keys(tokens, counts), step=step, overflow=overflow)
 
+    def read_layer(self, layer: int, *, step: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """All of ``layer``'s K, V ``[Hkv, N, D]`` on the device, every page fetched through the tiers.
+
+        The pages go to a one-off pool, not the layer's GPU page cache: a whole-layer read (a query-time
+        cache's query step) must not stay on the device after its caller drops it, nor evict the pages
+        per-step fetches reuse. ``step``: as for ``fetch``.
+        """
+        lay = self.layout
+        with self.stats.timed("fetch", self.device):
+            cache = self._one_off_cache(self.n_keys)
+            res = self._fetch_keys(layer, np.arange(self.n_keys, dtype=np.int64), step=step, cache=cache)
+            tokens = torch.arange(self.n_tokens, device=self.device).expand(lay.n_kv_heads, -1)
+            rows = res.token_rows(tokens)  # every page was fetched: all rows valid
+            return cache.k[rows], cache.v[rows]
+
     def set_extra_rows(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Per-head extra entries ``[Hkv, M, D]`` (e.g. Double-P centroids) in ``layer``'s pools."""
         self._wait_own()
@@ -207,12 +222,16 @@ class PageFetcher:
         return self._layers[layer]
 
     def _fetch_keys(self, layer: int, keys: np.ndarray, lin: np.ndarray | None = None, *,
-                    step: int | None = None, overflow: bool = False) -> FetchResult:
+                    step: int | None = None, overflow: bool = False, cache: LayerCache | None = None) -> FetchResult:
         """Make sorted unique linear keys resident; ``lin`` (request order, -1 padding) -> result rows.
 
+        ``cache``: a one-off pool to fill instead of the layer's GPU page cache (it must hold every key).
         Any failure empties the layer's cache before it propagates: nothing half-written is served.
         """
-        cache = self._layer(layer)
+        if cache is None:
+            cache = self._layer(layer)
+        elif not 0 <= layer < self.layout.n_layers:
+            raise InvalidInput(f"layer {layer} out of range [0, {self.layout.n_layers})")
         if keys.size > cache.n_slots and overflow:
             cache = self._overflow_cache(layer, int(keys.size))
         elif keys.size > cache.n_slots:
@@ -250,11 +269,16 @@ class PageFetcher:
         st.record(step, counts)
         return cache.result(dev[-1].view(self.layout.n_kv_heads, -1) if lin is not None else None)
 
+    def _one_off_cache(self, n_slots: int) -> LayerCache:
+        """An empty cache of ``n_slots`` for one fetch (dropped with its result)."""
+        lay = self.layout
+        return LayerCache(n_slots=n_slots, n_heads=lay.n_kv_heads, n_pages=self.n_pages, n_tokens=self.n_tokens,
+                          page_size=lay.page_size, head_dim=lay.head_dim, dtype=lay.torch_dtype, device=self.device)
+
     def _overflow_cache(self, layer: int, n_slots: int) -> LayerCache:
         """A one-off cache of ``n_slots`` for one oversized fetch, with the layer's extra entries."""
         main, lay = self._layer(layer), self.layout
-        tmp = LayerCache(n_slots=n_slots, n_heads=lay.n_kv_heads, n_pages=self.n_pages, n_tokens=self.n_tokens,
-                         page_size=lay.page_size, head_dim=lay.head_dim, dtype=lay.torch_dtype, device=self.device)
+        tmp = self._one_off_cache(n_slots)
         if main.n_extra:
             base = main.n_slots * lay.page_size
             shape = (lay.n_kv_heads, main.n_extra, lay.head_dim)

@@ -1,0 +1,122 @@
+"""Time to first token of the query-time caches (SnapKV, LookaheadKV) against full attention on the CPU.
+
+Through ``Worker.generate`` on the shipped model (``models/kvstash-tiny``, float32, with its trained
+``lookahead.safetensors``): a generated long-context document (lab/synth, ``niah_single``) is prefilled
+at each ``--ctx``, then the same question is asked with ``max_new_tokens=1`` by each method, the
+methods interleaved round by round (``--rounds``) so a shared machine's load hits them alike. TTFT is
+the wall time of that whole one-token generation (open, the query's forward, the keep-set scoring
+pass, the first sample, close); the table gives the median and its ratio to full at the same length.
+
+With the worker's default offload config the query-time caches read the prefix through the tiers:
+after the warm-up question the prefix is hot in the pinned host tier (``host pages`` vs ``ssd pages``
+of the last round say where the reads came from). ``--offload none``: each layer read from the page
+files at every question.
+
+    python3 bench/bench_query_time_ttft.py                 # 4k and 8k
+    python3 bench/bench_query_time_ttft.py --quick         # smoke run (1k, one round)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from lab.synth.context import SynthContext  # noqa: E402
+from lab.synth.registry import generate as synth  # noqa: E402
+from store.config import StoreConfig  # noqa: E402
+from store.kvstore import KVStore  # noqa: E402
+from workers.engine import Worker  # noqa: E402
+from workers.model import load_model  # noqa: E402
+from workers.model_source import SHIPPED_MODEL_NAME, SHIPPED_MODELS_DIR  # noqa: E402
+from workers.requests import DecodeConfig, GenerationStats, SamplingParams  # noqa: E402
+
+TASK = "niah_single"
+METHODS = ("full", "snapkv", "lookahead")
+
+
+def first_token(worker: Worker, pid: str, query: str, method: str, budget_tokens: int) -> tuple[float, GenerationStats]:
+    """Seconds of a one-token generation, and its stats."""
+    st = GenerationStats()
+    decode = DecodeConfig(budget_tokens=None if method == "full" else budget_tokens)
+    t0 = time.perf_counter()
+    list(worker.generate(pid, query, SamplingParams(max_new_tokens=1), method=method, raw=True, decode=decode,
+                         stats=st))
+    return time.perf_counter() - t0, st
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ctx", type=int, nargs="+", default=[4096, 8192])
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--budget-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=5, help="questions per method (interleaved); median of all")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--offload", choices=("default", "none"), default="default",
+                   help="the worker's default offload config (whole-layer reads through the tiers), or none")
+    p.add_argument("--home", type=Path, default=None, help="store directory (reused across runs; default: temp)")
+    p.add_argument("--quick", action="store_true", help="smoke run: 1k tokens, one round")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    if args.quick:
+        args.ctx, args.rounds = [1024], 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    home = args.home or Path(tempfile.mkdtemp(prefix="kvstash-ttft-bench-"))
+    lm = load_model(str(SHIPPED_MODELS_DIR / SHIPPED_MODEL_NAME), device="cpu", dtype="float32", progress=False)
+    if "lookahead" in args.methods and lm.lookahead is None:
+        raise SystemExit(f"{SHIPPED_MODEL_NAME} has no lookahead.safetensors: leave out --methods lookahead")
+    store = KVStore(StoreConfig(home=home, page_size=lm.layout.page_size))
+    worker = Worker(store, lm, progress=False, **({"offload": None} if args.offload == "none" else {}))
+    ctx = SynthContext(tokenizer=lm.tokenizer, split="eval")
+    print(f"cpu, {torch.get_num_threads()} threads; model {SHIPPED_MODEL_NAME} ({lm.layout.n_layers} layers, "
+          f"{lm.layout.n_kv_heads} KV heads, D={lm.layout.head_dim}); budget {args.budget_tokens} tokens; "
+          f"{args.rounds} rounds; offload {args.offload}", flush=True)
+    results: dict[int, dict[str, dict]] = {}
+    for n_ctx in args.ctx:
+        sample = synth(TASK, n_ctx, seed=7, ctx=ctx)
+        t0 = time.perf_counter()
+        pre = worker.prefill(sample.document)
+        print(f"[{n_ctx}] prefix {pre.n_tokens} tokens ({'cached' if pre.cached else 'prefilled'} in "
+              f"{time.perf_counter() - t0:.1f} s)", flush=True)
+        for m in args.methods:  # warm-up: first-use costs, and the prefix hot in the host tier
+            first_token(worker, pre.prefix_id, sample.query, m, args.budget_tokens)
+        times: dict[str, list[float]] = {m: [] for m in args.methods}
+        last: dict[str, GenerationStats] = {}
+        for _ in range(args.rounds):
+            for m in args.methods:
+                s, last[m] = first_token(worker, pre.prefix_id, sample.query, m, args.budget_tokens)
+                times[m].append(s)
+        results[n_ctx] = {m: {"ttft_ms": 1e3 * statistics.median(times[m]), "all_ms": [1e3 * t for t in times[m]],
+                              "host_pages": last[m].extra.get("offload_host_pages", 0.0),
+                              "ssd_pages": last[m].extra.get("offload_ssd_pages", 0.0),
+                              "token": last[m].token_ids} for m in args.methods}
+    print("\n| method | " + " | ".join(f"{c // 1024}k TTFT ms | {c // 1024}k vs full | {c // 1024}k host/ssd pages"
+                                      for c in args.ctx) + " |")
+    print("|---|" + "---|---|---|" * len(args.ctx))
+    for m in args.methods:
+        cells = []
+        for c in args.ctx:
+            r = results[c]
+            base = r["full"]["ttft_ms"] if "full" in r else float("nan")
+            cells.append(f"{r[m]['ttft_ms']:.0f} | {r[m]['ttft_ms'] / base:.2f} | "
+                         f"{r[m]['host_pages']:.0f}/{r[m]['ssd_pages']:.0f}")
+        print(f"| {m} | " + " | ".join(cells) + " |")
+    if args.json:
+        args.json.write_text(json.dumps({"budget_tokens": args.budget_tokens, "threads": torch.get_num_threads(),
+                                         "offload": args.offload, "results": {str(c): r for c, r in results.items()}},
+                                        indent=2))
+    store.close()
+
+
+if __name__ == "__main__":
+    main()
