@@ -9,7 +9,9 @@ over the same steps (every prefix token's K and V, per layer and KV head, per st
   and the exact keys selection read (``topk-token``'s shortlist beyond the tokens attended, K
   only) and the summary bytes selection scans or attends per step (Double-P's centroids, its
   exact clusters' token ids); with a page fetcher, instead, the whole pages the step requested from the tiers (GPU
-  page cache hits included), since those are what moved;
+  page cache hits included), since those are what moved (query-time caches, SnapKV and LookaheadKV, count
+  their query step's whole-layer read in tokens: every token of the prefix, the same bytes as its pages but
+  for a partial last page);
 - once per generation: every summary and index read at open (Quest's page bounds, the key index,
   Double-P's clusters, the φ cache) and prefix K/V a selector holds (``topk-exact``'s keys).
 
