@@ -31,13 +31,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from lab.synth.context import SynthContext  # noqa: E402
-from lab.synth.registry import generate as synth  # noqa: E402
-from store.config import StoreConfig  # noqa: E402
-from store.kvstore import KVStore  # noqa: E402
+from bench.common import prefilled_sample, shipped_cpu_worker  # noqa: E402
 from workers.engine import Worker  # noqa: E402
-from workers.model import load_model  # noqa: E402
-from workers.model_source import SHIPPED_MODEL_NAME, SHIPPED_MODELS_DIR  # noqa: E402
+from workers.model_source import SHIPPED_MODEL_NAME  # noqa: E402
 from workers.requests import DecodeConfig, GenerationStats, SamplingParams  # noqa: E402
 
 TASK = "niah_single"
@@ -72,22 +68,13 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     home = args.home or Path(tempfile.mkdtemp(prefix="kvstash-ttft-bench-"))
-    lm = load_model(str(SHIPPED_MODELS_DIR / SHIPPED_MODEL_NAME), device="cpu", dtype="float32", progress=False)
-    if "lookahead" in args.methods and lm.lookahead is None:
+    worker, store = shipped_cpu_worker(home, args.offload)
+    if "lookahead" in args.methods and worker.lm.lookahead is None:
         raise SystemExit(f"{SHIPPED_MODEL_NAME} has no lookahead.safetensors: leave out --methods lookahead")
-    store = KVStore(StoreConfig(home=home, page_size=lm.layout.page_size))
-    worker = Worker(store, lm, progress=False, **({"offload": None} if args.offload == "none" else {}))
-    ctx = SynthContext(tokenizer=lm.tokenizer, split="eval")
-    print(f"cpu, {torch.get_num_threads()} threads; model {SHIPPED_MODEL_NAME} ({lm.layout.n_layers} layers, "
-          f"{lm.layout.n_kv_heads} KV heads, D={lm.layout.head_dim}); budget {args.budget_tokens} tokens; "
-          f"{args.rounds} rounds; offload {args.offload}", flush=True)
+    print(f"budget {args.budget_tokens} tokens; {args.rounds} rounds", flush=True)
     results: dict[int, dict[str, dict]] = {}
     for n_ctx in args.ctx:
-        sample = synth(TASK, n_ctx, seed=7, ctx=ctx)
-        t0 = time.perf_counter()
-        pre = worker.prefill(sample.document)
-        print(f"[{n_ctx}] prefix {pre.n_tokens} tokens ({'cached' if pre.cached else 'prefilled'} in "
-              f"{time.perf_counter() - t0:.1f} s)", flush=True)
+        sample, pre = prefilled_sample(worker, TASK, n_ctx)
         for m in args.methods:  # warm-up: first-use costs, and the prefix hot in the host tier
             first_token(worker, pre.prefix_id, sample.query, m, args.budget_tokens)
         times: dict[str, list[float]] = {m: [] for m in args.methods}

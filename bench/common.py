@@ -12,8 +12,15 @@ from pathlib import Path
 
 import torch
 
+from lab.synth.context import SynthContext
+from lab.synth.registry import generate as synth
+from lab.synth.sample import Sample
 from lab.tiny_random import TinyLlamaSpec, build_tiny_llama
+from store.config import StoreConfig
+from store.kvstore import KVStore
+from workers.engine import PrefillResult, Worker
 from workers.model import LoadedModel, load_model
+from workers.model_source import SHIPPED_MODEL_NAME, SHIPPED_MODELS_DIR
 
 QUICK_SPEC = TinyLlamaSpec(hidden_size=64, intermediate_size=128, n_layers=2, n_heads=4, n_kv_heads=2,
                            max_positions=4096, init_range=0.02)
@@ -76,3 +83,24 @@ def timed(fn: Callable[[], object], reps: int, device: torch.device, warmup: int
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def shipped_cpu_worker(home: Path, offload: str = "default") -> tuple[Worker, KVStore]:
+    """A worker on the CPU over the shipped model (float32) with a store in ``home``; ``offload="none"`` reads
+    each layer from the page files instead of through the worker's page tiers. Prints what it runs."""
+    lm = load_model(str(SHIPPED_MODELS_DIR / SHIPPED_MODEL_NAME), device="cpu", dtype="float32", progress=False)
+    store = KVStore(StoreConfig(home=home, page_size=lm.layout.page_size))
+    worker = Worker(store, lm, progress=False, **({"offload": None} if offload == "none" else {}))
+    print(f"cpu, {torch.get_num_threads()} threads; model {SHIPPED_MODEL_NAME} ({lm.layout.n_layers} layers, "
+          f"{lm.layout.n_kv_heads} KV heads, D={lm.layout.head_dim}); offload {offload}", flush=True)
+    return worker, store
+
+
+def prefilled_sample(worker: Worker, task: str, n_ctx: int, seed: int = 7) -> tuple[Sample, PrefillResult]:
+    """A synthetic ``task`` sample of about ``n_ctx`` tokens (eval split), its document prefilled (or found)."""
+    sample = synth(task, n_ctx, seed=seed, ctx=SynthContext(tokenizer=worker.lm.tokenizer, split="eval"))
+    t0 = time.perf_counter()
+    pre = worker.prefill(sample.document)
+    print(f"[{n_ctx}] prefix {pre.n_tokens} tokens ({'cached' if pre.cached else 'prefilled'} in "
+          f"{time.perf_counter() - t0:.1f} s)", flush=True)
+    return sample, pre
