@@ -95,7 +95,7 @@ class _OverQuota(KVStashError):
 def test_typed_errors_keep_their_http_status_across_grpc(system: System, monkeypatch: pytest.MonkeyPatch,
                                                          error: KVStashError, status: int) -> None:
     """Both are RESOURCE_EXHAUSTED on the wire; the trailer tells the gateway and clients which."""
-    def refuse(self: Worker, document: str, tenant: str = "default") -> None:
+    def refuse(self: Worker, document: str, tenant: str = "default", **options: object) -> None:
         raise error
 
     monkeypatch.setattr(Worker, "prefill", refuse)
