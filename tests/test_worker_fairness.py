@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 import time
 from collections.abc import Iterator
@@ -34,7 +35,8 @@ def stub(endless_worker: Worker):
     server, _ = build_worker_server(endless_worker, cfg, KEYS, scheduling=scheduling)
     server.start()
     yield pb_grpc.WorkerStub(grpc.insecure_channel(cfg.address))
-    server.stop(0)
+    server.stop(0).wait(30)
+    gc.collect()  # streams the stop abandoned let go of their leases now, while the store is still open
 
 
 def _prefill(stub: pb_grpc.WorkerStub, md: list[tuple[str, str]]) -> str:
