@@ -39,7 +39,7 @@ from store.errors import (
     StoreUnavailable,
 )
 from store.layout import KVLayout
-from store.limits import MAX_ARTIFACTS, check_holder, check_text, check_write, max_artifact_bytes
+from store.limits import MAX_ARTIFACTS, check_holder, check_text, check_write, max_added_artifact_bytes
 from store.locks import file_lock, try_file_lock
 from store.manifest import ArtifactInfo, Manifest
 from store.metadata import Lease, MetadataBackend, PrefixUsage, lease_prefix, prefix_bytes
@@ -245,9 +245,12 @@ class KVStore:
             m = self.manifest(prefix_id)
             if m.artifact(name) is not None:
                 return m
-            cap = max_artifact_bytes(m.kv_bytes)
-            if m.artifact_bytes + len(data) > cap or len(m.artifacts) + 1 > MAX_ARTIFACTS:
-                raise InvalidInput(f"a prefix holds at most {MAX_ARTIFACTS} artifacts of {cap} bytes together")
+            cap = max_added_artifact_bytes(m.kv_bytes)
+            if len(m.artifacts) + 1 > MAX_ARTIFACTS:
+                raise InvalidInput(f"a prefix holds at most {MAX_ARTIFACTS} artifacts")
+            if m.artifact_bytes + len(data) > cap:
+                raise InvalidInput(f"artifact {name!r} ({len(data)} bytes) does not fit: this prefix's artifacts may "
+                                   f"take {cap} bytes together and already take {m.artifact_bytes}")
             # Appended, not sorted in: artifact files are named by manifest position, the old ones keep theirs.
             new = dataclasses.replace(m, artifacts=(*m.artifacts,
                                                     ArtifactInfo(name=name, size=len(data), blake2b=digest(data))))

@@ -35,6 +35,21 @@ def max_artifact_bytes(page_bytes: int) -> int:
     return max(MIN_ARTIFACT_BUDGET, page_bytes)
 
 
+DERIVED_ARTIFACT_FACTOR = 2
+"""Times its page bytes a committed prefix's added artifacts may take beyond ``max_artifact_bytes`` (``max_added_
+artifact_bytes``)."""
+
+
+def max_added_artifact_bytes(page_bytes: int) -> int:
+    """The most bytes a committed prefix's artifacts may take together once caches derived from it are added
+    (``KVStore.add_artifact``: compressed caches, each at most its ratio of the K/V).
+
+    Beyond the summaries' budget, ``DERIVED_ARTIFACT_FACTOR`` times the page bytes: room for one compressed
+    cache at several ratios (0.1, 0.2, 0.3 and 0.5 together take 1.1 times the K/V). The tenant's byte quota
+    still bounds what a tenant stores in all."""
+    return max_artifact_bytes(page_bytes) + DERIVED_ARTIFACT_FACTOR * page_bytes
+
+
 def check_text(what: str, value: str, max_chars: int = MAX_NAME_CHARS) -> str:
     """``value`` when it is at most ``max_chars`` long; InvalidInput (not echoing it) otherwise."""
     if len(value) > max_chars:

@@ -183,6 +183,24 @@ def test_add_artifact_keeps_the_first_writer(worker: Worker, store: KVStore) -> 
     assert not report.problems
 
 
+def test_added_caches_have_room_beyond_the_summaries_budget(worker: Worker, store: KVStore,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several ratios of one compressed cache take more than the K/V (0.1 + 0.2 + 0.3 + 0.5 = 1.1 of it): added
+    artifacts get twice the page bytes beyond the summaries' budget; past that, a refusal naming the numbers."""
+    import store.limits as limits
+
+    monkeypatch.setattr(limits, "MIN_ARTIFACT_BUDGET", 0)  # the floor would hide the bound on a tiny prefix
+    pid = worker.prefill(DOC).prefix_id
+    m = store.manifest(pid)
+    room = limits.max_added_artifact_bytes(m.kv_bytes) - m.artifact_bytes
+    assert room >= m.kv_bytes + m.kv_bytes // 10  # the four ratios of one method fit
+    m = store.add_artifact(pid, "kvzip.r0.5000.v1", b"a" * (room - 10))
+    with pytest.raises(InvalidInput, match=r"does not fit: this prefix's artifacts may take \d+ bytes together"):
+        store.add_artifact(pid, "kvzip.r0.1000.v1", b"b" * 11)
+    assert store.manifest(pid).artifact("kvzip.r0.1000.v1") is None
+    assert store.add_artifact(pid, "kvzip.r0.1000.v1", b"b" * 10).artifact("kvzip.r0.1000.v1") is not None
+
+
 def test_prefixes_stored_before_tokens_were_kept_get_them_on_the_next_prefill(worker: Worker, store: KVStore) -> None:
     pid = worker.prefill(DOC).prefix_id
     m = store.manifest(pid)
