@@ -3,6 +3,7 @@ cache."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import statistics
@@ -25,6 +26,8 @@ from workers.model_source import SHIPPED_MODEL_NAME, SHIPPED_MODELS_DIR
 QUICK_SPEC = TinyLlamaSpec(hidden_size=64, intermediate_size=128, n_layers=2, n_heads=4, n_kv_heads=2,
                            max_positions=4096, init_range=0.02)
 """The CPU smoke runs' model (``--quick``)."""
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+"""``--dtype`` names -> torch dtype names."""
 
 
 def llama8b_attention_spec(n_layers: int, max_positions: int, *, intermediate_size: int = 4096,
@@ -69,31 +72,66 @@ def load_random_model(spec: TinyLlamaSpec, work: Path, page_size: int = 16) -> L
     return lm
 
 
+def seconds(fn: Callable[[], object], device: torch.device) -> float:
+    """Wall seconds of one ``fn()``, the device's queued work waited for before and after."""
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
 def timed(fn: Callable[[], object], reps: int, device: torch.device, warmup: int = 3) -> float:
     """Median seconds of ``fn()`` over ``reps`` runs after ``warmup`` unmeasured ones (CUDA work synchronized)."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(seconds(fn, device) for _ in range(reps))
+
+
+def add_device_args(p: argparse.ArgumentParser) -> None:
+    """``--device`` (default: cuda when available, else cpu) and ``--dtype`` (default: bf16 on cuda, fp32 on cpu)."""
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")
+
+
+def device_and_dtype(device: str | None, dtype: str | None) -> tuple[torch.device, str]:
+    """The bench's device and torch dtype name from ``add_device_args``' flags (their defaults filled in)."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device here")
+    return dev, DTYPES[dtype or ("bf16" if dev.type == "cuda" else "fp32")]
+
+
+def describe_device(device: torch.device) -> str:
+    """The device in words, for a bench's first line."""
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    return f"cpu, {torch.get_num_threads()} threads"
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU), so that a clock read after it counts that work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def shipped_worker(home: Path, offload: str = "default", *, device: torch.device | str = "cpu",
+                   dtype: str = "float32") -> tuple[Worker, KVStore]:
+    """A worker over the shipped model on ``device`` in ``dtype`` with a store in ``home``; ``offload="none"``
+    reads each layer from the page files instead of through the worker's page tiers. Prints what it runs."""
+    dev = torch.device(device)
+    lm = load_model(str(SHIPPED_MODELS_DIR / SHIPPED_MODEL_NAME), device=str(dev), dtype=dtype, progress=False)
+    store = KVStore(StoreConfig(home=home, page_size=lm.layout.page_size))
+    worker = Worker(store, lm, progress=False, **({"offload": None} if offload == "none" else {}))
+    print(f"{describe_device(dev)}, {dtype}; model {SHIPPED_MODEL_NAME} ({lm.layout.n_layers} layers, "
+          f"{lm.layout.n_kv_heads} KV heads, D={lm.layout.head_dim}, max context {lm.max_context}); "
+          f"offload {offload}", flush=True)
+    return worker, store
 
 
 def shipped_cpu_worker(home: Path, offload: str = "default") -> tuple[Worker, KVStore]:
-    """A worker on the CPU over the shipped model (float32) with a store in ``home``; ``offload="none"`` reads
-    each layer from the page files instead of through the worker's page tiers. Prints what it runs."""
-    lm = load_model(str(SHIPPED_MODELS_DIR / SHIPPED_MODEL_NAME), device="cpu", dtype="float32", progress=False)
-    store = KVStore(StoreConfig(home=home, page_size=lm.layout.page_size))
-    worker = Worker(store, lm, progress=False, **({"offload": None} if offload == "none" else {}))
-    print(f"cpu, {torch.get_num_threads()} threads; model {SHIPPED_MODEL_NAME} ({lm.layout.n_layers} layers, "
-          f"{lm.layout.n_kv_heads} KV heads, D={lm.layout.head_dim}); offload {offload}", flush=True)
-    return worker, store
+    """``shipped_worker`` on the CPU in float32."""
+    return shipped_worker(home, offload)
 
 
 def prefilled_sample(worker: Worker, task: str, n_ctx: int, seed: int = 7) -> tuple[Sample, PrefillResult]:
