@@ -1,12 +1,13 @@
 """Time to first token of the query-time caches (SnapKV, LookaheadKV) against full attention (issue #16).
 
 Through ``Worker.generate`` on the shipped model (``models/kvstash-tiny`` with its trained
-``lookahead.safetensors``; ``--device``, ``--dtype``: bf16 on CUDA, float32 on the CPU by default): a generated long-context document (lab/synth, ``niah_single``) is prefilled
-at each ``--ctx``, then the same question is asked with ``max_new_tokens=1`` by each method, the
-methods interleaved round by round (``--rounds``) so a shared machine's load hits them alike. TTFT is
-the wall time of that whole one-token generation (open, the query's forward, the keep-set scoring
-pass, the first sample, close; on CUDA the device is synchronized before each clock read); the table
-gives the median and its ratio to full at the same length.
+``lookahead.safetensors``; ``--device``, ``--dtype``: bf16 on CUDA, float32 on the CPU by default): a
+generated long-context document (lab/synth, ``niah_single``) is prefilled at each ``--ctx``, then the
+same question is asked with ``max_new_tokens=1`` by each method, the methods interleaved round by round
+(``--rounds``) so a shared machine's load hits them alike. TTFT is the wall time of that whole one-token
+generation (open, the query's forward, the keep-set scoring pass, the first sample, close; on CUDA the
+device is synchronized before each clock read); the table gives the median and its ratio to full at the
+same length.
 
 The shipped model's context is 32768 positions (``max_position_embeddings``, which the worker enforces:
 document + query must leave room for one new token), so a ``--ctx`` at or above it is run at
