@@ -19,7 +19,7 @@ from lab.synth.sample import Sample
 from lab.tiny_random import TinyLlamaSpec, build_tiny_llama
 from store.config import StoreConfig
 from store.kvstore import KVStore
-from workers.engine import PrefillResult, Worker
+from workers.engine import DEFAULT_OFFLOAD, PrefillResult, Worker
 from workers.model import LoadedModel, load_model
 from workers.model_source import SHIPPED_MODEL_NAME, SHIPPED_MODELS_DIR
 
@@ -122,7 +122,7 @@ def shipped_worker(home: Path, offload: str = "default", *, device: torch.device
     dev = torch.device(device)
     lm = load_model(str(SHIPPED_MODELS_DIR / SHIPPED_MODEL_NAME), device=str(dev), dtype=dtype, progress=False)
     store = KVStore(StoreConfig(home=home, page_size=lm.layout.page_size))
-    worker = Worker(store, lm, progress=False, **({"offload": None} if offload == "none" else {}))
+    worker = Worker(store, lm, progress=False, offload=None if offload == "none" else DEFAULT_OFFLOAD)
     print(f"{describe_device(dev)}, {dtype}; model {SHIPPED_MODEL_NAME} ({lm.layout.n_layers} layers, "
           f"{lm.layout.n_kv_heads} KV heads, D={lm.layout.head_dim}, max context {lm.max_context}); "
           f"offload {offload}", flush=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import subprocess
 import sys
@@ -24,3 +26,34 @@ def test_bench_quick_run(script: str, tmp_path: Path) -> None:
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-6000:]
     assert out.stat().st_size > 0 and "|" in r.stdout  # a results table was printed and saved
+
+
+def _quick(script: str, tmp_path: Path) -> tuple[str, dict]:
+    """Run a bench's ``--quick`` CPU smoke run; (stdout, its --json)."""
+    out = tmp_path / "out.json"
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1", "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run([sys.executable, str(REPO / "bench" / script), "--quick", "--json", str(out)], cwd=REPO,
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-6000:]
+    assert "|" in r.stdout  # a results table was printed
+    return r.stdout, json.loads(out.read_text())
+
+
+def test_compress_time_quick_scores_through_prefill(tmp_path: Path) -> None:
+    """Each scored row ran its scoring pass inside the prefill (the prefix was removed first, so nothing was found
+    stored); the prefill alone ran none."""
+    stdout, res = _quick("bench_compress_time.py", tmp_path)
+    assert res["device"] == "cpu" and res["dtype"] == "float32" and "hybridkv / kvzip" in stdout
+    (r,) = res["rounds"]
+    assert r["prefill"][1] == 0.0 and r["kvzip"][1] > 0 and r["hybridkv"][1] > 0
+    assert res["summary"]["kvzip_score_s"] > 0 and res["summary"]["forward only_s"] > 0
+
+
+def test_ratplus_cost_quick_compares_both_models(tmp_path: Path) -> None:
+    """Both models ran the same document; every cost is positive and finite."""
+    stdout, res = _quick("bench_ratplus_cost.py", tmp_path)
+    assert res["random_weights"] is True and "random weights" in stdout
+    (r,) = res["results"].values()
+    assert r["plain"]["n_tokens"] == r["rat+"]["n_tokens"] > 0
+    for m in ("plain", "rat+"):
+        assert all(math.isfinite(v) and v > 0 for v in r[m].values())
