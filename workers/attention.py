@@ -46,6 +46,30 @@ class ObservesQuery(Protocol):
         ...
 
 
+@runtime_checkable
+class GraphablePrefix(Protocol):
+    """A ``PrefixAttention`` whose single-token decode step can run inside a CUDA graph of the whole model step.
+
+    ``graph_attend`` holds only device work of fixed shapes (no host sync, no host-side state); what an eager
+    ``attend`` also does on the host (counting reads, step numbers) is done by ``account_step`` after each
+    run of the captured step, from the read counts the graph left on the device.
+    """
+
+    def graph_key(self) -> object | None:
+        """What a captured step over this prefix depends on (None: its next step cannot be captured)."""
+        ...
+
+    def graph_attend(self, layer: int, q: torch.Tensor, scale: float
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One query row q ``[1, Hq, 1, D]`` -> (out ``[1, Hq, 1, D]`` fp32, lse ``[1, Hq, 1]`` fp32, tokens read
+        as a 0-dim tensor or None when the method counts no per-step reads)."""
+        ...
+
+    def account_step(self, reads: list[torch.Tensor] | None) -> None:
+        """Host bookkeeping of one captured step that ran, given each layer's tokens read (``graph_attend``'s)."""
+        ...
+
+
 class StepAttention(Protocol):
     """Attention of a packed batch of generations' new tokens (the decode engine's step)."""
 

@@ -22,17 +22,19 @@ from collections import Counter, deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
 from store.errors import Cancelled
-from workers.attention import STEP_KWARG, ObservesQuery, PrefixAttention
+from workers.attention import STEP_KWARG, GraphablePrefix, ObservesQuery, PrefixAttention
 from workers.model import LoadedModel
 from workers.own_kv import OwnKV
 from workers.ratplus import MEMORY_KWARG, has_decaying_memory
 from workers.requests import GenerationStats
 from workers.sampling import Sampler
 from workers.step_batch import Segment, SegmentFailed, StepBatch
+from workers.step_graph import StaticMember, StaticStep, StepGraphCache
 from workers.textstream import TextStream
 
 StepTurn = Callable[[], AbstractContextManager[object]]
@@ -55,12 +57,19 @@ class EngineConfig:
     cuda_graphs: bool = True
     """On a CUDA device, replay each generation's fixed-shape prefix steps (Quest under a budget, over a warm
     or resident prefix) from per-layer CUDA graphs instead of launching their kernels one by one."""
+    whole_step: Literal["auto", "off", "eager"] = "auto"
+    """Decode steps of a stable batch whose methods can run captured (``workers.step_graph``): ``auto``
+    captures the whole model step in one CUDA graph (with ``cuda_graphs``, on a CUDA device, not for a model
+    with a decaying memory); ``eager`` runs the same static-input step uncaptured (tests it on the CPU);
+    ``off`` never."""
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         if not 1.0 <= self.tenant_share <= 1e6:
             raise ValueError("tenant_share must be in [1, 1e6]")
+        if self.whole_step not in ("auto", "off", "eager"):
+            raise ValueError("whole_step must be auto, off or eager")
         if self.step_tokens < self.max_batch:
             raise ValueError("step_tokens must be >= max_batch (each decoding generation feeds a token)")
 
@@ -96,6 +105,8 @@ class Generation:
     batch_sizes: list[int] = field(default_factory=list)
     query_told: bool = False
     """Whether its query-time cache was told the query is in (``ObservesQuery``)."""
+    single_steps: int = 0
+    """Steps that fed it one token (the first runs eagerly: it warms what a captured step replays)."""
 
     @property
     def runnable(self) -> bool:
@@ -117,6 +128,12 @@ class DecodeEngine:
         """The generations of the step running now (``close`` waits for it only when it uses its generation)."""
         self._memory = has_decaying_memory(lm.model.config)
         """Whether the model continues a decaying memory (its step also gets the segments' states)."""
+        c = self.config
+        on_cuda = c.whole_step == "auto" and c.cuda_graphs and lm.device.type == "cuda"
+        self._graphs = (StepGraphCache(lm.model, lm.device, capture=on_cuda)
+                        if (on_cuda or c.whole_step == "eager") and not self._memory else None)
+        """Whole decode steps of stable batches (``workers.step_graph``); touched by the stepping thread, or
+        under the lock while no step runs."""
 
     def start(self, gen: Generation) -> None:
         """Join the next step."""
@@ -139,6 +156,8 @@ class DecodeEngine:
                 self._idle.wait()
             if gen in self._running:
                 self._running.remove(gen)
+            if not self._stepping:  # else the step's end forgets it (only the stepper touches the graphs)
+                self._prune_graphs()
 
     def running(self) -> int:
         """Generations in the engine now."""
@@ -171,7 +190,13 @@ class DecodeEngine:
                 with self._lock:
                     self._stepping = False
                     self._in_step = set()
+                    self._prune_graphs()
                     self._wake_after_step(gen, batch)
+
+    def _prune_graphs(self) -> None:
+        """Forget captured steps of generations that left (lock held, no step running)."""
+        if self._graphs is not None:
+            self._graphs.prune({id(g.own) for g in self._running})
 
     def _wake_after_step(self, stepper: Generation, batch: list[Generation]) -> None:
         """Wake the consumers a step concerns, and one more to take the next step when the stepper will not
@@ -246,13 +271,16 @@ class DecodeEngine:
                 if not batch:
                     return batch
                 members, ids, positions, segments, rows = self._pack(batch)
-                step = StepBatch(segments)
-                hooks: dict[str, object] = {STEP_KWARG: step, **({MEMORY_KWARG: step} if self._memory else {})}
-                out = self.lm.model(input_ids=torch.tensor([ids], device=dev),
-                                    position_ids=torch.tensor([positions], device=dev),
-                                    use_cache=False, logits_to_keep=torch.tensor(rows, dtype=torch.long, device=dev),
-                                    **hooks)
-                logits = out.logits[0].float()
+                static = self._static_step(members, ids)
+                if static is not None:
+                    logits = static.run(ids, positions, [g.own.length for g in members])
+                else:
+                    step = StepBatch(segments)
+                    hooks: dict[str, object] = {STEP_KWARG: step, **({MEMORY_KWARG: step} if self._memory else {})}
+                    out = self.lm.model(input_ids=torch.tensor([ids], device=dev),
+                                        position_ids=torch.tensor([positions], device=dev), use_cache=False,
+                                        logits_to_keep=torch.tensor(rows, dtype=torch.long, device=dev), **hooks)
+                    logits = out.logits[0].float()
                 sampled = [g for g, s in zip(members, segments, strict=True) if s.end - s.start == len(g.pending)]
                 tokens = [g.sampler(logits[i]) for i, g in enumerate(sampled)]  # syncs: the step is done
         except SegmentFailed as e:  # one generation's method failed: fail it alone, the others retry
@@ -276,6 +304,7 @@ class DecodeEngine:
                 g.position += n
                 g.pending = g.pending[n:]
                 g.stats.steps += 1
+                g.single_steps += n == 1
                 g.stats.bytes_full += g.full_step_bytes
                 g.stats.step_seconds.append(seconds)
                 g.batch_sizes.append(len(members))
@@ -285,6 +314,24 @@ class DecodeEngine:
                 if g not in failed:
                     self._emit(g, token)
         return batch
+
+    def _static_step(self, members: list[Generation], ids: list[int]) -> StaticStep | None:
+        """The captured (or static-input) step of this batch when every member feeds one token and can run
+        captured; None: the ordinary packed step."""
+        if self._graphs is None or len(ids) != len(members):
+            return None
+        keys = []
+        for g in members:
+            p = g.prefix
+            if g.single_steps < 1 or not isinstance(p, GraphablePrefix):
+                return None
+            key = p.graph_key()
+            if key is None:
+                return None
+            g.own.reserve(g.own.length + 1)  # a captured step cannot grow the buffer: room first, then its key
+            keys.append((id(g), g.own.buffer_key, key))
+        return self._graphs.step(tuple(keys), [StaticMember(own=g.own, prefix=g.prefix) for g in members
+                                               if isinstance(g.prefix, GraphablePrefix)])
 
     def _queries_done(self, sampled: list[Generation]) -> set[Generation]:
         """Tell query-time caches whose query just went in (their first token is not out yet); returns the

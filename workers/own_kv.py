@@ -54,6 +54,34 @@ class OwnKV:
         buf[1, :, self.length:end].copy_(v)
         return buf[0, :, :end], buf[1, :, :end]
 
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` tokens in the buffer now (a captured step cannot grow it)."""
+        if n > self.capacity:
+            raise ValueError(f"own KV full: {n} tokens > capacity {self.capacity}")
+        if n > self._buf.shape[3]:
+            self._grow(n)
+
+    @property
+    def buffer_key(self) -> tuple[int, int]:
+        """Address and size of the buffer (a captured step is valid while they hold)."""
+        return self._buf.data_ptr(), self._buf.shape[3]
+
+    def write_at(self, layer: int, k: torch.Tensor, v: torch.Tensor, at: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Place one token's K, V ``[kv_heads, 1, head_dim]`` at the position held in ``at`` (a one-element
+        device tensor, so a captured step writes where each replay says); returns the whole buffer's K, V
+        ``[kv_heads, size, head_dim]`` (rows past the token are not attended by the caller)."""
+        buf = self._buf[layer]
+        buf[0].index_copy_(1, at, k)
+        buf[1].index_copy_(1, at, v)
+        return buf[0], buf[1]
+
+    def buffer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole buffer's K, V of one layer (views ``[kv_heads, size, head_dim]``, rows past the written
+        tokens undefined)."""
+        buf = self._buf[layer]
+        return buf[0], buf[1]
+
     def committed(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of the committed tokens of one layer (views ``[kv_heads, length, head_dim]``)."""
         buf = self._buf[layer]

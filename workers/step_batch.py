@@ -15,7 +15,17 @@ import torch
 
 from workers.attention import PrefixAttention, merge_attention
 from workers.kernels.dense_attention import dense_attention
+from workers.methods.sparse import gathered_attention
 from workers.own_kv import OwnKV
+
+
+def own_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_valid: torch.Tensor, scale: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row q ``[1, Hq, D]`` over the first ``n_valid`` (``[1, Hkv]`` device tensor) rows of k, v
+    ``[Hkv, S, D]`` -> float32 out ``[1, Hq, D]``, lse ``[1, Hq]``."""
+    idx = torch.arange(k.shape[1], device=k.device).expand(1, k.shape[0], -1)
+    return gathered_attention(q, k, v, scale=scale, idx=idx, n_valid=n_valid, bias=None, pseudo_logits=None,
+                              pseudo_values=None)
 
 
 @dataclass(frozen=True)
@@ -60,7 +70,13 @@ class StepBatch:
             try:
                 own_k, own_v = s.own.write(layer, k[0, :, s.start:s.end], v[0, :, s.start:s.end])
                 qs = q[:, :, s.start:s.end]
-                o_own, lse_own = dense_attention(qs, own_k[None], own_v[None], scale, q_offset=s.own.length)
+                if s.end - s.start == 1:  # a decode token: the kernel a captured step uses (same numbers)
+                    k_all, v_all = s.own.buffer(layer)
+                    n_valid = torch.full((1, k_all.shape[0]), s.own.length + 1, device=q.device)
+                    o1, l1 = own_attention(qs[0, :, 0][None], k_all, v_all, n_valid, scale)
+                    o_own, lse_own = o1.reshape(qs.shape).float(), l1.reshape(qs.shape[:3])
+                else:
+                    o_own, lse_own = dense_attention(qs, own_k[None], own_v[None], scale, q_offset=s.own.length)
                 o_pre, lse_pre = s.prefix.attend(layer, qs, scale)
             except Exception as e:  # noqa: BLE001 - re-raised with the segment's owner attached
                 raise SegmentFailed(s.key, e) from e

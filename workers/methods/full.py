@@ -32,6 +32,26 @@ class FullPrefixAttention:
         self.counter.add_layer(k.shape[0] * k.shape[1])
         return dense_attention(q, k[None], v[None], scale)
 
+    # -- a whole model step captured in one CUDA graph (workers.step_graph) --------------------------------
+    def graph_key(self) -> object | None:
+        """Always capturable once every layer is resident: fixed shapes, no host work."""
+        n = self.source.layout.n_layers
+        return ("full", id(self)) if len(self._kv) == n else None
+
+    def graph_attend(self, layer: int, q: torch.Tensor, scale: float
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Exact attention of one query row over the resident layer."""
+        k, v = self._kv[layer]
+        out, lse = dense_attention(q, k[None], v[None], scale)
+        return out, lse, None
+
+    def account_step(self, reads: list[torch.Tensor] | None) -> None:
+        """Every layer's prefix tokens, as ``attend`` counts them."""
+        self.counter.start_step()
+        for layer in range(self.source.layout.n_layers):
+            k, _ = self._kv[layer]
+            self.counter.add_layer(k.shape[0] * k.shape[1])
+
     def read_report(self) -> ReadReport:
         """All prefix tokens of every layer and KV head, each step."""
         return self.counter.report()

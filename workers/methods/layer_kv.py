@@ -159,8 +159,8 @@ class ResidentKV(LayerKV):
         self._n_extra = k.shape[1]
 
     def graph_key(self, n_pages: int) -> object | None:
-        """Always capturable on a CUDA device: the pools are the resident layer."""
-        return ("resident", id(self)) if self.device.type == "cuda" else None
+        """Always capturable: the pools are the resident layer (a CPU step runs the same static path uncaptured)."""
+        return ("resident", id(self))
 
     def step_pages(self, pages: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Pages are rows of the resident layer already."""

@@ -103,6 +103,8 @@ class SparsePrefixAttention:
         self._ctx: dict[int, tuple[LayerContext, torch.Tensor | None]] = {}
         self._plans: dict[int, PagePlan] = {}
         self._step = -1
+        self._graph_heads = 0
+        """Query heads of the captured step (``graph_attend`` ran at its capture)."""
         self.graphs: StepGraphs | None = None
         """CUDA graphs of the fixed-shape single-row steps (None: every step eager)."""
 
@@ -201,6 +203,45 @@ class SparsePrefixAttention:
         self.counter.add_layer(n_read, sum(pseudo) + phi_rows, n_keys, sum(index))
         out = torch.cat(outs).reshape(b, l, hq, d).permute(0, 2, 1, 3)
         return out, torch.cat(lses).reshape(b, l, hq).permute(0, 2, 1)
+
+    # -- a whole model step captured in one CUDA graph (workers.step_graph) --------------------------------
+    def graph_key(self) -> object | None:
+        """Capturable when every layer takes whole pages under the budget, without pseudo-entries, from a
+        cache that can serve a captured step, and one eager decode step has warmed it."""
+        if self._step < 1 or len(self._ctx) < self.source.layout.n_layers:
+            return None
+        keys = []
+        for layer, (ctx, ebias) in self._ctx.items():
+            plan = self._plans.get(layer)
+            if plan is None or ebias is not None:
+                return None
+            key = ctx.kv.graph_key(plan.n_pages + plan.anchor_pages.shape[1])
+            if key is None:
+                return None
+            keys.append(key)
+        return tuple(keys)
+
+    def graph_attend(self, layer: int, q: torch.Tensor, scale: float
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The fixed-shape page step of one query row (device work only; ``account_step`` counts it)."""
+        ctx, _ = self._ctx[layer]
+        plan = self._plans[layer]
+        b, hq, l, d = q.shape
+        self._graph_heads = hq
+        sel, o, s = self._attend_pages(layer, ctx, plan, q.reshape(1, hq, d), scale)
+        assert sel.n_distinct is not None
+        n_read = sel.n_distinct + ctx.anchors.numel() * ctx.kv.n_heads
+        return o.reshape(1, hq, 1, d), s.reshape(1, hq, 1), n_read
+
+    def account_step(self, reads: list[torch.Tensor] | None) -> None:
+        """What ``attend`` counts on the host for a decode step, for a step that ran captured."""
+        assert reads is not None and len(reads) == len(self._ctx)
+        self.counter.start_step()
+        self._step += 1
+        phi_rows = self._graph_heads if self.completion is not None else 0
+        for layer, n_read in enumerate(reads):
+            self._ctx[layer][0].kv.at_step = self._step
+            self.counter.add_layer(n_read, phi_rows)
 
     def _attend_rows(self, layer: int, ctx: LayerContext, ebias: torch.Tensor | None, q: torch.Tensor,
                      scale: float) -> tuple[Selection, torch.Tensor, torch.Tensor]:

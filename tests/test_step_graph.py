@@ -1,0 +1,100 @@
+"""Whole decode steps over static inputs (``workers.step_graph``): same tokens and counts as the packed step."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import pytest
+import torch
+
+from store.kvstore import KVStore
+from workers.decode_batch import EngineConfig
+from workers.engine import DEFAULT_OFFLOAD, Worker
+from workers.model import LoadedModel, load_model
+from workers.requests import DecodeConfig, GenerationStats, SamplingParams
+
+DOCS = [
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike " * 9 + "The code is 4411.",
+    "november oscar papa quebec romeo sierra tango uniform victor whiskey " * 12 + "The code is 9071.",
+]
+QUERIES = [" What is the code?", " Tell me the code, please. The code is"]
+# Methods whose decode steps can run static: full, and the page methods under a budget over resident KV.
+STATIC_METHODS = ["full", "quest", "topk", "quest+phi", "topk+phi"]
+
+
+def _worker(store: KVStore, lm: LoadedModel, whole_step: Literal["auto", "off", "eager"]) -> Worker:
+    return Worker(store, lm, progress=False, offload=None, engine=EngineConfig(whole_step=whole_step))
+
+
+def _run(worker: Worker, pids: list[str], method: str, n_new: int) -> list[GenerationStats]:
+    """Both generations at once (one step serves both), to the end."""
+    stats = [GenerationStats() for _ in pids]
+    streams = [worker.generate(pid, q, SamplingParams(max_new_tokens=n_new), method=method,
+                               decode=DecodeConfig(budget=None if method == "full" else 0.3), stats=s)
+               for pid, q, s in zip(pids, QUERIES[: len(pids)], stats, strict=True)]
+    live = list(streams)
+    while live:
+        for s in list(live):
+            try:
+                next(s)
+            except StopIteration:
+                live.remove(s)
+    return stats
+
+
+@pytest.mark.parametrize("method", STATIC_METHODS)
+def test_static_steps_give_the_packed_steps_tokens_and_reads(store: KVStore, endless_lm: LoadedModel,
+                                                              method: str) -> None:
+    off, static = _worker(store, endless_lm, "off"), _worker(store, endless_lm, "eager")
+    pids = [off.prefill(d).prefix_id for d in DOCS]
+    want = _run(off, pids, method, n_new=10)
+    got = _run(static, pids, method, n_new=10)
+    graphs = static.engine._graphs
+    assert graphs is not None and graphs.captures >= 1 and graphs.replays >= 5  # the static path really ran
+    for w, g in zip(want, got, strict=True):
+        assert g.token_ids == w.token_ids and len(g.token_ids) == 10
+        assert g.bytes_fetched == w.bytes_fetched and g.prefix_tokens_per_step == w.prefix_tokens_per_step
+    assert len(graphs) == 0  # the finished generations' steps are not kept
+
+
+def test_a_generation_outgrowing_its_own_buffer_gets_a_new_static_step(store: KVStore,
+                                                                        endless_lm: LoadedModel) -> None:
+    off, static = _worker(store, endless_lm, "off"), _worker(store, endless_lm, "eager")
+    pids = [off.prefill(d).prefix_id for d in DOCS[:1]]
+    n_new = 90  # beyond the buffer's first room (query + 64 tokens): it grows mid-generation
+    want = _run(off, pids, "quest", n_new)
+    got = _run(static, pids, "quest", n_new)
+    assert got[0].token_ids == want[0].token_ids and len(got[0].token_ids) == n_new
+    graphs = static.engine._graphs
+    assert graphs is not None and graphs.captures >= 2
+
+
+def test_a_batch_is_captured_only_when_it_repeats(store: KVStore, endless_lm: LoadedModel) -> None:
+    # Step 1 feeds the query, step 2 is the eager warm-up step, step 3 is the first that could run static but
+    # its batch is new; step 4 repeats step 3's batch: captured there, not before; later steps replay it.
+    for n_new, captures in ((3, 0), (4, 1), (6, 1)):
+        worker = _worker(store, endless_lm, "eager")
+        pids = [worker.prefill(d).prefix_id for d in DOCS[:1]]
+        _run(worker, pids, "full", n_new=n_new)
+        graphs = worker.engine._graphs
+        assert graphs is not None and graphs.captures == captures, n_new
+        assert graphs.replays == max(0, n_new - 4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("method", STATIC_METHODS)
+@pytest.mark.parametrize("offload", ["default", "none"])
+def test_cuda_graphed_steps_give_the_eager_steps_tokens_and_reads(store: KVStore, tiny_model_dir, method: str,
+                                                                   offload: str) -> None:
+    lm = load_model(str(tiny_model_dir), device="cuda", dtype="bfloat16", page_size=16, progress=False)
+    tiers = None if offload == "none" else DEFAULT_OFFLOAD
+    off = Worker(store, lm, progress=False, offload=tiers, engine=EngineConfig(whole_step="off"))
+    graphed = Worker(store, lm, progress=False, offload=tiers, engine=EngineConfig(whole_step="auto"))
+    pids = [off.prefill(d).prefix_id for d in DOCS]
+    want = _run(off, pids, method, n_new=12)
+    got = _run(graphed, pids, method, n_new=12)
+    graphs = graphed.engine._graphs
+    assert graphs is not None and not graphs.failed and graphs.replays >= 1
+    for w, g in zip(want, got, strict=True):
+        assert g.token_ids == w.token_ids
+        assert g.bytes_fetched == w.bytes_fetched
