@@ -64,6 +64,9 @@ class EngineRow(Row):
     """Short name for ``--rows``."""
     graphs: bool = True
     """``EngineConfig.cuda_graphs``: fixed-shape prefix steps replayed from CUDA graphs."""
+    whole_step: str = "auto"
+    """``EngineConfig.whole_step``: a stable batch's whole decode step in one CUDA graph (``off``: per-layer
+    graphs of the prefix steps only)."""
 
 
 def rows(gpu_cache_bytes: int, host_bytes: int) -> list[EngineRow]:
@@ -71,8 +74,11 @@ def rows(gpu_cache_bytes: int, host_bytes: int) -> list[EngineRow]:
     base = {"gpu_cache_bytes": gpu_cache_bytes, "host_cache_bytes": host_bytes}
     warm = OffloadConfig(**base, warm_host_fraction=1.0, device_plan="auto")
     return [
-        EngineRow("full, resident (dense)", "full", None, key="dense"),
-        EngineRow("quest, host warm, device-planned, CUDA graphs", "quest", warm, key="graphs"),
+        EngineRow("full, resident (dense, flash), whole-step CUDA graph", "full", None, key="dense"),
+        EngineRow("full, resident (dense, flash), eager", "full", None, key="dense-eager", graphs=False),
+        EngineRow("quest, host warm, device-planned, whole-step CUDA graph", "quest", warm, key="graphs"),
+        EngineRow("quest, host warm, device-planned, per-layer graphs", "quest", warm, key="layer-graphs",
+                  whole_step="off"),
         EngineRow("quest, host warm, device-planned, eager", "quest", warm, key="eager", graphs=False),
         EngineRow("quest, SSD cold (fetcher)", "quest", OffloadConfig(**base, warm_host_fraction=0.0,
                                                                       device_plan="off"), key="cold"),
@@ -106,10 +112,13 @@ def measure(store: KVStore, lm: LoadedModel, pids: list[str], row: EngineRow, bu
     for label, group in (("b1", pids[:1]), ("bn", pids)) if len(pids) > 1 else (("b1", pids),):
         if cold:
             drop_os_cache()
-        worker = Worker(store, lm, progress=False, offload=row.offload, engine=EngineConfig(cuda_graphs=row.graphs))
+        engine = EngineConfig(cuda_graphs=row.graphs, whole_step=row.whole_step)  # type: ignore[arg-type]
+        worker = Worker(store, lm, progress=False, offload=row.offload, engine=engine)
         run_together(worker, group[:1], row, budget, 2)  # warm-up: kernels, allocator
         stats, wall = run_together(worker, group, row, budget, n)
         steady = [t for st in stats for t in st.step_seconds[1:]]
+        graphs = worker.engine._graphs
+        replays = graphs.replays if graphs is not None else 0
         del worker  # its pinned host tier goes before the next worker pins one
         gc.collect()
         out[label] = {"ms_per_token": 1e3 * statistics.median(steady),
@@ -118,6 +127,7 @@ def measure(store: KVStore, lm: LoadedModel, pids: list[str], row: EngineRow, bu
                       "batch_max": max(st.extra.get("batch_max", 1.0) for st in stats),
                       "read_fraction": sum(st.bytes_fetched for st in stats)
                       / max(1, sum(st.bytes_full for st in stats)),
+                      "whole_step_replays": replays,
                       "tokens": [st.token_ids for st in stats]}
     out.setdefault("bn", out["b1"])
     out["same_tokens"] = out["bn"]["tokens"][0] == out["b1"]["tokens"][0]
@@ -165,7 +175,11 @@ def main() -> None:
         r = measure(store, lm, pids, row, args.budget, args.tokens)
         results.append(r)
         print(f"  {row.name}: batch 1 {r['b1']['ms_per_token']:.2f} ms/token; batch {args.batch} "
-              f"{r['bn']['tokens_per_s']:.1f} tokens/s", flush=True)
+              f"{r['bn']['tokens_per_s']:.1f} tokens/s; whole-step replays {r['b1']['whole_step_replays']}/"
+              f"{r['bn']['whole_step_replays']}", flush=True)
+        if args.json:  # after every row: a run stopped at its time limit keeps what it measured
+            args.json.write_text(json.dumps({"ctx": args.ctx, "layers": spec.n_layers, "batch": args.batch,
+                                             "budget": args.budget, "prefill_s": prefill_s, "rows": results}))
     d1, dn = results[0]["b1"], results[0]["bn"]
     print(f"\nbudget {args.budget:.0%}; median step after each query's forward; {args.tokens} tokens per generation\n")
     print(f"| path | batch 1 ms/token | vs dense | batch {args.batch} ms/step | decode tokens/s | vs dense "
