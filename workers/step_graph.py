@@ -52,7 +52,8 @@ class StaticStepBatch:
             at = self.lengths[i:i + 1]
             own_k, own_v = m.own.write_at(layer, k[0, :, i:i + 1], v[0, :, i:i + 1], at)
             qs = q[:, :, i:i + 1]
-            o_own, lse_own = own_attention(qs[0, :, 0][None], own_k, own_v, (at + 1).expand(1, hkv), scale)
+            n_valid = (at + 1).expand(1, hkv).contiguous()  # the kernel wants it dense
+            o_own, lse_own = own_attention(qs[0, :, 0][None], own_k, own_v, n_valid, scale)
             o_pre, lse_pre, n_read = m.prefix.graph_attend(layer, qs, scale)
             if n_read is not None:
                 self.reads[i].append(n_read.reshape(()))
