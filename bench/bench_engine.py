@@ -134,6 +134,28 @@ def measure(store: KVStore, lm: LoadedModel, pids: list[str], row: EngineRow, bu
     return out
 
 
+def profile_row(store: KVStore, lm: LoadedModel, pid: str, row: EngineRow, budget: float, n: int) -> None:
+    """Print the GPU kernels of a batch-1 generation's decode steps, by total time per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = EngineConfig(cuda_graphs=row.graphs, whole_step=row.whole_step)  # type: ignore[arg-type]
+    worker = Worker(store, lm, progress=False, offload=row.offload, engine=engine)
+    run_together(worker, [pid], row, budget, n)  # warm: captures happen here
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        stats, _ = run_together(worker, [pid], row, budget, n)
+    steps = max(1, len(stats[0].step_seconds))
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    events.sort(key=lambda e: -e.device_time_total)
+    total = sum(e.self_device_time_total for e in events)
+    print(f"  profile of {row.name}: {steps} steps, GPU {total / steps / 1e3:.3f} ms per step (self time)", flush=True)
+    for e in events[:25]:
+        print(f"    {e.self_device_time_total / steps / 1e3:8.4f} ms/step  {e.count // steps:5d}/step  {e.key[:90]}",
+              flush=True)
+    del worker
+    gc.collect()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ctx", type=int, default=32768)
@@ -148,6 +170,8 @@ def main() -> None:
     p.add_argument("--rows", default="dense,graphs,eager,cold",
                    help="comma-separated rows to run (dense always runs: the ratios are to it)")
     p.add_argument("--quick", action="store_true", help="tiny shape on the CPU (smoke run)")
+    p.add_argument("--profile", default="", help="comma-separated rows to profile after measuring: GPU kernel time "
+                                                 "per step by kernel (one more batch-1 generation under the profiler)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     cuda = torch.cuda.is_available()
@@ -177,6 +201,8 @@ def main() -> None:
         print(f"  {row.name}: batch 1 {r['b1']['ms_per_token']:.2f} ms/token; batch {args.batch} "
               f"{r['bn']['tokens_per_s']:.1f} tokens/s; whole-step replays {r['b1']['whole_step_replays']}/"
               f"{r['bn']['whole_step_replays']}", flush=True)
+        if row.key in args.profile.split(","):
+            profile_row(store, lm, pids[0], row, args.budget, args.tokens)
         if args.json:  # after every row: a run stopped at its time limit keeps what it measured
             args.json.write_text(json.dumps({"ctx": args.ctx, "layers": spec.n_layers, "batch": args.batch,
                                              "budget": args.budget, "prefill_s": prefill_s, "rows": results}))

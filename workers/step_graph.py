@@ -76,7 +76,9 @@ class StaticStep:
         self.graph: torch.cuda.CUDAGraph | None = None
         if capture:
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):  # records only: the first run() replays it
+            # thread_local: the host tier's background warm-up (pinning, copies) goes on in other threads; under
+            # the default global mode any such call invalidates this capture.
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):  # records only: run() replays
                 self._forward()
 
     def _forward(self) -> None:

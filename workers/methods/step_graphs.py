@@ -68,7 +68,8 @@ class StepGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         try:
-            with torch.cuda.graph(graph, pool=self._pool):  # type: ignore[arg-type]
+            # thread_local: a background host-tier warm-up in another thread must not invalidate the capture.
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):  # type: ignore[arg-type]
                 out = step(static_q)
         except Exception:
             self.failed = True
