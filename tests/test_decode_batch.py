@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from store.errors import Cancelled
+from tests.streams import drain_together
 from workers.decode_batch import EngineConfig
 from workers.engine import GenerationStream, Worker
 from workers.methods.registry import METHODS, NEEDS_ADAPTER, compression_methods
@@ -38,13 +39,7 @@ def _together(worker: Worker, jobs: list[tuple[str, str, str, DecodeConfig]]) ->
     streams: list[GenerationStream] = [
         worker.generate(pid, q, SamplingParams(max_new_tokens=N_NEW), method=m, decode=d, stats=s)
         for (pid, q, m, d), s in zip(jobs, stats, strict=True)]
-    live = list(streams)
-    while live:
-        for s in list(live):
-            try:
-                next(s)
-            except StopIteration:
-                live.remove(s)
+    drain_together(streams)
     return stats
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from store.kvstore import KVStore
+from tests.streams import drain_together
 from workers.decode_batch import EngineConfig
 from workers.engine import DEFAULT_OFFLOAD, Worker
 from workers.model import LoadedModel, load_model
@@ -32,13 +33,7 @@ def _run(worker: Worker, pids: list[str], method: str, n_new: int) -> list[Gener
     streams = [worker.generate(pid, q, SamplingParams(max_new_tokens=n_new), method=method,
                                decode=DecodeConfig(budget=None if method == "full" else 0.3), stats=s)
                for pid, q, s in zip(pids, QUERIES[: len(pids)], stats, strict=True)]
-    live = list(streams)
-    while live:
-        for s in list(live):
-            try:
-                next(s)
-            except StopIteration:
-                live.remove(s)
+    drain_together(streams)
     return stats
 
 
