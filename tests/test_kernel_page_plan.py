@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from workers.kernels.page_plan import PlanState, plan_pages, plan_pages_ref
+from workers.kernels.page_plan import WINDOW_MIN, PlanState, plan_pages, plan_pages_ref
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = torch.device("cuda" if torch.cuda.is_available() and not INTERP else "cpu")
@@ -20,9 +20,17 @@ needs_triton = pytest.mark.skipif(DEV.type == "cpu" and not INTERP,
 SCRATCH = ("page_to_slot", "slot_to_page", "stamp")  # their last column is the torch path's scratch
 
 
-def _state(layers: int, heads: int, n_pages: int, p: int, s: int, page_size: int = 16) -> PlanState:
+def _state(layers: int, heads: int, n_pages: int, p: int, s: int, page_size: int = 16,
+           window_min: int = WINDOW_MIN) -> PlanState:
     host_rows = torch.randperm(layers * heads * n_pages).view(layers, heads, n_pages).to(DEV)
-    return PlanState.empty(host_rows=host_rows, slots_per_head=s, pages_per_call=p, page_size=page_size)
+    return PlanState.empty(host_rows=host_rows, slots_per_head=s, pages_per_call=p, page_size=page_size,
+                           window_min=window_min)
+
+
+def _outputs(st: PlanState, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What one plan of ``n`` pages per head wrote (later entries keep older values)."""
+    m = st.rows.shape[1] * n
+    return st.src_rows[layer, :m], st.dst_slots[layer, :m], st.rows[layer, :, :n]
 
 
 def _request(g: torch.Generator, heads: int, n_pages: int, n: int) -> torch.Tensor:
@@ -36,11 +44,14 @@ def _request(g: torch.Generator, heads: int, n_pages: int, n: int) -> torch.Tens
 
 
 @needs_triton
-@pytest.mark.parametrize("heads,n_pages,p,s,warps", [(2, 41, 6, 13, 0), (3, 100, 7, 15, 2), (1, 9, 4, 8, 4),
-                                                     (4, 300, 16, 40, 1)])
-def test_triton_equals_reference(heads: int, n_pages: int, p: int, s: int, warps: int) -> None:
+@pytest.mark.parametrize("heads,n_pages,p,s,warps,window_min", [
+    (2, 41, 6, 13, 0, WINDOW_MIN), (3, 100, 7, 15, 2, WINDOW_MIN), (1, 9, 4, 8, 4, WINDOW_MIN),
+    (4, 300, 16, 40, 1, WINDOW_MIN),
+    (2, 300, 6, 50, 0, 4), (3, 200, 5, 37, 2, 8)])  # windows smaller than the head's slots, rotating
+def test_triton_equals_reference(heads: int, n_pages: int, p: int, s: int, warps: int, window_min: int) -> None:
     g = torch.Generator().manual_seed(n_pages)
-    a, b = _state(2, heads, n_pages, p, s), _state(2, heads, n_pages, p, s)
+    a, b = _state(2, heads, n_pages, p, s, window_min=window_min), _state(2, heads, n_pages, p, s,
+                                                                          window_min=window_min)
     b.host_rows.copy_(a.host_rows)
     for step in range(12):
         n = 1 + step % p
@@ -48,8 +59,9 @@ def test_triton_equals_reference(heads: int, n_pages: int, p: int, s: int, warps
             pages = _request(g, heads, n_pages, n)
             plan_pages(a, layer, pages, use_triton=False)
             plan_pages(b, layer, pages, use_triton=True, num_warps=warps)
-            for name in ("src_rows", "dst_slots", "rows"):  # outputs past n are padding in both
-                assert torch.equal(getattr(a, name)[layer], getattr(b, name)[layer]), (step, layer, name)
+            for name, x, y in zip(("src_rows", "dst_slots", "rows"), _outputs(a, layer, n), _outputs(b, layer, n),
+                                  strict=True):
+                assert torch.equal(x, y), (step, layer, name)
     for name in ("page_to_slot", "slot_to_page", "stamp", "clock", "counters"):
         x, y = getattr(a, name), getattr(b, name)
         if name in SCRATCH:

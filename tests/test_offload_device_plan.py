@@ -1,4 +1,4 @@
-"""Device-planned page cache: rows and exact LRU against a plain Python reference over several steps and
+"""Device-planned page cache: rows and (windowed) LRU against a plain Python reference over several steps and
 layers, K/V equal to the store's and to ``PageFetcher``'s, device hit/miss counters, padding, the host-tier
 hold; on CUDA, select + fetch + attend captured in a CUDA graph and replayed.
 
@@ -19,6 +19,7 @@ from offload_helpers import HEADS, LAYERS, PAGE, open_store, write_prefix
 
 from store.errors import InvalidInput
 from store.kvstore import KVStore
+from workers.kernels.page_plan import WINDOW_MIN
 from workers.offload import DevicePageCache, HostTier, OffloadConfig, PageFetcher, PrefixHeld
 
 N_TOKENS = 16 * 40 + 5  # 41 pages, the last one partial
@@ -45,10 +46,11 @@ def _tier(m, extra_pages: int = 0) -> HostTier:
 
 
 class RefLRU:
-    """Plain Python model of one layer: per head ``s`` slots, exact LRU by (stamp, slot)."""
+    """Plain Python model of one layer: per head ``s`` slots, LRU by (stamp, slot) among the plan's window of
+    ``max(window_min, next_pow2(2n))`` slots rotating by its width per plan (every slot when ``s`` is no more)."""
 
-    def __init__(self, s: int):
-        self.s = s
+    def __init__(self, s: int, window_min: int = WINDOW_MIN):
+        self.s, self.window_min = s, window_min
         self.map: list[dict[int, int]] = [{} for _ in range(HEADS)]
         self.owner = [[-1] * s for _ in range(HEADS)]
         self.stamp = [[0] * s for _ in range(HEADS)]
@@ -62,7 +64,9 @@ class RefLRU:
             for p in req:
                 if p in mp:
                     st[mp[p]] = t
-            victims = iter(sorted(range(self.s), key=lambda x: (st[x], x)))
+            w = min(self.s, max(self.window_min, 1 << (2 * len(req) - 1).bit_length()))
+            window = [((t - 1) * w + i) % self.s for i in range(w)]
+            victims = iter(sorted(window, key=lambda x: (st[x], x)))
             out = []
             for p in req:
                 if not 0 <= p < N_PAGES:
@@ -113,16 +117,19 @@ def _check_content(r, pages: torch.Tensor, kv) -> None:
 
 
 @pytest.mark.parametrize("plan,triton_gather", [("torch", False), pytest.param("triton", True, marks=needs_triton)])
-def test_rows_lru_and_counts_match_reference(store: KVStore, plan: str, triton_gather: bool) -> None:
+@pytest.mark.parametrize("s,window_min", [(13, WINDOW_MIN), (24, 4)])  # exact LRU; a window smaller than the head
+def test_rows_lru_and_counts_match_reference(store: KVStore, plan: str, triton_gather: bool, s: int,
+                                             window_min: int) -> None:
     m, _ = write_prefix(store, N_TOKENS, seed=1)
-    p, s = 6, 13
+    p = 6
     tier = _tier(m)
     with _fetcher(store, m, tier) as f:
         f.warm_host()
-        cache = DevicePageCache.from_fetcher(f, pages_per_call=p, slots_per_head=s, plan=plan, allow_cpu=True)
+        cache = DevicePageCache.from_fetcher(f, pages_per_call=p, slots_per_head=s, plan=plan, allow_cpu=True,
+                                             window_min=window_min)
         assert cache is not None and cache.plan == plan
         cache.use_triton_gather = triton_gather
-        refs = [RefLRU(s) for _ in range(LAYERS)]
+        refs = [RefLRU(s, window_min) for _ in range(LAYERS)]
         kv = [store.read_layer(m.prefix_id, layer) for layer in range(LAYERS)]
         for step in _requests(0, 9, p):
             for layer, pages in enumerate(step):

@@ -6,11 +6,12 @@ stamps, the host-tier row of every page: ``kernels.page_plan.PlanState``) and ho
 slots so they cannot be evicted while it reads them. ``fetch(layer, pages)`` issues two launches of
 fixed shape and never waits for the device:
 
-1. the plan (``kernels.page_plan``): lookup, hit stamps, exact-LRU victims per KV head (head ``h`` owns
-   ``slots_per_head`` slots, at least twice the pages of one call), map updates, and per entry the
-   host row to copy (-1 for hits and padding) and the pool row to read;
-2. one gather (``kernels.gather_pages``) over all ``Hkv * P`` entries that skips the -1 rows, reading
-   mapped pinned host memory.
+1. the plan (``kernels.page_plan``): lookup, hit stamps, LRU victims per KV head among a rotating
+   window of its slots (head ``h`` owns ``slots_per_head`` slots, at least twice the pages of one call;
+   the window holds at least twice the call's pages, so a hit is never a victim), map updates, and per
+   entry the host row to copy (-1 for hits and padding) and the pool row to read;
+2. one gather (``kernels.gather_pages``) over the call's ``Hkv * n`` entries that skips the -1 rows,
+   reading mapped pinned host memory.
 
 So select + fetch + attend of every layer of a decode step can be captured in one CUDA graph and
 replayed per token. Hit / miss counters accumulate on the device; ``stats()`` reads them (a sync).
@@ -32,7 +33,7 @@ import torch
 from store.errors import InvalidInput
 from store.layout import KVLayout
 from workers.kernels.gather_pages import GatherConfig, gather_pages, triton_available
-from workers.kernels.page_plan import PlanState, plan_pages
+from workers.kernels.page_plan import WINDOW_MIN, PlanState, plan_pages
 from workers.offload.fetcher import PageFetcher
 from workers.offload.gpu_cache import FetchResult
 from workers.offload.host_tier import HostTier
@@ -93,11 +94,14 @@ class DevicePageCache:
         Tuning of the Triton gather (default ``GatherConfig()``).
     plan_warps : int
         Warps of the Triton plan's program per head (0: chosen from the slot count).
+    window_min : int
+        Fewest slots per head a plan searches for its victims (``PlanState.window``; tests set it low).
     """
 
     def __init__(self, host: HostTier, prefix_id: str, layout: KVLayout, n_tokens: int,
                  device: torch.device | str, *, pages_per_call: int, slots_per_head: int | None = None,
-                 plan: str = "auto", gather: GatherConfig | None = None, plan_warps: int = 0):
+                 plan: str = "auto", gather: GatherConfig | None = None, plan_warps: int = 0,
+                 window_min: int = WINDOW_MIN):
         self.layout, self.prefix_id, self.n_tokens = layout, prefix_id, n_tokens
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -125,7 +129,7 @@ class DevicePageCache:
         try:
             rows = torch.from_numpy(slots).view(lay.n_layers, heads, self.n_pages).to(self.device)
             self.state = PlanState.empty(host_rows=rows, slots_per_head=s, pages_per_call=p,
-                                         page_size=lay.page_size)
+                                         page_size=lay.page_size, window_min=window_min)
             pool_rows = heads * s * lay.page_size
             self.k = [torch.zeros(pool_rows, lay.head_dim, dtype=lay.torch_dtype, device=self.device)
                       for _ in range(lay.n_layers)]
@@ -137,7 +141,7 @@ class DevicePageCache:
     @classmethod
     def from_fetcher(cls, fetcher: PageFetcher, *, pages_per_call: int, slots_per_head: int | None = None,
                      plan: str = "auto", allow_cpu: bool = False, gather: GatherConfig | None = None,
-                     plan_warps: int = 0) -> DevicePageCache | None:
+                     plan_warps: int = 0, window_min: int = WINDOW_MIN) -> DevicePageCache | None:
         """A cache over ``fetcher``'s prefix and host tier, or None when the fast path's precondition does
         not hold (then use ``fetcher``). ``slots_per_head`` defaults to the fetcher's GPU budget per head,
         ``gather`` to the fetcher's gather tuning. ``allow_cpu``: also on a CPU device (tests; no speed to
@@ -155,7 +159,7 @@ class DevicePageCache:
         try:
             cache = cls(host, fetcher.prefix_id, fetcher.layout, fetcher.n_tokens, fetcher.device,
                         pages_per_call=pages_per_call, slots_per_head=slots_per_head, plan=plan,
-                        gather=gather or fetcher.gather, plan_warps=plan_warps)
+                        gather=gather or fetcher.gather, plan_warps=plan_warps, window_min=window_min)
         except HostNotWarm:
             return None
         if not cache._probe_gather():
@@ -183,7 +187,8 @@ class DevicePageCache:
         pages = pages.to(torch.int64).contiguous()
         st = self.state
         plan_pages(st, layer, pages, use_triton=self.plan == "triton", num_warps=self.plan_warps)
-        gather_pages(self.host.pages, st.src_rows[layer], self.k[layer], self.v[layer], st.dst_slots[layer],
+        m = heads * pages.shape[1]  # the plan's outputs: this call's entries only (a short call gathers little)
+        gather_pages(self.host.pages, st.src_rows[layer, :m], self.k[layer], self.v[layer], st.dst_slots[layer, :m],
                      block_bytes=self.layout.block_bytes, use_triton=self.use_triton_gather, skip_negative=True,
                      config=self.gather)
         return self.result(layer, pages.shape[1])

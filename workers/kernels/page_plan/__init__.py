@@ -1,4 +1,4 @@
-"""Page plan: a fetch's lookup, exact-LRU victims and map updates computed on the device, fixed shape.
+"""Page plan: a fetch's lookup, windowed-LRU victims and map updates computed on the device, fixed shape.
 
 ``plan_pages`` (launcher: the Triton kernel or the torch reference), the tables it updates
 (``PlanState``) and the torch reference ``plan_pages_ref``.
@@ -6,6 +6,6 @@
 
 from .ops import plan_pages
 from .reference import plan_pages_ref
-from .state import PlanState
+from .state import WINDOW_MIN, PlanState
 
-__all__ = ["PlanState", "plan_pages", "plan_pages_ref"]
+__all__ = ["WINDOW_MIN", "PlanState", "plan_pages", "plan_pages_ref"]

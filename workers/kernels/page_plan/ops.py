@@ -1,16 +1,20 @@
-"""Public launcher of the page plan: one fetch's lookup, hit stamps, exact-LRU victims and map updates.
+"""Public launcher of the page plan: one fetch's lookup, hit stamps, windowed-LRU victims and map updates.
 
 A plan of ``pages [Hkv, n]`` (``n <= P``, ``S >= 2P``; -1 = padding) of one layer, per head, in this
 order: clock += 1 (= t); hits are stamped t; victims are the ``n`` slots with the smallest
-``(stamp, slot)`` (none was stamped t: at most ``n`` hits, ``S - n >= n`` others); the i-th miss in
-request order takes the i-th victim, whose page (if any) leaves the map; map, owner and stamp of the
-victim are set. Outputs (``[Hkv, P]``, entries past ``n`` padding): ``src_rows`` (host-tier row of each
-miss, -1 for hits and padding: a skip-negative gather skips them), ``dst_slots`` (global slot, 0 when
-skipped) and ``rows`` (first pool row of each requested page, -1 for padding and rejected ids).
+``(stamp, slot)`` among the plan's window of ``W = PlanState.window(n)`` slots, ``(t - 1) * W + i``
+modulo ``S`` for ``i < W`` (all ``S`` slots, exact LRU, when ``S`` is small; else at least ``2n``:
+none was stamped t, as at most ``n`` of them are hits); the i-th miss in request order takes the i-th
+victim, whose page (if any) leaves the map; map, owner and stamp of the victim are set. Outputs, the
+first ``n`` entries per head (later entries keep older values): ``src_rows`` and ``dst_slots``
+``[Hkv * n]`` (compact) with the host-tier row of each miss (-1 for hits and padding: a skip-negative
+gather skips them) and its global slot (0 when skipped); ``rows [Hkv, P][:, :n]``, the first pool row
+of each requested page (-1 for padding and rejected ids).
 
 Two implementations with the same result: the Triton kernel (one launch, one program per head: a sort
-of the head's slot keys) and the torch reference (~20 ops). Both have fixed shapes and never sync, so
-a plan can be captured in a CUDA graph. Kernel tuning (warps) is an argument, never module state.
+of the window's slot keys) and the torch reference (~20 ops). Both have fixed shapes for a fixed ``n``
+and never sync, so a plan can be captured in a CUDA graph. Kernel tuning (warps) is an argument, never
+module state.
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ def plan_pages(st: PlanState, layer: int, pages: torch.Tensor, *, use_triton: bo
     st : PlanState
         Tables of every layer: ``page_to_slot [L, Hkv, n_pages + 1]``, ``slot_to_page`` and ``stamp``
         ``[L, Hkv, S + 1]``, ``clock [L, Hkv]``, ``counters [L, Hkv, 3]``, ``host_rows [L, Hkv, n_pages]``;
-        outputs ``src_rows``, ``dst_slots`` ``[L, Hkv * P]`` and ``rows [L, Hkv, P]`` (all int64).
+        outputs ``src_rows``, ``dst_slots`` ``[L, Hkv * P]`` (the first ``Hkv * n`` written) and
+        ``rows [L, Hkv, P]`` (the first ``n`` per head written) (all int64).
     layer : int
         The layer whose tables and outputs are used.
     pages : [Hkv, n] int64, contiguous, on the state's device
@@ -61,7 +66,7 @@ def plan_pages(st: PlanState, layer: int, pages: torch.Tensor, *, use_triton: bo
     use_triton : bool
         The one-launch Triton kernel (CUDA, or CPU under ``TRITON_INTERPRET=1``), else the torch reference.
     num_warps : int
-        Warps of the Triton program per head; 0: 8 from 1024 slots per head, else 4 (on the H200 at 128k,
+        Warps of the Triton program per head; 0: 8 from a window of 1024 slots, else 4 (on the H200 at 128k,
         where the sort of 1024 keys dominates, 8 warps took 0.37 ms/token against 0.58).
     """
     _validate(st, layer, pages, num_warps)
@@ -75,10 +80,10 @@ def _launch(st: PlanState, layer: int, pages: torch.Tensor, num_warps: int) -> N
     from .triton import _plan_kernel
 
     heads, n = pages.shape
-    p = st.pages_per_call
-    warps = num_warps or (8 if st.scratch.shape[2] >= 1024 else 4)
+    w = st.window(n)
+    warps = num_warps or (8 if w >= 1024 else 4)
     _plan_kernel[(heads,)](pages, n, st.page_to_slot[layer], st.slot_to_page[layer], st.stamp[layer],
                            st.clock[layer], st.counters[layer], st.host_rows[layer], st.src_rows[layer],
                            st.dst_slots[layer], st.rows[layer], st.scratch[layer], st.n_pages, st.slots_per_head,
-                           p, st.page_size, BLOCK_P=next_pow2(p), BLOCK_S=st.scratch.shape[2],
-                           KEY_MAX=_KEY_MAX, num_warps=warps)
+                           w, st.pages_per_call, st.page_size, BLOCK_P=next_pow2(n), BLOCK_W=next_pow2(w),
+                           BLOCK_S=st.scratch.shape[2], KEY_MAX=_KEY_MAX, num_warps=warps)

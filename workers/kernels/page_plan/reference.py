@@ -24,8 +24,11 @@ def plan_pages_ref(st: PlanState, layer: int, pages: torch.Tensor) -> None:
     t = clock.unsqueeze(1).expand(heads, n)
     base = torch.arange(heads, device=pg.device).unsqueeze(1) * s
     stamp.scatter_(1, torch.where(hit, slot - base, s), t)
-    key = stamp[:, :s] * s + torch.arange(s, device=pg.device)
-    victims = key.topk(n, dim=1, largest=False, sorted=True).indices
+    w = st.window(n)
+    start = ((clock - 1) * w) % s  # the window rotates by its width each plan
+    idx = (start.unsqueeze(1) + torch.arange(w, device=pg.device)) % s
+    key = stamp.gather(1, idx) * s + idx
+    victims = idx.gather(1, key.topk(n, dim=1, largest=False, sorted=True).indices)
     vic = victims.gather(1, (miss.cumsum(1) - 1).clamp(min=0))
     at = torch.where(miss, vic, s)
     old = s2p.gather(1, at)
@@ -35,12 +38,8 @@ def plan_pages_ref(st: PlanState, layer: int, pages: torch.Tensor) -> None:
     stamp.scatter_(1, at, t)
     new = torch.where(miss, vic + base, slot)
     src = torch.where(miss, st.host_rows[layer].gather(1, col.clamp(max=n_pages - 1)), -1)
-    p = st.pages_per_call
-    for buf, val, pad in ((st.src_rows, src, -1), (st.dst_slots, torch.where(miss, new, 0), 0),
-                          (st.rows, torch.where(ok, new * st.page_size, -1), -1)):
-        view = buf[layer].view(heads, p)
-        view[:, :n] = val
-        if n < p:
-            view[:, n:] = pad
+    st.src_rows[layer, : heads * n] = src.reshape(-1)
+    st.dst_slots[layer, : heads * n] = torch.where(miss, new, 0).reshape(-1)
+    st.rows[layer, :, :n] = torch.where(ok, new * st.page_size, -1)
     bad = (pg >= n_pages).sum(1)
     st.counters[layer] += torch.stack([hit.sum(1), miss.sum(1), bad], dim=1)

@@ -17,7 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PlanState"]
+__all__ = ["PlanState", "WINDOW_MIN"]
+
+WINDOW_MIN = 256
+"""Fewest slots per head a plan searches for victims (all of them when the head has fewer)."""
 
 
 def next_pow2(n: int) -> int:
@@ -45,10 +48,18 @@ class PlanState:
     """``[L, Hkv, BLOCK_S]`` int64: the sorted victims of the Triton path."""
     slots_per_head: int
     page_size: int
+    window_min: int = WINDOW_MIN
+    """Fewest slots a plan searches for victims (see ``window``)."""
+
+    def window(self, n: int) -> int:
+        """Slots a plan of ``n`` pages per head searches for its victims: a rotating window of at least twice
+        ``n`` (never all of a large cache: sorting every slot's stamp cost more than the rest of a sparse
+        step), all slots when the head has no more than that."""
+        return min(self.slots_per_head, max(self.window_min, next_pow2(2 * n)))
 
     @classmethod
-    def empty(cls, *, host_rows: torch.Tensor, slots_per_head: int, pages_per_call: int, page_size: int
-              ) -> PlanState:
+    def empty(cls, *, host_rows: torch.Tensor, slots_per_head: int, pages_per_call: int, page_size: int,
+              window_min: int = WINDOW_MIN) -> PlanState:
         """Empty tables for ``host_rows [L, Hkv, n_pages]`` (on the cache's device)."""
         n_layers, heads, n_pages = host_rows.shape
         s, p, dev = slots_per_head, pages_per_call, host_rows.device
@@ -61,7 +72,7 @@ class PlanState:
                    counters=full(n_layers, heads, 3, value=0), host_rows=host_rows.to(torch.int64),
                    src_rows=full(n_layers, heads * p), dst_slots=full(n_layers, heads * p, value=0),
                    rows=full(n_layers, heads, p), scratch=full(n_layers, heads, next_pow2(s), value=0),
-                   slots_per_head=s, page_size=page_size)
+                   slots_per_head=s, page_size=page_size, window_min=window_min)
 
     @property
     def pages_per_call(self) -> int:
