@@ -48,6 +48,7 @@ def test_static_steps_give_the_packed_steps_tokens_and_reads(store: KVStore, end
     assert graphs is not None and graphs.captures >= 1 and graphs.replays >= 5  # the static path really ran
     for w, g in zip(want, got, strict=True):
         assert g.token_ids == w.token_ids and len(g.token_ids) == 10
+        assert w.extra["graph_steps"] == 0 and g.extra["graph_steps"] >= 5
         assert g.bytes_fetched == w.bytes_fetched and g.prefix_tokens_per_step == w.prefix_tokens_per_step
     assert len(graphs) == 0  # the finished generations' steps are not kept
 

@@ -107,6 +107,8 @@ class Generation:
     """Whether its query-time cache was told the query is in (``ObservesQuery``)."""
     single_steps: int = 0
     """Steps that fed it one token (the first runs eagerly: it warms what a captured step replays)."""
+    graph_steps: int = 0
+    """Steps it took in a whole-step CUDA graph (or its static-input form; ``workers.step_graph``)."""
 
     @property
     def runnable(self) -> bool:
@@ -261,6 +263,7 @@ class DecodeEngine:
         t0 = time.perf_counter()
         batch: list[Generation] = []
         members: list[Generation] = []
+        static = None
         try:
             with self.turn():
                 # Taken once the turn is ours, not before waiting for it: a generation that opened meanwhile
@@ -305,6 +308,7 @@ class DecodeEngine:
                 g.pending = g.pending[n:]
                 g.stats.steps += 1
                 g.single_steps += n == 1
+                g.graph_steps += static is not None
                 g.stats.bytes_full += g.full_step_bytes
                 g.stats.step_seconds.append(seconds)
                 g.batch_sizes.append(len(members))

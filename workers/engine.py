@@ -301,6 +301,7 @@ def _finish_stats(gen: Generation, source: PrefixSource) -> None:
         st.bytes_fetched = source.bytes_read
         st.prefix_tokens_per_step = [source.n_tokens * lay.n_layers * lay.n_kv_heads] * st.steps
     st.extra["own_kv_bytes"] = float(gen.own.nbytes)  # what its own tokens' K/V came to
+    st.extra["graph_steps"] = float(gen.graph_steps)  # steps replayed from a whole-step CUDA graph
     if gen.batch_sizes:
         st.extra["batch_mean"] = sum(gen.batch_sizes) / len(gen.batch_sizes)
         st.extra["batch_max"] = float(max(gen.batch_sizes))
