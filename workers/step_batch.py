@@ -70,7 +70,8 @@ class StepBatch:
             try:
                 own_k, own_v = s.own.write(layer, k[0, :, s.start:s.end], v[0, :, s.start:s.end])
                 qs = q[:, :, s.start:s.end]
-                if s.end - s.start == 1:  # a decode token: the kernel a captured step uses (same numbers)
+                if s.end - s.start == 1 and q.is_cuda:  # the kernel a captured step uses: the same tokens eager
+                    # and replayed (on the CPU, where nothing is captured, the fused dense kernel is faster)
                     k_all, v_all = s.own.buffer(layer)
                     n_valid = torch.full((1, k_all.shape[0]), s.own.length + 1, device=q.device)
                     o1, l1 = own_attention(qs[0, :, 0][None], k_all, v_all, n_valid, scale)
