@@ -13,6 +13,7 @@ from workers.decode_batch import EngineConfig
 from workers.engine import DEFAULT_OFFLOAD, Worker
 from workers.model import LoadedModel, load_model
 from workers.requests import DecodeConfig, GenerationStats, SamplingParams
+from workers.step_graph import StepGraphCache
 
 DOCS = [
     "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike " * 9 + "The code is 4411.",
@@ -75,6 +76,22 @@ def test_a_batch_is_captured_only_when_it_repeats(store: KVStore, endless_lm: Lo
         graphs = worker.engine._graphs
         assert graphs is not None and graphs.captures == captures, n_new
         assert graphs.replays == max(0, n_new - 4)
+
+
+def test_a_failed_capture_leaves_its_batch_eager_and_enough_of_them_stop_capturing() -> None:
+    class Broken(torch.nn.Module):
+        def forward(self, **_: object) -> None:
+            raise RuntimeError("cannot be captured")
+
+    # On a CPU the capture itself fails (no CUDA graphs), like a batch whose capture breaks on a GPU.
+    cache = StepGraphCache(Broken(), torch.device("cpu"), capture=True)
+    for i, key in enumerate(["a", "b", "c"]):
+        assert cache.step(key, []) is None  # a new batch: not captured yet
+        assert cache.step(key, []) is None and cache.failures == i + 1  # its capture failed: eager
+        assert cache.step(key, []) is None and cache.failures == i + 1  # not retried
+        assert cache.failed == (i == 2)
+    cache.step("d", [])
+    assert cache.step("d", []) is None and cache.failures == 3  # no capture tried once failed
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

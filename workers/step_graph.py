@@ -111,13 +111,18 @@ class StepGraphCache:
 
     MAX_GRAPHS = 4
     """Captured batches kept at once (each holds its own memory pool)."""
+    MAX_FAILURES = 3
+    """Failed captures after which no batch is captured any more (one batch's failure, e.g. its method's,
+    must not take the graphs from every other batch; a capture that cannot work must not be retried forever)."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, *, capture: bool):
         self.model, self.device, self.capture = model, device, capture
         self._steps: dict[object, StaticStep] = {}
         self._last: object = None
+        self._failed_keys: set[object] = set()
+        self.failures = 0
         self.failed = False
-        """Set when a capture failed: the engine runs every later step eagerly."""
+        """Set after ``MAX_FAILURES`` failed captures: the engine runs every later step eagerly."""
         self.captures = 0
         self.replays = 0
 
@@ -132,15 +137,18 @@ class StepGraphCache:
             self._steps[key] = self._steps.pop(key)  # most recently used last
             self.replays += 1
             return found
-        if key != last:
+        if key != last or key in self._failed_keys:
             return None
         while len(self._steps) >= self.MAX_GRAPHS:
             self._steps.pop(next(iter(self._steps)))
         try:
             made = StaticStep(self.model, members, self.device, capture=self.capture)
-        except Exception:  # noqa: BLE001 - a capture that fails leaves the engine eager, not broken
-            self.failed = True
-            log.warning("capturing the decode step in a CUDA graph failed; decoding eagerly", exc_info=True)
+        except Exception:  # noqa: BLE001 - a capture that fails leaves its batch eager, not broken
+            self.failures += 1
+            self._failed_keys.add(key)
+            self.failed = self.failures >= self.MAX_FAILURES
+            log.warning("capturing the decode step in a CUDA graph failed (%d of %d); this batch decodes eagerly",
+                        self.failures, self.MAX_FAILURES, exc_info=True)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             return None
