@@ -29,7 +29,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import prefilled_sample, shipped_cpu_worker  # noqa: E402
+from bench.common import prefilled_sample, shipped_worker  # noqa: E402
 from workers.engine import Worker  # noqa: E402
 from workers.methods.registry import METHODS  # noqa: E402
 from workers.requests import DecodeConfig, GenerationStats, SamplingParams  # noqa: E402
@@ -65,7 +65,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     home = args.home or Path(tempfile.mkdtemp(prefix="kvstash-cpu-bench-"))
-    worker, store = shipped_cpu_worker(home, args.offload)
+    worker, store = shipped_worker(home, args.offload)
     worker.lm.model.generation_config.eos_token_id = []  # decode a fixed number of steps for every method
     print(f"budget {args.budget:.0%}; {args.tokens} steps x {args.rounds} rounds per method", flush=True)
     results: dict[int, dict[str, dict]] = {}

@@ -85,6 +85,12 @@ def rows(gpu_cache_bytes: int, host_bytes: int) -> list[EngineRow]:
     ]
 
 
+def row_worker(store: KVStore, lm: LoadedModel, row: EngineRow) -> Worker:
+    """A fresh worker with the row's offload and engine configuration."""
+    engine = EngineConfig(cuda_graphs=row.graphs, whole_step=row.whole_step)  # type: ignore[arg-type]
+    return Worker(store, lm, progress=False, offload=row.offload, engine=engine)
+
+
 def run_together(worker: Worker, pids: list[str], row: EngineRow, budget: float,
                  n: int) -> tuple[list[GenerationStats], float]:
     """Generations over ``pids`` at once (one thread pulls each in turn: every step serves all);
@@ -112,8 +118,7 @@ def measure(store: KVStore, lm: LoadedModel, pids: list[str], row: EngineRow, bu
     for label, group in (("b1", pids[:1]), ("bn", pids)) if len(pids) > 1 else (("b1", pids),):
         if cold:
             drop_os_cache()
-        engine = EngineConfig(cuda_graphs=row.graphs, whole_step=row.whole_step)  # type: ignore[arg-type]
-        worker = Worker(store, lm, progress=False, offload=row.offload, engine=engine)
+        worker = row_worker(store, lm, row)
         run_together(worker, group[:1], row, budget, 2)  # warm-up: kernels, allocator
         stats, wall = run_together(worker, group, row, budget, n)
         steady = [t for st in stats for t in st.step_seconds[1:]]
@@ -138,8 +143,7 @@ def profile_row(store: KVStore, lm: LoadedModel, pid: str, row: EngineRow, budge
     """Print the GPU kernels of a batch-1 generation's decode steps, by total time per step."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine = EngineConfig(cuda_graphs=row.graphs, whole_step=row.whole_step)  # type: ignore[arg-type]
-    worker = Worker(store, lm, progress=False, offload=row.offload, engine=engine)
+    worker = row_worker(store, lm, row)
     run_together(worker, [pid], row, budget, n)  # warm: captures happen here
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=acts) as prof:

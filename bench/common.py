@@ -129,11 +129,6 @@ def shipped_worker(home: Path, offload: str = "default", *, device: torch.device
     return worker, store
 
 
-def shipped_cpu_worker(home: Path, offload: str = "default") -> tuple[Worker, KVStore]:
-    """``shipped_worker`` on the CPU in float32."""
-    return shipped_worker(home, offload)
-
-
 def prefilled_sample(worker: Worker, task: str, n_ctx: int, seed: int = 7) -> tuple[Sample, PrefillResult]:
     """A synthetic ``task`` sample of about ``n_ctx`` tokens (eval split), its document prefilled (or found)."""
     sample = synth(task, n_ctx, seed=seed, ctx=SynthContext(tokenizer=worker.lm.tokenizer, split="eval"))

@@ -324,7 +324,7 @@ class DecodeEngine:
         captured; None: the ordinary packed step."""
         if self._graphs is None or len(ids) != len(members):
             return None
-        keys = []
+        keys, statics = [], []
         for g in members:
             p = g.prefix
             if g.single_steps < 1 or not isinstance(p, GraphablePrefix):
@@ -334,8 +334,8 @@ class DecodeEngine:
                 return None
             g.own.reserve(g.own.length + 1)  # a captured step cannot grow the buffer: room first, then its key
             keys.append((id(g), g.own.buffer_key, key))
-        return self._graphs.step(tuple(keys), [StaticMember(own=g.own, prefix=g.prefix) for g in members
-                                               if isinstance(g.prefix, GraphablePrefix)])
+            statics.append(StaticMember(own=g.own, prefix=p))
+        return self._graphs.step(tuple(keys), statics)
 
     def _queries_done(self, sampled: list[Generation]) -> set[Generation]:
         """Tell query-time caches whose query just went in (their first token is not out yet); returns the

@@ -40,7 +40,8 @@ def open_device_cache(fetcher: PageFetcher, config: OffloadConfig) -> DevicePage
         return None
     lay = fetcher.layout
     per_head = config.gpu_cache_bytes // lay.n_layers // lay.page_payload_bytes // lay.n_kv_heads
-    # Its exact LRU needs two slots per page of a call: a call takes up to half the head's budget.
+    # Its LRU needs two slots per page of a call (a hit is never a victim): a call takes up to half the head's
+    # budget.
     pages_per_call = min(fetcher.n_pages, per_head // 2)
     if pages_per_call < 1:
         return None
