@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -47,6 +48,7 @@ from bench.common import (  # noqa: E402
     llama8b_attention_spec,
     load_random_model,
 )
+from lab.tiny_random import TinyLlamaSpec  # noqa: E402
 from store.config import StoreConfig  # noqa: E402
 from store.kvstore import KVStore  # noqa: E402
 from workers.decode_batch import EngineConfig  # noqa: E402
@@ -178,7 +180,6 @@ def main() -> None:
                                                  "per step by kernel (one more batch-1 generation under the profiler)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
-    cuda = torch.cuda.is_available()
     if args.quick:
         spec = QUICK_SPEC
         args.ctx, args.tokens, args.batch = 1500, 6, 3
@@ -186,6 +187,15 @@ def main() -> None:
     else:
         spec = llama8b_attention_spec(args.layers, args.ctx + 1024, intermediate_size=14336 if args.full_mlp else 4096)
     work = Path(tempfile.mkdtemp(prefix="kvstash-bench-"))
+    try:  # the store's page files are tens of GB at 128k: never left behind
+        run(args, spec, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, spec: TinyLlamaSpec, work: Path) -> None:
+    """Prefill the documents, measure the wanted rows and print the table."""
+    cuda = torch.cuda.is_available()
     lm = load_random_model(spec, work)
     store = KVStore(StoreConfig(home=args.home or work / "home", page_size=16))
     writer = Worker(store, lm, progress=False, offload=None)

@@ -12,6 +12,7 @@ from typing import ClassVar
 
 import torch
 
+from workers.kernels.unit_topk import group_top_units
 from workers.methods.base import Summarizer
 from workers.methods.phi import PhiSummarizer
 from workers.methods.selector import (
@@ -21,7 +22,6 @@ from workers.methods.selector import (
     choose_units,
     group_mass,
     mask_to_index,
-    top_tokens,
 )
 from workers.methods.source import PrefixSource
 from workers.methods.sparse import SparseMethod
@@ -82,7 +82,9 @@ class QuestSelector(Selector):
     def select_pages(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, n: int) -> torch.Tensor:
         """The ``n`` pages overlapping ``[ctx.lo, ctx.hi)`` with the most upper-bound mass."""
         p0, p1 = page_span(ctx.lo, ctx.hi, self.page)
-        return top_tokens(group_mass(self.upper_bounds(layer, q, scale, p0, p1)), n) + p0
+        ub = self.upper_bounds(layer, q, scale, p0, p1)
+        t, hkv, g, u = ub.shape
+        return group_top_units(ub.reshape(t * hkv, g, u), n).view(t, hkv, -1) + p0
 
     def select(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, k: int | None) -> Selection:
         """Pages overlapping the mid region, ranked by upper-bound mass; their mid tokens are attended."""

@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from workers.attention import merge_attention
+from workers.kernels.unit_topk import group_top_units
 from workers.methods.base import ReadReport
 from workers.methods.compressed import CompressedPrefixAttention, CompressionMethod
 from workers.methods.hybridkv import HybridKV
 from workers.methods.kvzip import KVzip
 from workers.methods.layer_kv import LayerKV, page_tokens
 from workers.methods.quest import QuestSelector
-from workers.methods.selector import group_mass, top_tokens
 from workers.methods.source import PrefixSource
 from workers.methods.sparse import DEFAULT_FRACTION, gathered_attention, offload_counters
 from workers.pages import page_count
@@ -149,7 +149,7 @@ class RecallPrefixAttention:
         hkv = evicted.shape[0]
         ub = self.quest.upper_bounds(layer, rows.view(t, hkv, hq // hkv, d), scale, 0, self.n_total_pages)
         ub = ub.masked_fill(~evicted[None, :, None, :], -math.inf)  # a page evicting nothing has nothing to recall
-        picked = top_tokens(group_mass(ub).reshape(t * hkv, -1), self.n_pages).view(t, hkv, -1)
+        picked = group_top_units(ub.reshape(t * hkv, hq // hkv, -1), self.n_pages).view(t, hkv, -1)
         valid = evicted.unsqueeze(0).expand(t, -1, -1).gather(2, picked)
         order = torch.sort((~valid).to(torch.uint8), dim=-1, stable=True).indices
         return picked.gather(2, order), valid.gather(2, order)

@@ -18,6 +18,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from workers.kernels.unit_topk import top_units
 from workers.methods.base import Summarizer
 from workers.methods.key_index import KeyIndexSummarizer, index_logits
 from workers.methods.phi import PhiSummarizer
@@ -86,7 +87,8 @@ class IndexedTopKSelector(Selector):
         mass = group_mass(self.approx_logits(layer, ctx, q, scale))  # [T, Hkv, n_mid]
         mass = F.pad(mass, (ctx.lo - p0 * p, p1 * p - ctx.hi))  # tokens of boundary pages outside the mid: 0
         pages = mass.view(*mass.shape[:-1], p1 - p0, p).sum(-1)
-        return top_tokens(pages, n) + p0
+        t, hkv = pages.shape[:2]
+        return top_units(pages.reshape(t * hkv, -1), n).view(t, hkv, -1) + p0
 
     def approx_logits(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float) -> torch.Tensor:
         """Logits ``[T, Hkv, G, n_mid]`` (float32) of every mid token on the index."""

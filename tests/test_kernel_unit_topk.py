@@ -1,0 +1,104 @@
+"""Unit top-k kernels == their torch references (exact ids for ``top_units``; for ``group_top_units`` the
+same ids up to float rounding of the mass, checked by the mass they select).
+
+The Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``, set by conftest without a GPU)
+or on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from workers.kernels.unit_topk import (
+    TopConfig,
+    group_mass_ref,
+    group_top_units,
+    group_top_units_ref,
+    top_units,
+    top_units_ref,
+)
+from workers.methods.selector import group_mass
+
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = torch.device("cuda" if torch.cuda.is_available() and not INTERP else "cpu")
+needs_triton = pytest.mark.skipif(DEV.type == "cpu" and not INTERP,
+                                  reason="CPU tensors through Triton need TRITON_INTERPRET=1")
+SMALL = TopConfig(block_units=64, num_warps=2)  # several chunks per row even at small U
+
+
+def _ascending_unique(ids: torch.Tensor) -> bool:
+    return bool((ids[:, 1:] > ids[:, :-1]).all())
+
+
+@needs_triton
+@pytest.mark.parametrize("config", [TopConfig(), SMALL], ids=["default", "chunks"])
+@pytest.mark.parametrize("r,u,k", [(1, 1, 1), (3, 17, 5), (8, 300, 40), (2, 257, 256), (4, 64, 64), (5, 40, 0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top_units_equals_reference(r: int, u: int, k: int, dtype: torch.dtype, config: TopConfig) -> None:
+    g = torch.Generator().manual_seed(r * 1000 + u)
+    scores = torch.randn(r, u, generator=g).to(dtype).to(DEV)  # bf16: many ties, broken toward lower ids
+    got = top_units(scores, k, use_triton=True, config=config)
+    want = top_units_ref(scores, k)
+    assert got.shape == (r, min(k, u)) and got.dtype == torch.int64
+    assert torch.equal(got, want)
+
+
+@needs_triton
+def test_top_units_orders_signs_zeros_and_infinities() -> None:
+    row = torch.tensor([[0.0, -0.0, -1.0, 2.0, float("-inf"), float("inf"), -3.5, 1e-30, -1e-30, 2.0]], device=DEV)
+    for k in range(1, 11):
+        assert torch.equal(top_units(row, k, use_triton=True, config=SMALL), top_units_ref(row, k)), k
+
+
+@needs_triton
+@pytest.mark.parametrize("config", [TopConfig(), SMALL], ids=["default", "chunks"])
+@pytest.mark.parametrize("r,g_,u,k", [(1, 1, 1, 1), (8, 4, 300, 9), (3, 5, 129, 100), (2, 8, 33, 7), (6, 4, 1000, 20)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_group_top_units_selects_the_reference_mass(r: int, g_: int, u: int, k: int, dtype: torch.dtype,
+                                                     config: TopConfig) -> None:
+    g = torch.Generator().manual_seed(g_ * 100 + u)
+    logits = (3 * torch.randn(r, g_, u, generator=g)).to(dtype).to(DEV)
+    got = group_top_units(logits, k, use_triton=True, config=config)
+    want = group_top_units_ref(logits, k)
+    assert got.shape == want.shape and _ascending_unique(got)
+    mass = group_mass_ref(logits)
+    # The kernel's mass differs from softmax + mean by float rounding only: the same selected mass.
+    torch.testing.assert_close(mass.gather(1, got).sum(1), mass.gather(1, want).sum(1), rtol=1e-5, atol=1e-6)
+    same = (got == want).float().mean().item()
+    assert same > 0.95, same
+
+
+@needs_triton
+def test_group_top_units_gives_minus_inf_no_mass() -> None:
+    logits = torch.randn(2, 3, 50, device=DEV)
+    logits[0, :, 10:] = float("-inf")  # only units 0..9 have mass in row 0
+    logits[1, 1] = float("-inf")  # one head with nothing: it adds no mass, and no NaN
+    got = group_top_units(logits, 10, use_triton=True)
+    assert torch.equal(got[0], torch.arange(10, device=DEV))
+    mass = group_mass_ref(logits)
+    assert not mass.isnan().any()
+    torch.testing.assert_close(mass.gather(1, got).sum(1), mass.gather(1, group_top_units_ref(logits, 10)).sum(1))
+
+
+def test_reference_mass_is_the_selectors_group_mass() -> None:
+    logits = torch.randn(3, 4, 2, 37)
+    logits[0, 1, 1] = float("-inf")
+    torch.testing.assert_close(group_mass_ref(logits.reshape(12, 2, 37)), group_mass(logits).reshape(12, 37))
+
+
+def test_reference_breaks_ties_toward_lower_ids_in_ascending_order() -> None:
+    scores = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0]])
+    assert top_units_ref(scores, 2).tolist() == [[1, 2]]
+    assert top_units_ref(scores, 4).tolist() == [[1, 2, 3, 4]]
+
+
+def test_launchers_refuse_bad_shapes() -> None:
+    with pytest.raises(ValueError, match="float"):
+        top_units(torch.zeros(3, dtype=torch.int64), 1)
+    with pytest.raises(ValueError, match="G, U"):
+        group_top_units(torch.zeros(2, 3), 1)
+    with pytest.raises(ValueError, match="power of two"):
+        TopConfig(block_units=100)

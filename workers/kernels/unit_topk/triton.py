@@ -1,0 +1,123 @@
+"""Triton kernels of the unit top-k: one program per row, a radix select of the k-th largest score.
+
+Scores are mapped to order-preserving int32 keys (a float's bits, sign-folded), written to a scratch
+row, and the k-th largest key is found bit by bit from the top (32 counting passes over the row, which
+stays in L1/L2). The ids above it, then the lowest-id ties equal to it, are written in ascending id
+order with a running prefix sum. No sort and no host sync: shapes depend on ``k`` only, so a step
+that selects this way can be captured in a CUDA graph. ``_group_mass_pass`` first turns ``[G, U]``
+logits into the group-mean softmax mass (two passes: per-head log-sum-exp, then the mean).
+Loops are ``while`` loops: the CPU interpreter (numpy >= 2.4) cannot take run-time ``range`` bounds.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _keys(x):
+    """Float32 -> int32 keys in the same order (negatives' magnitude bits flipped; -0.0 taken as +0.0)."""
+    b = (x + 0.0).to(tl.int32, bitcast=True)
+    return tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+
+
+@triton.jit
+def _load_keys(row, u0, u, U):
+    """A chunk of int32 keys as int64 in ``[0, 2**32)`` (unsigned order; masked lanes 0)."""
+    um = (u0 + u) < U
+    return tl.where(um, tl.load(row + u0 + u, mask=um, other=0).to(tl.int64) + 2147483648, 0)
+
+
+@triton.jit
+def _group_mass_pass(logits, keys, r, U, G, stride_r, stride_g, BLOCK_G: tl.constexpr, BLOCK_U: tl.constexpr):
+    """Row ``r``: the group-mean softmax mass of ``logits[r] [G, U]`` -> uint32 keys in ``keys[r]``."""
+    g = tl.arange(0, BLOCK_G)
+    u = tl.arange(0, BLOCK_U)
+    gm = g < G
+    base = logits + r * stride_r + g[:, None] * stride_g
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_G], tl.float32)
+    u0 = 0
+    while u0 < U:
+        ok = gm[:, None] & ((u0 + u) < U)[None, :]
+        x = tl.load(base + u0 + u[None, :], mask=ok, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, 1))
+        ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # an all -inf row so far: no NaN from -inf - -inf
+        s = s * tl.exp(m - ref) + tl.sum(tl.exp(x - ref[:, None]), 1)
+        m = m_new
+        u0 += BLOCK_U
+    ref = tl.where(m == float("-inf"), 0.0, m)
+    lse = tl.where(s > 0, ref + tl.log(tl.where(s > 0, s, 1.0)), float("inf"))  # an all -inf head has mass 0 everywhere
+    u0 = 0
+    while u0 < U:
+        um = (u0 + u) < U
+        ok = gm[:, None] & um[None, :]
+        x = tl.load(base + u0 + u[None, :], mask=ok, other=float("-inf")).to(tl.float32)
+        mass = tl.sum(tl.exp(x - lse[:, None]), 0) / G
+        tl.store(keys + r * U + u0 + u, _keys(mass), mask=um)
+        u0 += BLOCK_U
+
+
+@triton.jit
+def _select_pass(keys, out, r, U, K, BLOCK_U: tl.constexpr):
+    """Row ``r``: the ids of the ``K`` largest keys of ``keys[r]`` (ties to the lower id) -> ``out[r]``, ascending."""
+    u = tl.arange(0, BLOCK_U)
+    row = keys + r * U
+    prefix = tl.zeros([], tl.int64)
+    for b in tl.static_range(31, -1, -1):
+        cand = prefix | (1 << b)
+        cnt = tl.zeros([], tl.int32)
+        u0 = 0
+        while u0 < U:
+            kk = _load_keys(row, u0, u, U)
+            cnt += tl.sum(((kk >= cand) & ((u0 + u) < U)).to(tl.int32), 0)
+            u0 += BLOCK_U
+        prefix = tl.where(cnt >= K, cand, prefix)
+    # prefix is now the K-th largest key: all greater keys are taken, then the first ties until K.
+    n_gt = tl.zeros([], tl.int32)
+    u0 = 0
+    while u0 < U:
+        kk = _load_keys(row, u0, u, U)
+        n_gt += tl.sum(((kk > prefix) & ((u0 + u) < U)).to(tl.int32), 0)
+        u0 += BLOCK_U
+    need = K - n_gt
+    taken = tl.zeros([], tl.int32)
+    ties = tl.zeros([], tl.int32)
+    u0 = 0
+    while u0 < U:
+        um = (u0 + u) < U
+        kk = _load_keys(row, u0, u, U)
+        eq = (kk == prefix) & um
+        eq_rank = ties + tl.cumsum(eq.to(tl.int32), 0) - eq.to(tl.int32)
+        sel = (((kk > prefix) & um) | (eq & (eq_rank < need))).to(tl.int32)
+        pos = taken + tl.cumsum(sel, 0) - sel
+        tl.store(out + r * K + pos, (u0 + u).to(tl.int64), mask=sel == 1)
+        taken += tl.sum(sel, 0)
+        ties += tl.sum(eq.to(tl.int32), 0)
+        u0 += BLOCK_U
+
+
+@triton.jit
+def _group_top_kernel(logits, keys, out, U, K, G, stride_r, stride_g, BLOCK_G: tl.constexpr,
+                      BLOCK_U: tl.constexpr):
+    """Program ``r``: the ``K`` units of row ``r`` with the most group-mean softmax mass."""
+    r = tl.program_id(0).to(tl.int64)
+    _group_mass_pass(logits, keys, r, U, G, stride_r, stride_g, BLOCK_G, BLOCK_U)
+    tl.debug_barrier()  # the row's keys are written before any thread counts them
+    _select_pass(keys, out, r, U, K, BLOCK_U)
+
+
+@triton.jit
+def _top_kernel(scores, keys, out, U, K, stride_r, BLOCK_U: tl.constexpr):
+    """Program ``r``: the ``K`` units of row ``r`` with the highest score."""
+    r = tl.program_id(0).to(tl.int64)
+    u = tl.arange(0, BLOCK_U)
+    u0 = 0
+    while u0 < U:
+        um = (u0 + u) < U
+        x = tl.load(scores + r * stride_r + u0 + u, mask=um, other=0.0).to(tl.float32)
+        tl.store(keys + r * U + u0 + u, _keys(x), mask=um)
+        u0 += BLOCK_U
+    tl.debug_barrier()
+    _select_pass(keys, out, r, U, K, BLOCK_U)
