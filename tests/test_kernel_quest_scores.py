@@ -62,8 +62,8 @@ def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
     """Outputs the launcher allocates start as NaN, so a logit the kernel does not write fails."""
     real = qs_ops._empty
 
-    def empty(*shape: int, **kw: object) -> torch.Tensor:
-        return real(*shape, **kw).fill_(float("nan"))  # type: ignore[arg-type]
+    def empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return real(*shape, dtype=dtype, device=device).fill_(float("nan"))
 
     monkeypatch.setattr(qs_ops, "_empty", empty)
 
