@@ -1,7 +1,7 @@
 """Quest (Tang et al. 2024): per-page min/max key bounds; the pages with the highest upper-bound score.
 
 For a page with element-wise key bounds ``[kmin, kmax]`` the largest logit any of its keys can
-reach is ``Σ_d max(q_d kmin_d, q_d kmax_d) = q⁺ . kmax + q⁻ . kmin`` (two matmuls). Pages are
+reach is ``Σ_d max(q_d kmin_d, q_d kmax_d) = q⁺ . kmax + q⁻ . kmin`` (``workers.kernels.quest_scores``). Pages are
 ranked by the group's softmax over these bounds and taken best-first while their mid tokens fit
 the budget.
 """
@@ -12,6 +12,7 @@ from typing import ClassVar
 
 import torch
 
+from workers.kernels.quest_scores import quest_upper_bounds
 from workers.kernels.unit_topk import group_top_units
 from workers.methods.base import Summarizer
 from workers.methods.phi import PhiSummarizer
@@ -72,12 +73,8 @@ class QuestSelector(Selector):
 
     def upper_bounds(self, layer: int, q: torch.Tensor, scale: float, p0: int, p1: int) -> torch.Tensor:
         """Upper-bound logits ``[T, Hkv, G, p1 - p0]`` (float32) of pages ``[p0, p1)``:
-        ``[q⁺, q⁻] . [kmax; kmin]`` in one matmul per KV head."""
-        kb = self._bounds_t(layer, p0, p1)
-        t, hkv, g, _ = q.shape
-        qq = torch.cat([q.clamp_min(0), q.clamp_max(0)], dim=-1).to(kb.dtype)  # [T, Hkv, G, 2D]
-        ub = torch.bmm(qq.permute(1, 0, 2, 3).reshape(hkv, t * g, -1), kb)  # [Hkv, T*G, U]
-        return ub.view(hkv, t, g, -1).permute(1, 0, 2, 3).float() * scale
+        ``[q⁺, q⁻] . [kmax; kmin]``, one kernel launch on CUDA (the bounds are read once)."""
+        return quest_upper_bounds(q, self._bounds_t(layer, p0, p1), scale)
 
     def select_pages(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, n: int) -> torch.Tensor:
         """The ``n`` pages overlapping ``[ctx.lo, ctx.hi)`` with the most upper-bound mass."""
