@@ -58,6 +58,8 @@ from workers.offload import OffloadConfig  # noqa: E402
 from workers.requests import DecodeConfig, GenerationStats, SamplingParams  # noqa: E402
 
 QUERY = " What does the text say about the river?"
+PROFILE_SKIP = 4
+"""Tokens pulled before the profiler starts: the query's forward, the first eager step and the capture."""
 
 
 @dataclass(frozen=True)
@@ -142,23 +144,33 @@ def measure(store: KVStore, lm: LoadedModel, pids: list[str], row: EngineRow, bu
 
 
 def profile_row(store: KVStore, lm: LoadedModel, pid: str, row: EngineRow, budget: float, n: int) -> None:
-    """Print the GPU kernels of a batch-1 generation's decode steps, by total time per step."""
+    """Print the GPU kernels of a batch-1 generation's steady decode steps (after the query's forward, the
+    first eager step and the capture), by total time per step."""
     from torch.profiler import ProfilerActivity, profile
 
     worker = row_worker(store, lm, row)
-    run_together(worker, [pid], row, budget, n)  # warm: captures happen here
+    run_together(worker, [pid], row, budget, n)  # warm: kernels compiled, allocator grown
+    decode = DecodeConfig(budget=None if row.method == "full" else budget)
+    gen = worker.generate(pid, QUERY, SamplingParams(max_new_tokens=n), method=row.method, raw=True, decode=decode)
+    for _ in range(PROFILE_SKIP):  # opening, the query's forward, the first eager step, the capture
+        next(gen)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    steps = 0
     with profile(activities=acts) as prof:
-        stats, _ = run_together(worker, [pid], row, budget, n)
-    steps = max(1, len(stats[0].step_seconds))
+        for _ in gen:
+            steps += 1
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    steps = max(1, steps)
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     events.sort(key=lambda e: -e.device_time_total)
     total = sum(e.self_device_time_total for e in events)
-    print(f"  profile of {row.name}: {steps} steps, GPU {total / steps / 1e3:.3f} ms per step (self time)", flush=True)
+    print(f"  profile of {row.name}: {steps} steady steps, GPU {total / steps / 1e3:.3f} ms per step (self time)",
+          flush=True)
     for e in events[:25]:
-        print(f"    {e.self_device_time_total / steps / 1e3:8.4f} ms/step  {e.count // steps:5d}/step  {e.key[:90]}",
+        print(f"    {e.self_device_time_total / steps / 1e3:8.4f} ms/step  {e.count / steps:6.1f}/step  {e.key[:90]}",
               flush=True)
-    del worker
+    del worker, gen
     gc.collect()
 
 
