@@ -59,7 +59,7 @@ from workers.requests import DecodeConfig, GenerationStats, SamplingParams  # no
 
 QUERY = " What does the text say about the river?"
 PROFILE_SKIP = 4
-"""Tokens pulled before the profiler starts: the query's forward, the first eager step and the capture."""
+"""Decode steps run before the profiler starts: the query's forward, the first eager step and the capture."""
 
 
 @dataclass(frozen=True)
@@ -151,17 +151,19 @@ def profile_row(store: KVStore, lm: LoadedModel, pid: str, row: EngineRow, budge
     worker = row_worker(store, lm, row)
     run_together(worker, [pid], row, budget, n)  # warm: kernels compiled, allocator grown
     decode = DecodeConfig(budget=None if row.method == "full" else budget)
-    gen = worker.generate(pid, QUERY, SamplingParams(max_new_tokens=n), method=row.method, raw=True, decode=decode)
-    for _ in range(PROFILE_SKIP):  # opening, the query's forward, the first eager step, the capture
+    stats = GenerationStats()
+    gen = worker.generate(pid, QUERY, SamplingParams(max_new_tokens=n), method=row.method, raw=True, decode=decode,
+                          stats=stats)
+    while stats.steps < PROFILE_SKIP:  # the query's forward, the first eager step, the capture
         next(gen)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    steps = 0
+    first = stats.steps
     with profile(activities=acts) as prof:
         for _ in gen:
-            steps += 1
+            pass
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-    steps = max(1, steps)
+    steps = max(1, stats.steps - first)
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     events.sort(key=lambda e: -e.device_time_total)
     total = sum(e.self_device_time_total for e in events)

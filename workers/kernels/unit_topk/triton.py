@@ -1,10 +1,10 @@
 """Triton kernels of the unit top-k: one program per row, a radix select of the k-th largest score.
 
 Scores are mapped to order-preserving int32 keys (a float's bits, sign-folded), written to a scratch
-row, and the k-th largest key is found bit by bit from the top (32 counting passes over the row, which
-stays in L1/L2). The ids above it, then the lowest-id ties equal to it, are written in ascending id
-order with a running prefix sum. No sort and no host sync: shapes depend on ``k`` only, so a step
-that selects this way can be captured in a CUDA graph. ``_group_mass_pass`` first turns ``[G, U]``
+row, and the k-th largest key is found one 8-bit digit at a time from the top (4 histogram passes
+over the row, which stays in L1/L2). The ids above it, then the lowest-id ties equal to it, are
+written in ascending id order with a running prefix sum. No sort and no host sync: shapes depend on
+``k`` only, so a step that selects this way can be captured in a CUDA graph. ``_group_mass_pass`` first turns ``[G, U]``
 logits into the group-mean softmax mass (two passes: per-head log-sum-exp, then the mean).
 Loops are ``while`` loops: the CPU interpreter (numpy >= 2.4) cannot take run-time ``range`` bounds.
 """
@@ -63,25 +63,25 @@ def _group_mass_pass(logits, keys, r, U, G, stride_r, stride_g, BLOCK_G: tl.cons
 def _select_pass(keys, out, r, U, K, BLOCK_U: tl.constexpr):
     """Row ``r``: the ids of the ``K`` largest keys of ``keys[r]`` (ties to the lower id) -> ``out[r]``, ascending."""
     u = tl.arange(0, BLOCK_U)
+    bins = tl.arange(0, 256)
     row = keys + r * U
     prefix = tl.zeros([], tl.int64)
-    for b in tl.static_range(31, -1, -1):
-        cand = prefix | (1 << b)
-        cnt = tl.zeros([], tl.int32)
+    need = K
+    for p in tl.static_range(4):  # one 8-bit digit per pass, most significant first
+        shift = 24 - 8 * p
+        hist = tl.zeros([256], tl.int32)
         u0 = 0
         while u0 < U:
             kk = _load_keys(row, u0, u, U)
-            cnt += tl.sum(((kk >= cand) & ((u0 + u) < U)).to(tl.int32), 0)
+            # keys that agree with the prefix on the digits chosen so far (all keys in the first pass)
+            active = ((u0 + u) < U) & ((kk >> (shift + 8)) == (prefix >> (shift + 8)))
+            hist += tl.histogram(((kk >> shift) & 255).to(tl.int32), 256, mask=active)
             u0 += BLOCK_U
-        prefix = tl.where(cnt >= K, cand, prefix)
-    # prefix is now the K-th largest key: all greater keys are taken, then the first ties until K.
-    n_gt = tl.zeros([], tl.int32)
-    u0 = 0
-    while u0 < U:
-        kk = _load_keys(row, u0, u, U)
-        n_gt += tl.sum(((kk > prefix) & ((u0 + u) < U)).to(tl.int32), 0)
-        u0 += BLOCK_U
-    need = K - n_gt
+        at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # active keys whose digit is >= each bin
+        d = tl.max(tl.where(at_least >= need, bins, -1), 0)  # the K-th largest key's digit
+        need -= tl.sum(tl.where(bins == d, at_least - hist, 0), 0)  # keys above it are all taken
+        prefix = prefix | (d.to(tl.int64) << shift)
+    # prefix is now the K-th largest key: every greater key is taken, then the first ``need`` ties.
     taken = tl.zeros([], tl.int32)
     ties = tl.zeros([], tl.int32)
     u0 = 0
@@ -92,7 +92,7 @@ def _select_pass(keys, out, r, U, K, BLOCK_U: tl.constexpr):
         eq_rank = ties + tl.cumsum(eq.to(tl.int32), 0) - eq.to(tl.int32)
         sel = (((kk > prefix) & um) | (eq & (eq_rank < need))).to(tl.int32)
         pos = taken + tl.cumsum(sel, 0) - sel
-        tl.store(out + r * K + pos, (u0 + u).to(tl.int64), mask=sel == 1)
+        tl.store(out + r * K + pos, (u0 + u).to(tl.int64), mask=(sel == 1) & (pos < K))  # never past the row
         taken += tl.sum(sel, 0)
         ties += tl.sum(eq.to(tl.int32), 0)
         u0 += BLOCK_U
