@@ -26,14 +26,18 @@ _WARPS = (1, 2, 4, 8, 16, 32)
 class TopConfig:
     """Tuning of the Triton kernels (results do not depend on it)."""
 
-    block_units: int = 2048
+    block_units: int = 4096
     """Units a program holds per chunk of a row; a power of two."""
     num_warps: int = 8
     """Warps per program (one program per row)."""
+    tile_elements: int = 16384
+    """Most logits a program holds at once (a ``[G, units]`` chunk of the mass pass); a power of two."""
 
     def __post_init__(self) -> None:
         if self.block_units < 16 or self.block_units & (self.block_units - 1):
             raise ValueError(f"TopConfig.block_units must be a power of two >= 16, got {self.block_units}")
+        if self.tile_elements < 16 or self.tile_elements & (self.tile_elements - 1):
+            raise ValueError(f"TopConfig.tile_elements must be a power of two >= 16, got {self.tile_elements}")
         if self.num_warps not in _WARPS:
             raise ValueError(f"TopConfig.num_warps must be one of {_WARPS}, got {self.num_warps}")
 
@@ -97,7 +101,7 @@ def group_top_units(logits: torch.Tensor, k: int, *, use_triton: bool | None = N
     keys = torch.empty((r, u), dtype=torch.int32, device=logits.device)
     out = torch.empty((r, k), dtype=torch.int64, device=logits.device)
     block_g = max(1, 1 << (g - 1).bit_length())
-    block_u = max(16, min(_block(u, config), 8192 // block_g))  # a [G, U] chunk of at most 8K floats
+    block_u = max(16, min(_block(u, config), config.tile_elements // block_g))
     _group_top_kernel[(r,)](logits, keys, out, u, k, g, logits.stride(0), logits.stride(1), BLOCK_G=block_g,
                             BLOCK_U=block_u, num_warps=config.num_warps)
     return out
