@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Literal
 
 import pytest
@@ -111,3 +112,24 @@ def test_cuda_graphed_steps_give_the_eager_steps_tokens_and_reads(store: KVStore
     for w, g in zip(want, got, strict=True):
         assert g.token_ids == w.token_ids
         assert g.bytes_fetched == w.bytes_fetched
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_a_capture_on_a_thread_that_never_ran_a_matmul_succeeds(store: KVStore, endless_model_dir) -> None:
+    """The engine steps on the thread pulling a stream: here the eager steps run on this thread (whose cuBLAS
+    handle stays taken) and the capture on a fresh one, as when a server's request thread takes the turn."""
+    lm = load_model(str(endless_model_dir), device="cuda", dtype="bfloat16", page_size=16, progress=False)
+    worker = Worker(store, lm, progress=False, offload=None, engine=EngineConfig(whole_step="auto"))
+    pid = worker.prefill(DOCS[0]).prefix_id  # the model never ends an answer early
+    stats = GenerationStats()
+    gen = worker.generate(pid, "Q", SamplingParams(max_new_tokens=12), method="full", raw=True, stats=stats)
+    while stats.steps < 3:  # the query's forward, the first single step, the first step of the batch's key
+        next(gen)
+    rest: list[object] = []
+    t = threading.Thread(target=lambda: rest.extend(gen))
+    t.start()
+    t.join()
+    graphs = worker.engine._graphs
+    assert graphs is not None
+    assert graphs.failures == 0 and graphs.captures == 1 and graphs.replays >= 1
+    assert stats.new_tokens == 12

@@ -62,6 +62,20 @@ class StaticStepBatch:
         return out
 
 
+def _init_blas(device: torch.device) -> None:
+    """Create this thread's cuBLAS and cuBLASLt handles outside a capture.
+
+    The engine steps on whichever request's thread holds the turn, so a capture can run on a thread that
+    never ran a matmul; creating its handle inside the capture fails (``CUBLAS_STATUS_NOT_INITIALIZED``,
+    seen under the worker server). Handles are per thread and kept, so this costs a few small matmuls.
+    """
+    torch.cuda.current_blas_handle()
+    for dtype in (torch.bfloat16, torch.float32):
+        a = torch.ones((16, 16), device=device, dtype=dtype)
+        torch.addmm(a[0], a, a)  # the cuBLASLt path (bias epilogue)
+        torch.mm(a, a)
+
+
 class StaticStep:
     """One batch's decode step over static inputs; captured in a CUDA graph unless ``capture`` is False."""
 
@@ -75,6 +89,7 @@ class StaticStep:
         self.reads: list[torch.Tensor | None] = []
         self.graph: torch.cuda.CUDAGraph | None = None
         if capture:
+            _init_blas(device)
             self.graph = torch.cuda.CUDAGraph()
             # thread_local: the host tier's background warm-up (pinning, copies) goes on in other threads; under
             # the default global mode any such call invalidates this capture.
