@@ -3,7 +3,8 @@
 The torch path is the group softmax (softmax, nan_to_num, mean over the group) and ``torch.topk``
 (unsorted); the kernel computes the same mass and a radix select in one launch. Rows are (decode token,
 KV head) pairs: 8 at batch 1, 64 at batch 8 of the Llama-3.1-8B attention shape (8 KV heads, G = 4);
-units are Quest's 16-token pages of the context. Each timing is the median over repetitions after a GPU
+units are Quest's 16-token pages of the context. ``split_units=0`` is one program per row; otherwise
+each row is split over programs of that many units. Each timing is the median over repetitions after a GPU
 sleep that keeps launch overhead off the clock. With ``--sweep`` a grid of ``TopConfig`` is timed and
 the ten fastest printed per shape, with the ratio torch / kernel.
 
@@ -50,8 +51,8 @@ def torch_path(logits: torch.Tensor, k: int) -> torch.Tensor:
 def configs(sweep: bool) -> list[TopConfig]:
     if not sweep:
         return [DEFAULT_TOP]
-    grid = itertools.product((1024, 2048, 4096, 8192), (4, 8, 16, 32), (4096, 8192, 16384, 32768))
-    return [TopConfig(block_units=b, num_warps=w, tile_elements=t) for b, w, t in grid]
+    grid = itertools.product((0, 256, 512, 1024), (4, 8))
+    return [TopConfig(split_units=s, num_warps=w) for s, w in grid]
 
 
 def main() -> None:

@@ -26,7 +26,11 @@ INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = torch.device("cuda" if torch.cuda.is_available() and not INTERP else "cpu")
 needs_triton = pytest.mark.skipif(DEV.type == "cpu" and not INTERP,
                                   reason="CPU tensors through Triton need TRITON_INTERPRET=1")
-SMALL = TopConfig(block_units=64, num_warps=2)  # several chunks per row even at small U
+SMALL = TopConfig(block_units=64, num_warps=2, split_units=0)  # one program per row, several chunks
+SPLIT = TopConfig(split_units=64, num_warps=2)  # rows over several programs even at small U
+SPLIT_FEW = TopConfig(split_units=16, max_splits=4, num_warps=2)  # ... with chunks grown to fit 4 programs
+CONFIGS = [TopConfig(split_units=0), SMALL, SPLIT, SPLIT_FEW]
+IDS = ["row", "row-chunks", "split", "split-few"]
 
 
 def _ascending_unique(ids: torch.Tensor) -> bool:
@@ -34,7 +38,7 @@ def _ascending_unique(ids: torch.Tensor) -> bool:
 
 
 @needs_triton
-@pytest.mark.parametrize("config", [TopConfig(), SMALL], ids=["default", "chunks"])
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
 @pytest.mark.parametrize("r,u,k", [(1, 1, 1), (3, 17, 5), (8, 300, 40), (2, 257, 256), (4, 64, 64), (5, 40, 0)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_top_units_equals_reference(r: int, u: int, k: int, dtype: torch.dtype, config: TopConfig) -> None:
@@ -50,12 +54,13 @@ def test_top_units_equals_reference(r: int, u: int, k: int, dtype: torch.dtype, 
 def test_top_units_orders_signs_zeros_and_infinities() -> None:
     row = torch.tensor([[0.0, -0.0, -1.0, 2.0, float("-inf"), float("inf"), -3.5, 1e-30, -1e-30, 2.0]], device=DEV)
     for k in range(1, 11):
-        assert torch.equal(top_units(row, k, use_triton=True, config=SMALL), top_units_ref(row, k)), k
+        for config in (SMALL, TopConfig(split_units=16)):
+            assert torch.equal(top_units(row, k, use_triton=True, config=config), top_units_ref(row, k)), (k, config)
 
 
 @needs_triton
-@pytest.mark.parametrize("config", [TopConfig(), SMALL], ids=["default", "chunks"])
-@pytest.mark.parametrize("r,g_,u,k", [(1, 1, 1, 1), (8, 4, 300, 9), (3, 5, 129, 100), (2, 8, 33, 7), (6, 4, 1000, 20)])
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("r,g_,u,k", [(1, 1, 1, 1), (8, 4, 300, 9), (3, 5, 129, 100), (2, 8, 33, 7), (3, 4, 1000, 20)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_group_top_units_selects_the_reference_mass(r: int, g_: int, u: int, k: int, dtype: torch.dtype,
                                                      config: TopConfig) -> None:
@@ -76,8 +81,9 @@ def test_group_top_units_gives_minus_inf_no_mass() -> None:
     logits = torch.randn(2, 3, 50, device=DEV)
     logits[0, :, 10:] = float("-inf")  # only units 0..9 have mass in row 0
     logits[1, 1] = float("-inf")  # one head with nothing: it adds no mass, and no NaN
-    got = group_top_units(logits, 10, use_triton=True)
+    got = group_top_units(logits, 10, use_triton=True, config=SPLIT)  # chunks of -inf only, too
     assert torch.equal(got[0], torch.arange(10, device=DEV))
+    assert torch.equal(group_top_units(logits, 10, use_triton=True, config=SMALL), got)
     mass = group_mass_ref(logits)
     assert not mass.isnan().any()
     torch.testing.assert_close(mass.gather(1, got).sum(1), mass.gather(1, group_top_units_ref(logits, 10)).sum(1))
@@ -102,3 +108,5 @@ def test_launchers_refuse_bad_shapes() -> None:
         group_top_units(torch.zeros(2, 3), 1)
     with pytest.raises(ValueError, match="power of two"):
         TopConfig(block_units=100)
+    with pytest.raises(ValueError, match="split_units"):
+        TopConfig(split_units=100)

@@ -32,12 +32,22 @@ class TopConfig:
     """Warps per program (one program per row)."""
     tile_elements: int = 16384
     """Most logits a program holds at once (a ``[G, units]`` chunk of the mass pass); a power of two."""
+    split_units: int = 512
+    """Rows longer than this are split over programs of this many units each (``triton_split.py``); a
+    power of two, or 0: one program per row always."""
+    max_splits: int = 256
+    """Most programs per row when split (longer rows take bigger chunks); a power of two."""
 
     def __post_init__(self) -> None:
         if self.block_units < 16 or self.block_units & (self.block_units - 1):
             raise ValueError(f"TopConfig.block_units must be a power of two >= 16, got {self.block_units}")
         if self.tile_elements < 16 or self.tile_elements & (self.tile_elements - 1):
             raise ValueError(f"TopConfig.tile_elements must be a power of two >= 16, got {self.tile_elements}")
+        for name in ("split_units", "max_splits"):
+            v = getattr(self, name)
+            if v < 0 or v & (v - 1) or (name == "max_splits" and v == 0):
+                raise ValueError(f"TopConfig.{name} must be a power of two{' or 0' * (name == 'split_units')}, "
+                                 f"got {v}")
         if self.num_warps not in _WARPS:
             raise ValueError(f"TopConfig.num_warps must be one of {_WARPS}, got {self.num_warps}")
 
@@ -62,6 +72,58 @@ def _block(u: int, config: TopConfig) -> int:
     return min(config.block_units, max(16, 1 << (u - 1).bit_length()))
 
 
+def _chunk(u: int, config: TopConfig) -> int:
+    """Units per program when a row of ``u`` is split; 0: one program per row."""
+    if not config.split_units or u <= config.split_units:
+        return 0
+    chunk = config.split_units
+    while -(-u // chunk) > config.max_splits:
+        chunk *= 2
+    return chunk
+
+
+def _split(scores: torch.Tensor | None, logits: torch.Tensor | None, k: int, config: TopConfig) -> torch.Tensor:
+    """The split launch: each row over ``C`` programs (``triton_split.py``); scores ``[R, U]`` or logits
+    ``[R, G, U]``, last dim contiguous."""
+    from .triton_split import (
+        _count_kernel,
+        _digit_kernel,
+        _emit_kernel,
+        _lse_parts_kernel,
+        _mass_keys_kernel,
+        _score_keys_kernel,
+    )
+
+    x = scores if scores is not None else logits
+    assert x is not None
+    r, u, dev = x.shape[0], x.shape[-1], x.device
+    chunk = _chunk(u, config)
+    c = -(-u // chunk)
+    block_c = max(2, 1 << (c - 1).bit_length())
+    keys = torch.empty((r, u), dtype=torch.int32, device=dev)
+    hist = torch.zeros((r, 4, 256), dtype=torch.int32, device=dev)
+    counts = torch.empty((r, c, 2), dtype=torch.int32, device=dev)
+    out = torch.empty((r, k), dtype=torch.int64, device=dev)
+    grid = (r, c)
+    w = config.num_warps
+    if logits is not None:
+        g = logits.shape[1]
+        block_g = max(1, 1 << (g - 1).bit_length())
+        parts = torch.empty((r, c, block_g, 2), dtype=torch.float32, device=dev)
+        _lse_parts_kernel[grid](logits, parts, u, g, c, logits.stride(0), logits.stride(1), BLOCK_G=block_g,
+                                CHUNK=chunk, num_warps=w)
+        _mass_keys_kernel[grid](logits, parts, keys, hist, u, g, c, logits.stride(0), logits.stride(1),
+                                BLOCK_G=block_g, BLOCK_C=block_c, CHUNK=chunk, num_warps=w)
+    else:
+        assert scores is not None
+        _score_keys_kernel[grid](scores, keys, hist, u, scores.stride(0), CHUNK=chunk, num_warps=w)
+    for p in (1, 2, 3):
+        _digit_kernel[grid](keys, hist, u, k, PASS=p, CHUNK=chunk, num_warps=w)
+    _count_kernel[grid](keys, hist, counts, u, k, c, CHUNK=chunk, num_warps=w)
+    _emit_kernel[grid](keys, hist, counts, out, u, k, c, BLOCK_C=block_c, CHUNK=chunk, num_warps=w)
+    return out
+
+
 def top_units(scores: torch.Tensor, k: int, *, use_triton: bool | None = None,
               config: TopConfig = DEFAULT_TOP) -> torch.Tensor:
     """Scores ``[R, U]`` (float, no NaN) -> ``[R, min(k, U)]`` int64 ids of the ``k`` highest, ascending."""
@@ -76,6 +138,8 @@ def top_units(scores: torch.Tensor, k: int, *, use_triton: bool | None = None,
     from .triton import _top_kernel
 
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
+    if _chunk(u, config):
+        return _split(scores, None, k, config)
     keys = torch.empty((r, u), dtype=torch.int32, device=scores.device)
     out = torch.empty((r, k), dtype=torch.int64, device=scores.device)
     _top_kernel[(r,)](scores, keys, out, u, k, scores.stride(0), BLOCK_U=_block(u, config),
@@ -98,6 +162,8 @@ def group_top_units(logits: torch.Tensor, k: int, *, use_triton: bool | None = N
     from .triton import _group_top_kernel
 
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    if _chunk(u, config):
+        return _split(None, logits, k, config)
     keys = torch.empty((r, u), dtype=torch.int32, device=logits.device)
     out = torch.empty((r, k), dtype=torch.int64, device=logits.device)
     block_g = max(1, 1 << (g - 1).bit_length())
