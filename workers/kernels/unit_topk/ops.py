@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -124,6 +125,24 @@ def _split(scores: torch.Tensor | None, logits: torch.Tensor | None, k: int, con
     return out
 
 
+def _without_kernel(x: torch.Tensor, k: int, use_triton: bool | None, reference: Callable[[], torch.Tensor]
+                    ) -> torch.Tensor | None:
+    """The result when no kernel needs to run (the reference off CUDA or for an empty result; every id when
+    ``k`` covers the row), else None."""
+    r, u = x.shape[0], x.shape[-1]
+    if not _use_triton(x, use_triton) or k == 0 or r == 0 or x.numel() == 0:
+        return reference()
+    if k == u:
+        return torch.arange(u, device=x.device).expand(r, u).contiguous()
+    return None
+
+
+def _buffers(r: int, u: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one-program kernels' scratch keys ``[R, U]`` and ids ``[R, k]``."""
+    return (torch.empty((r, u), dtype=torch.int32, device=device),
+            torch.empty((r, k), dtype=torch.int64, device=device))
+
+
 def top_units(scores: torch.Tensor, k: int, *, use_triton: bool | None = None,
               config: TopConfig = DEFAULT_TOP) -> torch.Tensor:
     """Scores ``[R, U]`` (float, no NaN) -> ``[R, min(k, U)]`` int64 ids of the ``k`` highest, ascending."""
@@ -131,17 +150,15 @@ def top_units(scores: torch.Tensor, k: int, *, use_triton: bool | None = None,
         _fail(f"scores must be a float [R, U] tensor, got {scores.dtype} {tuple(scores.shape)}")
     r, u = scores.shape
     k = max(0, min(k, u))
-    if not _use_triton(scores, use_triton) or k == 0 or r == 0:
-        return top_units_ref(scores, k)
-    if k == u:
-        return torch.arange(u, device=scores.device).expand(r, u).contiguous()
-    from .triton import _top_kernel
-
+    done = _without_kernel(scores, k, use_triton, lambda: top_units_ref(scores, k))
+    if done is not None:
+        return done
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
     if _chunk(u, config):
         return _split(scores, None, k, config)
-    keys = torch.empty((r, u), dtype=torch.int32, device=scores.device)
-    out = torch.empty((r, k), dtype=torch.int64, device=scores.device)
+    from .triton import _top_kernel
+
+    keys, out = _buffers(r, u, k, scores.device)
     _top_kernel[(r,)](scores, keys, out, u, k, scores.stride(0), BLOCK_U=_block(u, config),
                       num_warps=config.num_warps)
     return out
@@ -155,17 +172,15 @@ def group_top_units(logits: torch.Tensor, k: int, *, use_triton: bool | None = N
         _fail(f"logits must be a float [R, G, U] tensor, got {logits.dtype} {tuple(logits.shape)}")
     r, g, u = logits.shape
     k = max(0, min(k, u))
-    if not _use_triton(logits, use_triton) or k == 0 or r == 0 or g == 0:
-        return group_top_units_ref(logits, k)
-    if k == u:
-        return torch.arange(u, device=logits.device).expand(r, u).contiguous()
-    from .triton import _group_top_kernel
-
+    done = _without_kernel(logits, k, use_triton, lambda: group_top_units_ref(logits, k))
+    if done is not None:
+        return done
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     if _chunk(u, config):
         return _split(None, logits, k, config)
-    keys = torch.empty((r, u), dtype=torch.int32, device=logits.device)
-    out = torch.empty((r, k), dtype=torch.int64, device=logits.device)
+    from .triton import _group_top_kernel
+
+    keys, out = _buffers(r, u, k, logits.device)
     block_g = max(1, 1 << (g - 1).bit_length())
     block_u = max(16, min(_block(u, config), config.tile_elements // block_g))
     _group_top_kernel[(r,)](logits, keys, out, u, k, g, logits.stride(0), logits.stride(1), BLOCK_G=block_g,
