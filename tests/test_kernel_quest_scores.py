@@ -136,7 +136,7 @@ def _selector(hkv: int, pages: int, d: int, dtype: torch.dtype, seed: int) -> Qu
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_reference_equals_selector_torch_path(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
-    """Where the selector takes the torch path (CPU, no interpreter) its logits are the reference's, bit for bit."""
+    """Where the selector takes the torch path (CPU) its logits are the reference's, bit for bit."""
     if DEV.type != "cpu":
         pytest.skip("CUDA tensors always take the kernel")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -148,8 +148,8 @@ def test_reference_equals_selector_torch_path(monkeypatch: pytest.MonkeyPatch, d
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_selector_upper_bounds_match_the_definition(dtype: torch.dtype) -> None:
-    """The selector's logits (kernel on CUDA or under the interpreter) = scale * (q⁺ . kmax + q⁻ . kmin) of the
-    pages asked for, computed here from the bounds dict in float64."""
+    """The selector's logits (the kernel on CUDA, the torch reference on the CPU) = scale * (q⁺ . kmax + q⁻ . kmin)
+    of the pages asked for, computed here from the bounds dict in float64."""
     sel = _selector(2, 40, 64, dtype, seed=9)
     q = torch.randn(1, 2, 4, 64, generator=torch.Generator().manual_seed(10)).to(DEV)
     ub = sel.upper_bounds(0, q, SCALE, 5, 33)

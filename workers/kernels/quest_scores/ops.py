@@ -2,8 +2,9 @@
 torch reference.
 
 ``quest_upper_bounds`` scores query rows against the stacked, transposed page bounds (``QuestSelector``'s
-``[Hkv, 2D, U]`` kmax-over-kmin layout) in one launch on CUDA (or on CPU under ``TRITON_INTERPRET=1``);
-elsewhere (or with ``use_triton=False``) the torch reference serves. Kernel tuning is a
+``[Hkv, 2D, U]`` kmax-over-kmin layout) in one launch on CUDA; elsewhere (or with ``use_triton=False``) the
+torch reference serves (CPU decoding in the tests' interpreter would be slow; the kernel's own tests pass
+``use_triton=True``). Kernel tuning is a
 ``QuestScoresConfig`` argument, never module state.
 """
 
@@ -101,7 +102,7 @@ def quest_upper_bounds(q: torch.Tensor, kb: torch.Tensor, scale: float, *, use_t
         Softmax scale applied to the logits.
     use_triton : bool, optional
         Force the Triton kernel (e.g. on CPU under the interpreter) or the torch reference; default: Triton
-        for CUDA tensors, or any tensors under ``TRITON_INTERPRET=1``, when Triton is installed.
+        for CUDA tensors when Triton is installed.
     config : QuestScoresConfig
         Tuning of the Triton kernel.
 
@@ -112,7 +113,7 @@ def quest_upper_bounds(q: torch.Tensor, kb: torch.Tensor, scale: float, *, use_t
     """
     _validate(q, kb, scale)
     if use_triton is None:
-        use_triton = (kb.is_cuda or _interpreting()) and triton_available()
+        use_triton = kb.is_cuda and triton_available()
     if not use_triton:
         return quest_upper_bounds_ref(q, kb, scale)
     t, hkv, g, _ = q.shape
