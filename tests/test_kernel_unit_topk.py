@@ -29,8 +29,11 @@ needs_triton = pytest.mark.skipif(DEV.type == "cpu" and not INTERP,
 SMALL = TopConfig(block_units=64, num_warps=2, split_units=0)  # one program per row, several chunks
 SPLIT = TopConfig(split_units=64, num_warps=2)  # rows over several programs even at small U
 SPLIT_FEW = TopConfig(split_units=16, max_splits=4, num_warps=2)  # ... with chunks grown to fit 4 programs
-CONFIGS = [TopConfig(split_units=0), SMALL, SPLIT, SPLIT_FEW]
-IDS = ["row", "row-chunks", "split", "split-few"]
+# The chunked variants are slow in the interpreter: the inner loop (test-fast) runs one of each path.
+CONFIGS = [pytest.param(TopConfig(split_units=0), id="row"),
+           pytest.param(SMALL, id="row-chunks", marks=pytest.mark.slow),
+           pytest.param(SPLIT, id="split"),
+           pytest.param(SPLIT_FEW, id="split-few", marks=pytest.mark.slow)]
 
 
 def _ascending_unique(ids: torch.Tensor) -> bool:
@@ -38,7 +41,7 @@ def _ascending_unique(ids: torch.Tensor) -> bool:
 
 
 @needs_triton
-@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("r,u,k", [(1, 1, 1), (3, 17, 5), (8, 300, 40), (2, 257, 256), (4, 64, 64), (5, 40, 0)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_top_units_equals_reference(r: int, u: int, k: int, dtype: torch.dtype, config: TopConfig) -> None:
@@ -59,7 +62,7 @@ def test_top_units_orders_signs_zeros_and_infinities() -> None:
 
 
 @needs_triton
-@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("r,g_,u,k", [(1, 1, 1, 1), (8, 4, 300, 9), (3, 5, 129, 100), (2, 8, 33, 7), (3, 4, 1000, 20)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_group_top_units_selects_the_reference_mass(r: int, g_: int, u: int, k: int, dtype: torch.dtype,
