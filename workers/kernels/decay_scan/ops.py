@@ -7,13 +7,12 @@ loop). Kernel tuning is a ``DecayScanConfig`` argument, never module state.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..launch import triton_available
 from .reference import decay_scan_ref
 
 __all__ = ["DecayScanConfig", "decay_scan", "triton_available"]
@@ -38,12 +37,6 @@ class DecayScanConfig:
 
 
 DEFAULT_SCAN = DecayScanConfig()
-
-
-@functools.cache
-def triton_available() -> bool:
-    """Whether Triton is installed (else only the torch reference runs)."""
-    return importlib.util.find_spec("triton") is not None
 
 
 def _validate(x: torch.Tensor, g: torch.Tensor, cu_seqlens: torch.Tensor, h0: torch.Tensor | None) -> None:

@@ -7,12 +7,11 @@ serves. Kernel tuning is a ``GatherConfig`` argument, never module state.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 from dataclasses import dataclass
 
 import torch
 
+from ..launch import triton_available
 from .reference import gather_pages_ref
 
 __all__ = ["GatherConfig", "gather_pages", "triton_available"]
@@ -40,12 +39,6 @@ class GatherConfig:
 
 
 DEFAULT_GATHER = GatherConfig()
-
-
-@functools.cache
-def triton_available() -> bool:
-    """Whether Triton is installed (else only the torch reference runs)."""
-    return importlib.util.find_spec("triton") is not None
 
 
 def _fail(msg: str) -> None:

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import torch
 
+from ..launch import next_pow2
 from .reference import plan_pages_ref
-from .state import PlanState, next_pow2
+from .state import PlanState
 
 __all__ = ["plan_pages"]
 

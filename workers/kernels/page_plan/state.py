@@ -17,15 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..launch import next_pow2
+
 __all__ = ["PlanState", "WINDOW_MIN"]
 
 WINDOW_MIN = 256
 """Fewest slots per head a plan searches for victims (all of them when the head has fewer)."""
-
-
-def next_pow2(n: int) -> int:
-    """The smallest power of two >= ``n`` (1 for n <= 1)."""
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 @dataclass(frozen=True, kw_only=True)

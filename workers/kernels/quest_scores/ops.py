@@ -10,16 +10,14 @@ torch reference serves (CPU decoding in the tests' interpreter would be slow; th
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import os
 from dataclasses import dataclass
 
 import torch
 
+from ..launch import interpreting, next_pow2, triton_available
 from .reference import quest_upper_bounds_ref
 
-__all__ = ["DEFAULT_QUEST_SCORES", "QuestScoresConfig", "quest_upper_bounds", "triton_available"]
+__all__ = ["DEFAULT_QUEST_SCORES", "QuestScoresConfig", "quest_upper_bounds"]
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _BOUNDS = (torch.bfloat16, torch.float16, torch.float32)
@@ -57,16 +55,6 @@ class QuestScoresConfig:
 
 
 DEFAULT_QUEST_SCORES = QuestScoresConfig()
-
-
-@functools.cache
-def triton_available() -> bool:
-    """Whether Triton is installed (else only the torch reference runs)."""
-    return importlib.util.find_spec("triton") is not None
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 def _fail(msg: str) -> None:
@@ -125,10 +113,6 @@ def quest_upper_bounds(q: torch.Tensor, kb: torch.Tensor, scale: float, *, use_t
     return out
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def _launch(q: torch.Tensor, kb: torch.Tensor, scale: float, out: torch.Tensor, config: QuestScoresConfig) -> None:
     import triton
 
@@ -136,10 +120,10 @@ def _launch(q: torch.Tensor, kb: torch.Tensor, scale: float, out: torch.Tensor, 
 
     t, hkv, g, d = q.shape
     u, m = kb.shape[2], t * g
-    block_m = min(config.max_rows, max(_DOT_MIN, _pow2(m)))
-    block_k = min(config.block_k, max(_DOT_MIN, _pow2(d)))
+    block_m = min(config.max_rows, max(_DOT_MIN, next_pow2(m)))
+    block_k = min(config.block_k, max(_DOT_MIN, next_pow2(d)))
     grid = (hkv, triton.cdiv(u, config.block_u), triton.cdiv(m, block_m))
     _quest_scores_kernel[grid](q, kb, out, m, u, g, hkv, *q.stride(), scale, D=d, BLOCK_M=block_m,
                                BLOCK_U=config.block_u, BLOCK_K=block_k,
-                               INTERPRET=_interpreting(), num_warps=config.num_warps,
+                               INTERPRET=interpreting(), num_warps=config.num_warps,
                                num_stages=config.num_stages)

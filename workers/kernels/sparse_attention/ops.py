@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from ..launch import interpreting, next_pow2
 
 __all__ = ["choose_num_splits", "merge_attention_states", "sparse_decode_attention"]
 
@@ -24,10 +25,6 @@ _MAX_SPLITS = 64  # the reduce kernel holds all splits of a head in one block
 _MAX_HEAD_DIM = 256
 BLOCK_N = 128  # entries per inner-loop step (64 for D > 128, see _block_n); tuned on the H200
 _empty = torch.empty  # every output/partial buffer is allocated here (tests poison it with NaN)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 def _block_n(head_dim: int) -> int:
@@ -79,7 +76,7 @@ def _validate(q, k, v, scale, idx, n_valid, bias, pseudo_logits, pseudo_values) 
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         _fail("q must be a tensor of shape [B, Hq, D] (one decode token per sequence)")
     dev = q.device
-    if dev.type != "cuda" and not _interpreting():
+    if dev.type != "cuda" and not interpreting():
         _fail(
             f"tensors are on {dev}; move them to a CUDA device (or set TRITON_INTERPRET=1 before "
             "importing triton to run the CPU interpreter)"
@@ -222,7 +219,7 @@ def _launch(
     chunk = block_n * max(1, math.ceil(math.ceil(N / num_splits) / block_n))
     num_splits = max(1, math.ceil(N / chunk))
     direct = num_splits == 1 and pl is None
-    block_d = max(16, triton_next_pow2(D))
+    block_d = max(16, next_pow2(D))
     if direct:
         o_part = lse_part = lse
     else:
@@ -271,8 +268,8 @@ def _launch(
         HAS_BIAS=bias is not None,
         DIRECT=direct,
         IEEE=q.dtype == torch.float32,
-        INTERPRET=_interpreting(),
-        BLOCK_G=max(16, triton_next_pow2(G)),
+        INTERPRET=interpreting(),
+        BLOCK_G=max(16, next_pow2(G)),
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         num_warps=num_warps,
@@ -302,16 +299,11 @@ def _launch(
         D=D,
         NUM_SPLITS=num_splits,
         HAS_PSEUDO=pl is not None,
-        BLOCK_S=triton_next_pow2(num_splits),
+        BLOCK_S=next_pow2(num_splits),
         BLOCK_M=16,
         BLOCK_D=block_d,
         num_warps=4,
     )
-
-
-def triton_next_pow2(n: int) -> int:
-    """Smallest power of two >= n (n >= 1)."""
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def merge_attention_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

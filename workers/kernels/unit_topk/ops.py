@@ -9,13 +9,12 @@ four more kernels. Kernel tuning is an argument, never module state.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from ..launch import next_pow2, triton_available
 from .reference import group_top_units_ref, top_units_ref
 
 __all__ = ["TopConfig", "group_top_units", "top_units"]
@@ -56,13 +55,8 @@ class TopConfig:
 DEFAULT_TOP = TopConfig()
 
 
-@functools.cache
-def _triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 def _use_triton(x: torch.Tensor, use_triton: bool | None) -> bool:
-    return (x.is_cuda and _triton_available()) if use_triton is None else use_triton
+    return (x.is_cuda and triton_available()) if use_triton is None else use_triton
 
 
 def _fail(msg: str) -> None:
@@ -70,7 +64,7 @@ def _fail(msg: str) -> None:
 
 
 def _block(u: int, config: TopConfig) -> int:
-    return min(config.block_units, max(16, 1 << (u - 1).bit_length()))
+    return min(config.block_units, max(16, next_pow2(u)))
 
 
 def _chunk(u: int, config: TopConfig) -> int:
@@ -100,7 +94,7 @@ def _split(scores: torch.Tensor | None, logits: torch.Tensor | None, k: int, con
     r, u, dev = x.shape[0], x.shape[-1], x.device
     chunk = _chunk(u, config)
     c = -(-u // chunk)
-    block_c = max(2, 1 << (c - 1).bit_length())
+    block_c = max(2, next_pow2(c))
     keys = torch.empty((r, u), dtype=torch.int32, device=dev)
     hist = torch.zeros((r, 4, 256), dtype=torch.int32, device=dev)
     counts = torch.empty((r, c, 2), dtype=torch.int32, device=dev)
@@ -109,7 +103,7 @@ def _split(scores: torch.Tensor | None, logits: torch.Tensor | None, k: int, con
     w = config.num_warps
     if logits is not None:
         g = logits.shape[1]
-        block_g = max(1, 1 << (g - 1).bit_length())
+        block_g = next_pow2(g)
         parts = torch.empty((r, c, block_g, 2), dtype=torch.float32, device=dev)
         _lse_parts_kernel[grid](logits, parts, u, g, c, logits.stride(0), logits.stride(1), BLOCK_G=block_g,
                                 CHUNK=chunk, num_warps=w)
@@ -181,7 +175,7 @@ def group_top_units(logits: torch.Tensor, k: int, *, use_triton: bool | None = N
     from .triton import _group_top_kernel
 
     keys, out = _buffers(r, u, k, logits.device)
-    block_g = max(1, 1 << (g - 1).bit_length())
+    block_g = next_pow2(g)
     block_u = max(16, min(_block(u, config), config.tile_elements // block_g))
     _group_top_kernel[(r,)](logits, keys, out, u, k, g, logits.stride(0), logits.stride(1), BLOCK_G=block_g,
                             BLOCK_U=block_u, num_warps=config.num_warps)
