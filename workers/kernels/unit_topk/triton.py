@@ -23,15 +23,60 @@ def _keys(x):
 
 
 @triton.jit
+def _unsigned(k32, ok):
+    """Int32 keys -> int64 in ``[0, 2**32)`` (their unsigned order); lanes not ``ok`` give 0."""
+    return tl.where(ok, k32.to(tl.int64) + 2147483648, 0)
+
+
+@triton.jit
 def _load_keys(row, u0, u, U):
-    """A chunk of int32 keys as int64 in ``[0, 2**32)`` (unsigned order; masked lanes 0)."""
+    """A chunk of a row's int32 keys, unsigned (``_unsigned``; lanes past ``U`` 0)."""
     um = (u0 + u) < U
-    return tl.where(um, tl.load(row + u0 + u, mask=um, other=0).to(tl.int64) + 2147483648, 0)
+    return _unsigned(tl.load(row + u0 + u, mask=um, other=0), um)
+
+
+@triton.jit
+def _lse(ref, s):
+    """Log-sum-exp from a reference max ``ref`` (0 for an all -inf head) and ``s = sum exp(x - ref)``; +inf when
+    ``s`` is 0, so an all -inf head gives mass 0 everywhere."""
+    return tl.where(s > 0, ref + tl.log(tl.where(s > 0, s, 1.0)), float("inf"))
+
+
+@triton.jit
+def _digit_hist(kk, ok, prefix, p):
+    """Histogram of digit ``p`` (8 bits, most significant first) of the keys that agree with ``prefix`` on the
+    digits before it (all keys for ``p = 0``)."""
+    shift = 24 - 8 * p
+    active = ok & ((kk >> (shift + 8)) == (prefix >> (shift + 8)))
+    return tl.histogram(((kk >> shift) & 255).to(tl.int32), 256, mask=active)
+
+
+@triton.jit
+def _choose_digit(hist, prefix, need, p):
+    """The ``need``-th largest active key's digit ``p`` from its histogram: (the prefix with it, how many keys
+    equal to the new prefix are still to take)."""
+    bins = tl.arange(0, 256)
+    at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # active keys whose digit is >= each bin
+    d = tl.max(tl.where(at_least >= need, bins, -1), 0)
+    need -= tl.sum(tl.where(bins == d, at_least - hist, 0), 0)  # keys above it are all taken
+    return prefix | (d.to(tl.int64) << (24 - 8 * p)), need
+
+
+@triton.jit
+def _emit(out_row, ids, ok, kk, prefix, need, taken, ties, K):
+    """Write the ids of a chunk's taken keys (greater than ``prefix``, then ties while fewer than ``need`` were
+    met before) after ``taken`` earlier ids; returns (ids written, ties met) in the chunk."""
+    eq = (ok & (kk == prefix)).to(tl.int32)
+    eq_rank = ties + tl.cumsum(eq, 0) - eq
+    sel = ((ok & (kk > prefix)) | ((eq == 1) & (eq_rank < need))).to(tl.int32)
+    pos = taken + tl.cumsum(sel, 0) - sel
+    tl.store(out_row + pos, ids.to(tl.int64), mask=(sel == 1) & (pos < K))  # never past the row
+    return tl.sum(sel, 0), tl.sum(eq, 0)
 
 
 @triton.jit
 def _group_mass_pass(logits, keys, r, U, G, stride_r, stride_g, BLOCK_G: tl.constexpr, BLOCK_U: tl.constexpr):
-    """Row ``r``: the group-mean softmax mass of ``logits[r] [G, U]`` -> uint32 keys in ``keys[r]``."""
+    """Row ``r``: the group-mean softmax mass of ``logits[r] [G, U]`` -> int32 keys in ``keys[r]``."""
     g = tl.arange(0, BLOCK_G)
     u = tl.arange(0, BLOCK_U)
     gm = g < G
@@ -47,8 +92,7 @@ def _group_mass_pass(logits, keys, r, U, G, stride_r, stride_g, BLOCK_G: tl.cons
         s = s * tl.exp(m - ref) + tl.sum(tl.exp(x - ref[:, None]), 1)
         m = m_new
         u0 += BLOCK_U
-    ref = tl.where(m == float("-inf"), 0.0, m)
-    lse = tl.where(s > 0, ref + tl.log(tl.where(s > 0, s, 1.0)), float("inf"))  # an all -inf head has mass 0 everywhere
+    lse = _lse(tl.where(m == float("-inf"), 0.0, m), s)
     u0 = 0
     while u0 < U:
         um = (u0 + u) < U
@@ -63,38 +107,25 @@ def _group_mass_pass(logits, keys, r, U, G, stride_r, stride_g, BLOCK_G: tl.cons
 def _select_pass(keys, out, r, U, K, BLOCK_U: tl.constexpr):
     """Row ``r``: the ids of the ``K`` largest keys of ``keys[r]`` (ties to the lower id) -> ``out[r]``, ascending."""
     u = tl.arange(0, BLOCK_U)
-    bins = tl.arange(0, 256)
     row = keys + r * U
     prefix = tl.zeros([], tl.int64)
     need = K
     for p in tl.static_range(4):  # one 8-bit digit per pass, most significant first
-        shift = 24 - 8 * p
         hist = tl.zeros([256], tl.int32)
         u0 = 0
         while u0 < U:
-            kk = _load_keys(row, u0, u, U)
-            # keys that agree with the prefix on the digits chosen so far (all keys in the first pass)
-            active = ((u0 + u) < U) & ((kk >> (shift + 8)) == (prefix >> (shift + 8)))
-            hist += tl.histogram(((kk >> shift) & 255).to(tl.int32), 256, mask=active)
+            hist += _digit_hist(_load_keys(row, u0, u, U), (u0 + u) < U, prefix, p)
             u0 += BLOCK_U
-        at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # active keys whose digit is >= each bin
-        d = tl.max(tl.where(at_least >= need, bins, -1), 0)  # the K-th largest key's digit
-        need -= tl.sum(tl.where(bins == d, at_least - hist, 0), 0)  # keys above it are all taken
-        prefix = prefix | (d.to(tl.int64) << shift)
+        prefix, need = _choose_digit(hist, prefix, need, p)
     # prefix is now the K-th largest key: every greater key is taken, then the first ``need`` ties.
     taken = tl.zeros([], tl.int32)
     ties = tl.zeros([], tl.int32)
     u0 = 0
     while u0 < U:
-        um = (u0 + u) < U
-        kk = _load_keys(row, u0, u, U)
-        eq = (kk == prefix) & um
-        eq_rank = ties + tl.cumsum(eq.to(tl.int32), 0) - eq.to(tl.int32)
-        sel = (((kk > prefix) & um) | (eq & (eq_rank < need))).to(tl.int32)
-        pos = taken + tl.cumsum(sel, 0) - sel
-        tl.store(out + r * K + pos, (u0 + u).to(tl.int64), mask=(sel == 1) & (pos < K))  # never past the row
-        taken += tl.sum(sel, 0)
-        ties += tl.sum(eq.to(tl.int32), 0)
+        n_sel, n_eq = _emit(out + r * K, u0 + u, (u0 + u) < U, _load_keys(row, u0, u, U), prefix, need, taken,
+                            ties, K)
+        taken += n_sel
+        ties += n_eq
         u0 += BLOCK_U
 
 

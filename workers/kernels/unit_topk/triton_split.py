@@ -15,41 +15,32 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton import _keys
+from .triton import _choose_digit, _digit_hist, _emit, _keys, _lse, _unsigned
 
 
 @triton.jit
 def _chunk_keys(keys, r, c, U, CHUNK: tl.constexpr):
-    """Chunk ``c`` of row ``r``: unit ids, whether each is in the row, and its key as int64 in ``[0, 2**32)``."""
+    """Chunk ``c`` of row ``r``: unit ids, whether each is in the row, and its key, unsigned."""
     u = c * CHUNK + tl.arange(0, CHUNK)
     ok = u < U
-    kk = tl.where(ok, tl.load(keys + r * U + u, mask=ok, other=0).to(tl.int64) + 2147483648, 0)
-    return u, ok, kk
+    return u, ok, _unsigned(tl.load(keys + r * U + u, mask=ok, other=0), ok)
 
 
 @triton.jit
 def _add_hist(hist, r, p, kk, ok, prefix):
-    """Add the chunk's histogram of digit ``p`` over the keys matching ``prefix`` on digits ``< p``."""
-    shift = 24 - 8 * p
-    active = ok & ((kk >> (shift + 8)) == (prefix >> (shift + 8)))
-    h = tl.histogram(((kk >> shift) & 255).to(tl.int32), 256, mask=active)
-    bins = tl.arange(0, 256)
-    tl.atomic_add(hist + (r * 4 + p) * 256 + bins, h, mask=h > 0)
+    """Add the chunk's histogram of digit ``p`` to the row's (``_digit_hist``)."""
+    h = _digit_hist(kk, ok, prefix, p)
+    tl.atomic_add(hist + (r * 4 + p) * 256 + tl.arange(0, 256), h, mask=h > 0)
 
 
 @triton.jit
 def _prefix(hist, r, K, PASSES: tl.constexpr):
-    """The digits of the ``K``-th largest key chosen by the first ``PASSES`` histograms, and how many keys
+    """The digits of the ``K``-th largest key chosen by the row's first ``PASSES`` histograms, and how many keys
     equal to that prefix are still to take."""
-    bins = tl.arange(0, 256)
     prefix = tl.zeros([], tl.int64)
     need = K
     for p in tl.static_range(PASSES):
-        h = tl.load(hist + (r * 4 + p) * 256 + bins)
-        at_least = tl.sum(h, 0) - tl.cumsum(h, 0) + h
-        d = tl.max(tl.where(at_least >= need, bins, -1), 0)
-        need -= tl.sum(tl.where(bins == d, at_least - h, 0), 0)
-        prefix = prefix | (d.to(tl.int64) << (24 - 8 * p))
+        prefix, need = _choose_digit(tl.load(hist + (r * 4 + p) * 256 + tl.arange(0, 256)), prefix, need, p)
     return prefix, need
 
 
@@ -85,8 +76,7 @@ def _mass_keys_kernel(logits, parts, keys, hist, U, G, C, stride_r, stride_g, BL
     s = tl.load(at + 1, mask=(cc < C)[:, None], other=0.0)
     mx = tl.max(m, 0)
     ref = tl.where(mx == float("-inf"), 0.0, mx)
-    tot = tl.sum(s * tl.exp(m - ref[None, :]), 0)
-    lse = tl.where(tot > 0, ref + tl.log(tl.where(tot > 0, tot, 1.0)), float("inf"))  # a head of -inf: mass 0
+    lse = _lse(ref, tl.sum(s * tl.exp(m - ref[None, :]), 0))
     u = c * CHUNK + tl.arange(0, CHUNK)
     um = u < U
     ok = (g < G)[:, None] & um[None, :]
@@ -94,8 +84,7 @@ def _mass_keys_kernel(logits, parts, keys, hist, U, G, C, stride_r, stride_g, BL
     mass = tl.sum(tl.exp(x.to(tl.float32) - lse[:, None]), 0) / G
     kk32 = _keys(mass)
     tl.store(keys + r * U + u, kk32, mask=um)
-    kk = tl.where(um, kk32.to(tl.int64) + 2147483648, 0)
-    _add_hist(hist, r, 0, kk, um, tl.zeros([], tl.int64))
+    _add_hist(hist, r, 0, _unsigned(kk32, um), um, tl.zeros([], tl.int64))
 
 
 @triton.jit
@@ -107,8 +96,7 @@ def _score_keys_kernel(scores, keys, hist, U, stride_r, CHUNK: tl.constexpr):
     um = u < U
     kk32 = _keys(tl.load(scores + r * stride_r + u, mask=um, other=0.0).to(tl.float32))
     tl.store(keys + r * U + u, kk32, mask=um)
-    kk = tl.where(um, kk32.to(tl.int64) + 2147483648, 0)
-    _add_hist(hist, r, 0, kk, um, tl.zeros([], tl.int64))
+    _add_hist(hist, r, 0, _unsigned(kk32, um), um, tl.zeros([], tl.int64))
 
 
 @triton.jit
@@ -147,8 +135,4 @@ def _emit_kernel(keys, hist, counts, out, U, K, C, BLOCK_C: tl.constexpr, CHUNK:
     taken = tl.sum(tl.where(earlier, gt_c + took_eq, 0), 0)
     ties = tl.sum(tl.where(earlier, eq_c, 0), 0)
     u, ok, kk = _chunk_keys(keys, r, c, U, CHUNK)
-    eq = (ok & (kk == prefix)).to(tl.int32)
-    eq_rank = ties + tl.cumsum(eq, 0) - eq
-    sel = ((ok & (kk > prefix)) | ((eq == 1) & (eq_rank < need))).to(tl.int32)
-    pos = taken + tl.cumsum(sel, 0) - sel
-    tl.store(out + r * K + pos, u.to(tl.int64), mask=(sel == 1) & (pos < K))
+    _emit(out + r * K, u, ok, kk, prefix, need, taken, ties, K)
