@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from workers.attention import STEP_KWARG, GraphablePrefix, merge_attention
+from workers.capture import graph_capture
 from workers.own_kv import OwnKV
 from workers.step_batch import own_attention
 
@@ -62,20 +63,6 @@ class StaticStepBatch:
         return out
 
 
-def _init_blas(device: torch.device) -> None:
-    """Create this thread's cuBLAS and cuBLASLt handles outside a capture.
-
-    The engine steps on whichever request's thread holds the turn, so a capture can run on a thread that
-    never ran a matmul; creating its handle inside the capture fails (``CUBLAS_STATUS_NOT_INITIALIZED``,
-    seen under the worker server). Handles are per thread and kept, so this costs a few small matmuls.
-    """
-    torch.cuda.current_blas_handle()
-    for dtype in (torch.bfloat16, torch.float32):
-        a = torch.ones((16, 16), device=device, dtype=dtype)
-        torch.addmm(a[0], a, a)  # the cuBLASLt path (bias epilogue)
-        torch.mm(a, a)
-
-
 class StaticStep:
     """One batch's decode step over static inputs; captured in a CUDA graph unless ``capture`` is False."""
 
@@ -89,11 +76,8 @@ class StaticStep:
         self.reads: list[torch.Tensor | None] = []
         self.graph: torch.cuda.CUDAGraph | None = None
         if capture:
-            _init_blas(device)
             self.graph = torch.cuda.CUDAGraph()
-            # thread_local: the host tier's background warm-up (pinning, copies) goes on in other threads; under
-            # the default global mode any such call invalidates this capture.
-            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):  # records only: run() replays
+            with graph_capture(self.graph, device):  # records only: run() replays
                 self._forward()
 
     def _forward(self) -> None:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.capture import graph_capture
+
 log = logging.getLogger(__name__)
 
 StepFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -68,8 +70,7 @@ class StepGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         try:
-            # thread_local: a background host-tier warm-up in another thread must not invalidate the capture.
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):  # type: ignore[arg-type]
+            with graph_capture(graph, q.device, pool=self._pool):
                 out = step(static_q)
         except Exception:
             self.failed = True
