@@ -52,7 +52,7 @@ from lab.tiny_random import TinyLlamaSpec  # noqa: E402
 from store.config import StoreConfig  # noqa: E402
 from store.kvstore import KVStore  # noqa: E402
 from workers.decode_batch import EngineConfig  # noqa: E402
-from workers.engine import Worker  # noqa: E402
+from workers.engine import GenerationStream, Worker  # noqa: E402
 from workers.model import LoadedModel  # noqa: E402
 from workers.offload import OffloadConfig  # noqa: E402
 from workers.requests import DecodeConfig, GenerationStats, SamplingParams  # noqa: E402
@@ -95,15 +95,21 @@ def row_worker(store: KVStore, lm: LoadedModel, row: EngineRow) -> Worker:
     return Worker(store, lm, progress=False, offload=row.offload, engine=engine)
 
 
+def row_stream(worker: Worker, pid: str, row: EngineRow, budget: float, n: int,
+               stats: GenerationStats) -> GenerationStream:
+    """One generation of ``row``'s method over ``pid`` (``n`` tokens, ``budget`` unless dense)."""
+    decode = DecodeConfig(budget=None if row.method == "full" else budget)
+    return worker.generate(pid, QUERY, SamplingParams(max_new_tokens=n), method=row.method, raw=True, decode=decode,
+                           stats=stats)
+
+
 def run_together(worker: Worker, pids: list[str], row: EngineRow, budget: float,
                  n: int) -> tuple[list[GenerationStats], float]:
     """Generations over ``pids`` at once (one thread pulls each in turn: every step serves all);
     returns their stats and the wall seconds of the whole batch."""
-    decode = DecodeConfig(budget=None if row.method == "full" else budget)
     stats = [GenerationStats() for _ in pids]
     t0 = time.perf_counter()
-    live = [worker.generate(pid, QUERY, SamplingParams(max_new_tokens=n), method=row.method, raw=True,
-                            decode=decode, stats=st) for pid, st in zip(pids, stats, strict=True)]
+    live = [row_stream(worker, pid, row, budget, n, st) for pid, st in zip(pids, stats, strict=True)]
     while live:
         for s in list(live):
             try:
@@ -150,10 +156,8 @@ def profile_row(store: KVStore, lm: LoadedModel, pid: str, row: EngineRow, budge
 
     worker = row_worker(store, lm, row)
     run_together(worker, [pid], row, budget, n)  # warm: kernels compiled, allocator grown
-    decode = DecodeConfig(budget=None if row.method == "full" else budget)
     stats = GenerationStats()
-    gen = worker.generate(pid, QUERY, SamplingParams(max_new_tokens=n), method=row.method, raw=True, decode=decode,
-                          stats=stats)
+    gen = row_stream(worker, pid, row, budget, n, stats)
     while stats.steps < PROFILE_SKIP:  # the query's forward, the first eager step, the capture
         next(gen)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
