@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import threading
-from typing import Literal
+from typing import Any, Literal
 
 import pytest
 import torch
 
 from store.kvstore import KVStore
+from store.layout import KVLayout
 from tests.streams import drain_together
 from workers.decode_batch import EngineConfig
 from workers.engine import DEFAULT_OFFLOAD, Worker
 from workers.model import LoadedModel, load_model
+from workers.own_kv import OwnKV
 from workers.requests import DecodeConfig, GenerationStats, SamplingParams
-from workers.step_graph import StepGraphCache
+from workers.step_graph import Candidate, StaticMember, StepGraphCache
 
 DOCS = [
     "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike " * 9 + "The code is 4411.",
@@ -79,20 +81,109 @@ def test_a_batch_is_captured_only_when_it_repeats(store: KVStore, endless_lm: Lo
         assert graphs.replays == max(0, n_new - 4)
 
 
-def test_a_failed_capture_leaves_its_batch_eager_and_enough_of_them_stop_capturing() -> None:
+def test_a_generation_joining_a_captured_batch_leaves_it_replaying_then_merges(store: KVStore,
+                                                                              endless_lm: LoadedModel) -> None:
+    off, static = _worker(store, endless_lm, "off"), _worker(store, endless_lm, "eager")
+    pids = [off.prefill(d).prefix_id for d in DOCS]
+    n_a, n_b = 50, 30
+    decode = DecodeConfig(budget=0.3)
+    want = []
+    for pid, query, n in zip(pids, QUERIES, (n_a, n_b), strict=True):  # each alone
+        want.append(GenerationStats())
+        drain_together([off.generate(pid, query, SamplingParams(max_new_tokens=n), method="quest", decode=decode,
+                                     stats=want[-1])])
+    a, b = GenerationStats(), GenerationStats()
+    first = static.generate(pids[0], QUERIES[0], SamplingParams(max_new_tokens=n_a), method="quest", decode=decode,
+                            stats=a)
+    while a.steps < 8:  # A's group is captured and replaying
+        next(first)
+    second = static.generate(pids[1], QUERIES[1], SamplingParams(max_new_tokens=n_b), method="quest", decode=decode,
+                             stats=b)
+    drain_together([first, second])
+    assert a.token_ids == want[0].token_ids and b.token_ids == want[1].token_ids
+    graphs = static.engine._graphs
+    assert graphs is not None
+    # A alone, B alone once its own steps repeat, both merged MERGE_AFTER steps later; never A again with B.
+    # A alone, B alone once its own steps repeat, both merged MERGE_AFTER steps later, A again after B left;
+    # never A re-captured because B joined.
+    assert graphs.captures == 4 and graphs.merges == 1
+    # A: every step from its capture on, also those that fed B's query or ran B eagerly, but its query, its
+    # warm-up, the first step of its key and the first step after B left (its merged group went with B).
+    assert a.extra["graph_steps"] == n_a - 4
+    assert b.extra["graph_steps"] == n_b - 3
+
+
+def _candidates(*owners: int) -> list[Candidate]:
+    """Stand-ins for generations that could run static (only their keys matter to the planning)."""
+    layout = KVLayout(n_layers=1, n_kv_heads=1, head_dim=4, dtype="float32", page_size=4)
+    own = OwnKV(layout, 4, torch.device("cpu"), torch.float32)
+    prefix: Any = None
+    return [Candidate((o, (0, 4), "prefix"), StaticMember(own=own, prefix=prefix)) for o in owners]
+
+
+def test_a_failed_capture_leaves_its_generations_eager_and_enough_of_them_stop_capturing() -> None:
     class Broken(torch.nn.Module):
         def forward(self, **_: object) -> None:
             raise RuntimeError("cannot be captured")
 
-    # On a CPU the capture itself fails (no CUDA graphs), like a batch whose capture breaks on a GPU.
+    # On a CPU the capture itself fails (no CUDA graphs), like a group whose capture breaks on a GPU.
     cache = StepGraphCache(Broken(), torch.device("cpu"), capture=True)
-    for i, key in enumerate(["a", "b", "c"]):
-        assert cache.step(key, []) is None  # a new batch: not captured yet
-        assert cache.step(key, []) is None and cache.failures == i + 1  # its capture failed: eager
-        assert cache.step(key, []) is None and cache.failures == i + 1  # not retried
+    for i, owners in enumerate([(1,), (2,), (3,)]):
+        step = _candidates(*owners)
+        assert cache.plan(step) == ([], [0])  # new generations: not captured yet
+        assert cache.plan(step) == ([], [0]) and cache.failures == i + 1  # its capture failed: eager
+        assert cache.plan(step) == ([], [0]) and cache.failures == i + 1  # not retried
         assert cache.failed == (i == 2)
-    cache.step("d", [])
-    assert cache.step("d", []) is None and cache.failures == 3  # no capture tried once failed
+    cache.plan(_candidates(4))
+    assert cache.plan(_candidates(4)) == ([], [0]) and cache.failures == 3  # no capture tried once failed
+
+
+class _Counting(torch.nn.Module):
+    """Records the forward a static step runs (eagerly: ``capture=False``) without computing anything."""
+
+    def forward(self, *, input_ids: torch.Tensor, **_: object) -> object:
+        return type("Out", (), {"logits": torch.zeros(1, input_ids.shape[1], 3)})()
+
+
+def test_a_joining_generation_gets_a_group_of_its_own_and_the_running_group_keeps_replaying() -> None:
+    cache = StepGraphCache(_Counting(), torch.device("cpu"), capture=False)
+    a = _candidates(1, 2, 3)
+    assert cache.plan(a) == ([], [0, 1, 2])  # new: eager
+    groups, rest = cache.plan(a)  # repeated: captured
+    assert [ids for _, ids in groups] == [[0, 1, 2]] and rest == [] and cache.captures == 1
+    joined = _candidates(1, 2, 3, 9)
+    groups, rest = cache.plan(joined)  # the newcomer runs eagerly beside the replayed group
+    assert [ids for _, ids in groups] == [[0, 1, 2]] and rest == [3]
+    groups, rest = cache.plan(joined)  # and is captured alone once it repeats; nobody else is re-captured
+    assert sorted(ids for _, ids in groups) == [[0, 1, 2], [3]] and rest == [] and cache.captures == 2
+    left = _candidates(1, 3, 9)  # generation 2 left: its group is gone, 1 and 3 run eagerly, 9 replays
+    groups, rest = cache.plan(left)
+    assert [ids for _, ids in groups] == [[2]] and rest == [0, 1]
+
+
+def test_generations_split_over_groups_are_merged_once_stable() -> None:
+    cache = StepGraphCache(_Counting(), torch.device("cpu"), capture=False)
+    first, both = _candidates(1), _candidates(1, 2)
+    cache.plan(first)
+    cache.plan(first)  # group {1}
+    cache.plan(both)
+    groups, _ = cache.plan(both)  # group {2}
+    assert len(groups) == 2 and cache.merges == 0
+    for _ in range(StepGraphCache.MERGE_AFTER - 2):
+        groups, _ = cache.plan(both)
+        assert len(groups) == 2
+    groups, rest = cache.plan(both)  # the same two for MERGE_AFTER steps: one group now
+    assert [ids for _, ids in groups] == [[0, 1]] and rest == [] and cache.merges == 1 and len(cache) == 1
+
+
+def test_a_generation_whose_key_changed_leaves_its_group() -> None:
+    cache = StepGraphCache(_Counting(), torch.device("cpu"), capture=False)
+    step = _candidates(1, 2)
+    cache.plan(step)
+    cache.plan(step)
+    assert len(cache) == 1
+    moved = [step[0], Candidate((2, step[1].key[1], "grown"), step[1].member)]  # e.g. its buffer grew
+    assert cache.plan(moved) == ([], [0, 1]) and len(cache) == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

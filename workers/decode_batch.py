@@ -34,7 +34,7 @@ from workers.ratplus import MEMORY_KWARG, has_decaying_memory
 from workers.requests import GenerationStats
 from workers.sampling import Sampler
 from workers.step_batch import Segment, SegmentFailed, StepBatch
-from workers.step_graph import StaticMember, StaticStep, StepGraphCache
+from workers.step_graph import Candidate, StaticMember, StaticStep, StepGraphCache
 from workers.textstream import TextStream
 
 StepTurn = Callable[[], AbstractContextManager[object]]
@@ -58,10 +58,10 @@ class EngineConfig:
     """On a CUDA device, replay each generation's fixed-shape prefix steps (Quest under a budget, over a warm
     or resident prefix) from per-layer CUDA graphs instead of launching their kernels one by one."""
     whole_step: Literal["auto", "off", "eager"] = "auto"
-    """Decode steps of a stable batch whose methods can run captured (``workers.step_graph``): ``auto``
-    captures the whole model step in one CUDA graph (with ``cuda_graphs``, on a CUDA device, not for a model
-    with a decaying memory); ``eager`` runs the same static-input step uncaptured (tests it on the CPU);
-    ``off`` never."""
+    """Decode steps of stable groups of generations whose methods can run captured (``workers.step_graph``):
+    ``auto`` captures each group's whole model step in one CUDA graph (with ``cuda_graphs``, on a CUDA
+    device, not for a model with a decaying memory); ``eager`` runs the same static-input step uncaptured
+    (tests it on the CPU); ``off`` never."""
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -231,39 +231,30 @@ class DecodeEngine:
             self._running.append(g)
         return batch
 
-    def _pack(self, batch: list[Generation]) -> tuple[list[Generation], list[int], list[int], list[Segment], list[int]]:
-        """Inputs of one step: who takes part, token ids, positions, segments, and rows to sample from."""
+    def _feeds(self, batch: list[Generation]) -> list[tuple[Generation, int]]:
+        """Who takes part in the step, each with how many of its pending tokens it feeds: one when decoding, a
+        chunk of what is left of ``step_tokens`` when its query is still going in."""
         budget = self.config.step_tokens - sum(1 for g in batch if len(g.pending) == 1)
-        ids: list[int] = []
-        positions: list[int] = []
-        segments: list[Segment] = []
-        rows: list[int] = []
-        members: list[Generation] = []
+        feeds: list[tuple[Generation, int]] = []
         for g in batch:
             if len(g.pending) == 1:
                 n = 1
-            else:  # a query still being fed: a chunk from what is left of the budget
+            else:
                 n = min(len(g.pending), budget)
                 if n < 1:
                     continue
                 budget -= n
-            start = len(ids)
-            ids += g.pending[:n]
-            positions += range(g.position, g.position + n)
-            segments.append(Segment(start, start + n, g.own, g.prefix, g))
-            members.append(g)
-            if n == len(g.pending):
-                rows.append(start + n - 1)
-        return members, ids, positions, segments, rows
+            feeds.append((g, n))
+        return feeds
 
     @torch.inference_mode()
     def _step(self) -> list[Generation]:
         """One step of the generations running when the model is ours (returns them)."""
-        dev = self.lm.device
         t0 = time.perf_counter()
         batch: list[Generation] = []
         members: list[Generation] = []
-        static = None
+        feeds: list[tuple[Generation, int]] = []
+        graphed: set[Generation] = set()
         try:
             with self.turn():
                 # Taken once the turn is ours, not before waiting for it: a generation that opened meanwhile
@@ -273,19 +264,19 @@ class DecodeEngine:
                     self._in_step = set(batch)
                 if not batch:
                     return batch
-                members, ids, positions, segments, rows = self._pack(batch)
-                static = self._static_step(members, ids)
-                if static is not None:
-                    logits = static.run(ids, positions, [g.own.length for g in members])
-                else:
-                    step = StepBatch(segments)
-                    hooks: dict[str, object] = {STEP_KWARG: step, **({MEMORY_KWARG: step} if self._memory else {})}
-                    out = self.lm.model(input_ids=torch.tensor([ids], device=dev),
-                                        position_ids=torch.tensor([positions], device=dev), use_cache=False,
-                                        logits_to_keep=torch.tensor(rows, dtype=torch.long, device=dev), **hooks)
-                    logits = out.logits[0].float()
-                sampled = [g for g, s in zip(members, segments, strict=True) if s.end - s.start == len(g.pending)]
-                tokens = [g.sampler(logits[i]) for i, g in enumerate(sampled)]  # syncs: the step is done
+                feeds = self._feeds(batch)
+                members = [g for g, _ in feeds]
+                groups, rest = self._static_groups(feeds)
+                logits: dict[Generation, torch.Tensor] = {}
+                if rest:  # first: a failing segment then leaves no captured step run (nothing to undo)
+                    logits.update(self._packed_step(rest))
+                for static, gens in groups:
+                    rows = static.run([g.pending[0] for g in gens], [g.position for g in gens],
+                                      [g.own.length for g in gens])
+                    logits.update(zip(gens, rows, strict=True))
+                    graphed.update(gens)
+                sampled = [g for g, n in feeds if n == len(g.pending)]
+                tokens = [g.sampler(logits[g]) for g in sampled]  # syncs: the step is done
         except SegmentFailed as e:  # one generation's method failed: fail it alone, the others retry
             with self._lock:
                 g = e.key
@@ -301,14 +292,13 @@ class DecodeEngine:
             return batch
         seconds = time.perf_counter() - t0
         with self._lock:
-            for g, s in zip(members, segments, strict=True):
-                n = s.end - s.start
+            for g, n in feeds:
                 g.own.commit(n)
                 g.position += n
                 g.pending = g.pending[n:]
                 g.stats.steps += 1
                 g.single_steps += n == 1
-                g.graph_steps += static is not None
+                g.graph_steps += g in graphed
                 g.stats.bytes_full += g.full_step_bytes
                 g.stats.step_seconds.append(seconds)
                 g.batch_sizes.append(len(members))
@@ -319,23 +309,54 @@ class DecodeEngine:
                     self._emit(g, token)
         return batch
 
-    def _static_step(self, members: list[Generation], ids: list[int]) -> StaticStep | None:
-        """The captured (or static-input) step of this batch when every member feeds one token and can run
-        captured; None: the ordinary packed step."""
-        if self._graphs is None or len(ids) != len(members):
-            return None
-        keys, statics = [], []
-        for g in members:
+    def _packed_step(self, feeds: list[tuple[Generation, int]]) -> dict[Generation, torch.Tensor]:
+        """The ordinary step: these feeds packed into one forward pass; the logits of each generation whose
+        input is then complete."""
+        dev = self.lm.device
+        ids: list[int] = []
+        positions: list[int] = []
+        segments: list[Segment] = []
+        rows: list[int] = []
+        sampled: list[Generation] = []
+        for g, n in feeds:
+            start = len(ids)
+            ids += g.pending[:n]
+            positions += range(g.position, g.position + n)
+            segments.append(Segment(start, start + n, g.own, g.prefix, g))
+            if n == len(g.pending):
+                rows.append(start + n - 1)
+                sampled.append(g)
+        step = StepBatch(segments)
+        hooks: dict[str, object] = {STEP_KWARG: step, **({MEMORY_KWARG: step} if self._memory else {})}
+        out = self.lm.model(input_ids=torch.tensor([ids], device=dev),
+                            position_ids=torch.tensor([positions], device=dev), use_cache=False,
+                            logits_to_keep=torch.tensor(rows, dtype=torch.long, device=dev), **hooks)
+        return dict(zip(sampled, out.logits[0].float(), strict=True))
+
+    def _static_groups(self, feeds: list[tuple[Generation, int]]
+                       ) -> tuple[list[tuple[StaticStep, list[Generation]]], list[tuple[Generation, int]]]:
+        """The captured (or static-input) steps serving some of this step's generations, each with its members
+        in order, and the feeds left to the ordinary packed step. A generation can run static when it feeds
+        one token, has taken one eager single step (it warms what a captured step replays) and its method can
+        run captured (``workers.step_graph``)."""
+        if self._graphs is None:
+            return [], feeds
+        candidates: list[Candidate] = []
+        at: list[int] = []
+        for j, (g, n) in enumerate(feeds):
             p = g.prefix
-            if g.single_steps < 1 or not isinstance(p, GraphablePrefix):
-                return None
+            if n != 1 or g.single_steps < 1 or not isinstance(p, GraphablePrefix):
+                continue
             key = p.graph_key()
             if key is None:
-                return None
+                continue
             g.own.reserve(g.own.length + 1)  # a captured step cannot grow the buffer: room first, then its key
-            keys.append((id(g), g.own.buffer_key, key))
-            statics.append(StaticMember(own=g.own, prefix=p))
-        return self._graphs.step(tuple(keys), statics)
+            candidates.append(Candidate((id(g), g.own.buffer_key, key), StaticMember(own=g.own, prefix=p)))
+            at.append(j)
+        plans, _ = self._graphs.plan(candidates)
+        groups = [(static, [feeds[at[i]][0] for i in idx]) for static, idx in plans]
+        static_gens = {g for _, gens in groups for g in gens}
+        return groups, [f for f in feeds if f[0] not in static_gens]
 
     def _queries_done(self, sampled: list[Generation]) -> set[Generation]:
         """Tell query-time caches whose query just went in (their first token is not out yet); returns the

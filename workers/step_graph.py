@@ -1,13 +1,14 @@
-"""A whole decode step of a fixed batch of generations, captured in one CUDA graph and replayed per token.
+"""A whole decode step of a fixed group of generations, captured in one CUDA graph and replayed per token.
 
 A decode step launches hundreds of small kernels per layer (projections, norms, MLP, own-token
 attention, the method's select + fetch + attend, the merge); launched one by one from Python they
-cost far more than they run. When every generation of a step feeds one token and its method can
-run captured (``GraphablePrefix``), the engine captures the model's whole forward for that batch
-once and replays it while the batch stays the same: inputs (token ids, positions, each generation's
-own length) live in a static device buffer that one host -> device copy fills per step; each
-generation's own K/V is written where that buffer says (``OwnKV.write_at``) and attended up to it;
-the methods' read counts stay on the device until ``account_step`` takes them after the replay.
+cost far more than they run. For generations that feed one token and whose methods can run captured
+(``GraphablePrefix``), the engine captures the model's whole forward over a group of them once and
+replays it while the group lasts (``StepGraphCache`` says which groups serve a step): inputs (token
+ids, positions, each generation's own length) live in a static device buffer that one host -> device
+copy fills per step; each generation's own K/V is written where that buffer says
+(``OwnKV.write_at``) and attended up to it; the methods' read counts stay on the device until
+``account_step`` takes them after the replay.
 Sampling stays outside the graph (it reads the static logits).
 
 ``StaticStep`` also runs uncaptured (``capture=False``): the same static-input forward, eagerly, so
@@ -104,62 +105,137 @@ class StaticStep:
         return self.logits
 
 
+MemberKey = tuple[int, object, object]
+"""A candidate's key: its generation's ``id``, its own buffer's address and size, its prefix's ``graph_key``."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A generation of this step that could run in a static step: what a captured step over it depends on,
+    and its static parts."""
+
+    key: MemberKey
+    member: StaticMember
+
+
+@dataclass(eq=False)
+class _Group:
+    keys: tuple[MemberKey, ...]
+    """Its members' keys, in the captured step's member order."""
+    step: StaticStep
+
+
 class StepGraphCache:
-    """The engine's captured steps, by batch: a batch is captured when it repeats the previous step's (a
-    stable batch), replayed while it lasts, and dropped when one of its generations leaves."""
+    """The engine's captured steps, each over a group of generations.
+
+    A step replays every kept group all of whose generations take part (with unchanged keys), and runs the
+    rest the ordinary way. The rest is captured as a new group when it repeats the previous step's rest (a
+    stable set): a generation joining a running batch then costs one small capture of its own, not a new
+    capture of everyone with it, and the running groups keep replaying meanwhile. Groups are merged into one
+    when the same generations have run split over several of them for ``MERGE_AFTER`` steps (one forward
+    serves them all: the weights are read once per step, not once per group). A group is dropped when one of
+    its generations leaves or changes key.
+    """
 
     MAX_GRAPHS = 4
-    """Captured batches kept at once (each holds its own memory pool)."""
+    """Captured groups kept at once (each holds its own memory pool)."""
     MAX_FAILURES = 3
-    """Failed captures after which no batch is captured any more (one batch's failure, e.g. its method's,
-    must not take the graphs from every other batch; a capture that cannot work must not be retried forever)."""
+    """Failed captures after which nothing is captured any more (one group's failure, e.g. its method's,
+    must not take the graphs from every other group; a capture that cannot work must not be retried forever)."""
+    MERGE_AFTER = 16
+    """Steps the same generations run split over several groups before one capture merges them."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, *, capture: bool):
         self.model, self.device, self.capture = model, device, capture
-        self._steps: dict[object, StaticStep] = {}
-        self._last: object = None
-        self._failed_keys: set[object] = set()
+        self._groups: list[_Group] = []
+        """Kept groups, least recently used first."""
+        self._last_rest: frozenset[MemberKey] = frozenset()
+        self._last_all: frozenset[MemberKey] = frozenset()
+        self._same_steps = 0
+        """Steps in a row with the same candidates (``_last_all``) before this one."""
+        self._failed_keys: set[frozenset[MemberKey]] = set()
         self.failures = 0
         self.failed = False
         """Set after ``MAX_FAILURES`` failed captures: the engine runs every later step eagerly."""
         self.captures = 0
         self.replays = 0
+        """Group replays (a step replaying two groups counts two)."""
+        self.merges = 0
 
-    def step(self, key: object, members: list[StaticMember]) -> StaticStep | None:
-        """The static step of this batch, captured now if the previous step had the same batch; None: run this
-        step the ordinary way."""
-        last, self._last = self._last, key
+    def plan(self, candidates: list[Candidate]) -> tuple[list[tuple[StaticStep, list[int]]], list[int]]:
+        """The static steps that serve this step's candidates, each with the candidates' indices in its member
+        order, and the indices of the candidates left to the ordinary step."""
+        keys = [c.key for c in candidates]
+        all_keys = frozenset(keys)
+        self._same_steps = self._same_steps + 1 if all_keys == self._last_all else 0
+        self._last_all = all_keys
         if self.failed:
-            return None
-        found = self._steps.get(key)
-        if found is not None:
-            self._steps[key] = self._steps.pop(key)  # most recently used last
-            self.replays += 1
-            return found
-        if key != last or key in self._failed_keys:
-            return None
-        while len(self._steps) >= self.MAX_GRAPHS:
-            self._steps.pop(next(iter(self._steps)))
+            return [], list(range(len(candidates)))
+        self._drop_stale(candidates)
+        index = {k: i for i, k in enumerate(keys)}
+        used: list[_Group] = []
+        for g in reversed(self._groups):  # most recently used first; groups of one step never share a member
+            if all(k in index for k in g.keys) and not any(k in u.keys for u in used for k in g.keys):
+                used.append(g)
+        rest = [i for i, k in enumerate(keys) if not any(k in g.keys for g in used)]
+        rest_keys = frozenset(keys[i] for i in rest)
+        last_rest, self._last_rest = self._last_rest, rest_keys
+        replayed = len(used)  # of groups captured before this step
+        if rest and rest_keys == last_rest and rest_keys not in self._failed_keys:
+            made = self._capture([candidates[i] for i in rest], keep=used)
+            if made is not None:
+                used.append(made)
+                rest = []
+        elif (not rest and len(used) > 1 and self._same_steps >= self.MERGE_AFTER
+              and all_keys not in self._failed_keys):
+            merged = self._capture(candidates, keep=used, replacing=len(used))
+            if merged is not None:
+                self._groups = [g for g in self._groups if g not in used]
+                self._groups.append(merged)
+                used, replayed = [merged], 0
+                self.merges += 1
+        for g in used:  # most recently used last
+            self._groups.remove(g)
+            self._groups.append(g)
+        self.replays += replayed
+        return [(g.step, [index[k] for k in g.keys]) for g in used], rest
+
+    def _drop_stale(self, candidates: list[Candidate]) -> None:
+        """Forget groups holding a generation of this step under another key (its buffer grew, or its prefix's
+        captured state changed): they can never be replayed again."""
+        now = {c.key[0]: c.key for c in candidates}
+        self._groups = [g for g in self._groups if all(now.get(k[0], k) == k for k in g.keys)]
+
+    def _capture(self, candidates: list[Candidate], keep: list[_Group], replacing: int = 0) -> _Group | None:
+        """A new group over these candidates (None: its capture failed, or no room beside ``keep``, of which
+        ``replacing`` groups go once it is made)."""
+        keyset = frozenset(c.key for c in candidates)
+        while len(self._groups) - replacing >= self.MAX_GRAPHS:
+            victim = next((g for g in self._groups if g not in keep), None)
+            if victim is None:
+                return None
+            self._groups.remove(victim)
         try:
-            made = StaticStep(self.model, members, self.device, capture=self.capture)
-        except Exception:  # noqa: BLE001 - a capture that fails leaves its batch eager, not broken
+            made = StaticStep(self.model, [c.member for c in candidates], self.device, capture=self.capture)
+        except Exception:  # noqa: BLE001 - a capture that fails leaves its generations eager, not broken
             self.failures += 1
-            self._failed_keys.add(key)
+            self._failed_keys.add(keyset)
             self.failed = self.failures >= self.MAX_FAILURES
-            log.warning("capturing the decode step in a CUDA graph failed (%d of %d); this batch decodes eagerly",
-                        self.failures, self.MAX_FAILURES, exc_info=True)
+            log.warning("capturing the decode step in a CUDA graph failed (%d of %d); these generations decode "
+                        "eagerly", self.failures, self.MAX_FAILURES, exc_info=True)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             return None
         self.captures += 1
-        self._steps[key] = made
-        return made
+        group = _Group(tuple(c.key for c in candidates), made)
+        if not replacing:
+            self._groups.append(group)
+        return group
 
     def __len__(self) -> int:
-        return len(self._steps)
+        return len(self._groups)
 
     def prune(self, alive: set[int]) -> None:
         """Forget every captured step holding a generation whose own K/V (by ``id``) is not in ``alive`` (it
         left the engine: its buffers and prefix must not be kept by a graph)."""
-        for key in [k for k, s in self._steps.items() if any(id(m.own) not in alive for m in s.members)]:
-            del self._steps[key]
+        self._groups = [g for g in self._groups if all(id(m.own) in alive for m in g.step.members)]
