@@ -53,19 +53,25 @@ MD = {"a": [("x-api-key", "key-a")], "b": [("x-api-key", "key-b")]}
 DOC = "The river runs past the mill, the bridge and the old customs house before it reaches the sea. " * 8
 
 
-def generate(stub: pb_grpc.WorkerStub, tenant: str, pid: str, tokens: int) -> None:
-    """One generation, to its end."""
-    list(stub.Generate(pb.GenerateRequest(prefix_id=pid, query=" Where does the river go?", max_new_tokens=tokens),
-                       metadata=MD[tenant], timeout=3600))
+ENGINE_FIGURES = ("ttft_s", "ms_per_token", "batch_mean", "graph_steps")
+"""What the worker's done event says of each B generation (its engine-side time, batch and captured steps)."""
 
 
-def b_latencies(stub: pb_grpc.WorkerStub, pid: str, n: int, tokens: int) -> list[float]:
-    """Seconds of each of ``n`` short generations of tenant B, one after another."""
+def generate(stub: pb_grpc.WorkerStub, tenant: str, pid: str, tokens: int) -> dict[str, float]:
+    """One generation, to its end; its ``ENGINE_FIGURES``."""
+    events = list(stub.Generate(pb.GenerateRequest(prefix_id=pid, query=" Where does the river go?",
+                                                   max_new_tokens=tokens), metadata=MD[tenant], timeout=3600))
+    extra = events[-1].done.extra
+    return {k: float(extra[k]) for k in ENGINE_FIGURES if k in extra}
+
+
+def b_latencies(stub: pb_grpc.WorkerStub, pid: str, n: int, tokens: int) -> list[tuple[float, dict[str, float]]]:
+    """Seconds of each of ``n`` short generations of tenant B, one after another, with its engine figures."""
     out = []
     for _ in range(n):
         t0 = time.perf_counter()
-        generate(stub, "b", pid, tokens)
-        out.append(time.perf_counter() - t0)
+        figures = generate(stub, "b", pid, tokens)
+        out.append((time.perf_counter() - t0, figures))
     return out
 
 
@@ -137,16 +143,23 @@ def run(args: argparse.Namespace, home: Path) -> dict:
         b_proc = ctx.Process(target=b_process, args=(cfg.address, pids["b"], b_end), daemon=True)
         b_proc.start()
 
-        def b_run(n: int) -> list[float]:
+        figures: dict[str, list[dict[str, float]]] = {"alone": [], "loaded": []}
+
+        def b_run(n: int, phase: str = "") -> list[float]:
             b_conn.send((n, args.b_tokens))
-            return list(b_conn.recv())
+            got = b_conn.recv()
+            if phase:
+                figures[phase] += [f for _, f in got]
+            return [s for s, _ in got]
 
         b_run(2)  # warm-up
-        alone, loaded, rates, refusals = [], [], [], 0
+        alone: list[float] = []
+        loaded: list[float] = []
+        rates, refusals = [], 0
         per_round = max(1, args.b_requests // args.rounds)
         for _ in range(args.rounds):  # alternate, so a drift in the machine's load hits both phases alike
-            alone += b_run(per_round)
-            b, rate, refused = _loaded_phase(args, ctx, cfg.address, pids, per_round, b_run)
+            alone += b_run(per_round, "alone")
+            b, rate, refused = _loaded_phase(args, ctx, cfg.address, pids, per_round, lambda k: b_run(k, "loaded"))
             loaded += b
             rates.append(rate)
             refusals += refused
@@ -162,7 +175,9 @@ def run(args: argparse.Namespace, home: Path) -> dict:
             "b_p50_alone_s": statistics.median(alone), "b_p95_alone_s": p95(alone),
             "b_p50_loaded_s": statistics.median(loaded), "b_p95_loaded_s": p95(loaded),
             "p95_ratio": p95(loaded) / p95(alone), "a_refused": refusals, "a_pieces_per_s": statistics.mean(rates),
-            "rounds": args.rounds, "torch_threads": torch.get_num_threads()}
+            "rounds": args.rounds, "torch_threads": torch.get_num_threads(),
+            "b_engine": {phase: {k: statistics.median(f[k] for f in fs if k in f) for k in ENGINE_FIGURES
+                                 if any(k in f for f in fs)} for phase, fs in figures.items()}}
 
 
 def _loaded_phase(args: argparse.Namespace, ctx: Any, address: str, pids: dict[str, str], n: int,
@@ -227,6 +242,13 @@ def main() -> None:
     print(f"| alone | {r['b_p50_alone_s']:.3f} | {r['b_p95_alone_s']:.3f} |")
     print(f"| while A floods | {r['b_p50_loaded_s']:.3f} | {r['b_p95_loaded_s']:.3f} |")
     print(f"| ratio | {r['b_p50_loaded_s'] / r['b_p50_alone_s']:.2f} | {r['p95_ratio']:.2f} |")
+    engine = r["b_engine"]
+    print("\n| tenant B, median per request (worker's figures) | TTFT (s) | ms per token | batch | captured steps |")
+    print("|---|---|---|---|---|")
+    for phase, label in (("alone", "alone"), ("loaded", "while A floods")):
+        e = engine.get(phase, {})
+        print(f"| {label} | {e.get('ttft_s', float('nan')):.3f} | {e.get('ms_per_token', float('nan')):.1f} | "
+              f"{e.get('batch_mean', float('nan')):.1f} | {e.get('graph_steps', float('nan')):.0f} |")
     print(f"\nwhile B ran, A streamed {r['a_pieces_per_s']:.0f} pieces/s over its generations together")
     print(f"p95 ratio {r['p95_ratio']:.2f} (target <= 2.00): {'met' if r['p95_ratio'] <= 2 else 'NOT met'}")
     if args.json:

@@ -108,8 +108,8 @@ def test_a_generation_joining_a_captured_batch_leaves_it_replaying_then_merges(s
     # never A re-captured because B joined.
     assert graphs.captures == 4 and graphs.merges == 1
     # A: every step from its capture on, also those that fed B's query or ran B eagerly, but its query, its
-    # warm-up, the first step of its key and the first step after B left (its merged group went with B).
-    assert a.extra["graph_steps"] == n_a - 4
+    # warm-up and the first step of its key (after B left it is captured alone at once: it is known).
+    assert a.extra["graph_steps"] == n_a - 3
     assert b.extra["graph_steps"] == n_b - 3
 
 
@@ -156,9 +156,21 @@ def test_a_joining_generation_gets_a_group_of_its_own_and_the_running_group_keep
     assert [ids for _, ids in groups] == [[0, 1, 2]] and rest == [3]
     groups, rest = cache.plan(joined)  # and is captured alone once it repeats; nobody else is re-captured
     assert sorted(ids for _, ids in groups) == [[0, 1, 2], [3]] and rest == [] and cache.captures == 2
-    left = _candidates(1, 3, 9)  # generation 2 left: its group is gone, 1 and 3 run eagerly, 9 replays
-    groups, rest = cache.plan(left)
-    assert [ids for _, ids in groups] == [[2]] and rest == [0, 1]
+    left = _candidates(1, 3, 9)  # generation 2 left: its group cannot serve; 9 replays, 1 and 3 (seen before)
+    groups, rest = cache.plan(left)  # are captured together at once
+    assert sorted(ids for _, ids in groups) == [[0, 1], [2]] and rest == [] and cache.captures == 3
+
+
+def test_generations_taking_turns_each_replay_their_own_group() -> None:
+    # One tenant's share of the batch rotates over its four generations (``EngineConfig.tenant_share``); the
+    # other tenant's one generation is in every step.
+    cache = StepGraphCache(_Counting(), torch.device("cpu"), capture=False)
+    steps = [_candidates(100, a) for a in (1, 2, 3, 4)] * 4
+    for n, step in enumerate(steps):
+        groups, rest = cache.plan(step)
+        if n >= 4:  # from the second round on, every step replays captured groups only
+            assert rest == [] and sorted(ids for _, ids in groups) == [[0], [1]], n
+    assert cache.captures == 5 and cache.replays == 2 * len(steps) - 5 - 5  # 5 captures, 5 first (eager) runs
 
 
 def test_generations_split_over_groups_are_merged_once_stable() -> None:
@@ -183,7 +195,8 @@ def test_a_generation_whose_key_changed_leaves_its_group() -> None:
     cache.plan(step)
     assert len(cache) == 1
     moved = [step[0], Candidate((2, step[1].key[1], "grown"), step[1].member)]  # e.g. its buffer grew
-    assert cache.plan(moved) == ([], [0, 1]) and len(cache) == 0
+    groups, rest = cache.plan(moved)  # their group is gone; 1 (known) is captured alone, 2 (new key) runs eagerly
+    assert [ids for _, ids in groups] == [[0]] and rest == [1] and len(cache) == 1 and cache.captures == 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

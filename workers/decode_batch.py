@@ -198,7 +198,7 @@ class DecodeEngine:
     def _prune_graphs(self) -> None:
         """Forget captured steps of generations that left (lock held, no step running)."""
         if self._graphs is not None:
-            self._graphs.prune({id(g.own) for g in self._running})
+            self._graphs.prune({id(g) for g in self._running})
 
     def _wake_after_step(self, stepper: Generation, batch: list[Generation]) -> None:
         """Wake the consumers a step concerns, and one more to take the next step when the stepper will not

@@ -129,16 +129,21 @@ class StepGraphCache:
     """The engine's captured steps, each over a group of generations.
 
     A step replays every kept group all of whose generations take part (with unchanged keys), and runs the
-    rest the ordinary way. The rest is captured as a new group when it repeats the previous step's rest (a
-    stable set): a generation joining a running batch then costs one small capture of its own, not a new
-    capture of everyone with it, and the running groups keep replaying meanwhile. Groups are merged into one
+    rest the ordinary way. The rest's *warm* generations (those already in an earlier step's rest under the
+    same key) are captured as a new group: a generation joining a running batch then costs one small
+    capture of its own, not a new capture of everyone with it, and the running groups keep replaying
+    meanwhile; generations that take turns (a tenant's share of the batch rotating over its generations)
+    each get a group and replay when their turn comes. A generation's first step in the rest runs eagerly,
+    so a group is never captured for a set that does not come back. Groups are merged into one
     when the same generations have run split over several of them for ``MERGE_AFTER`` steps (one forward
     serves them all: the weights are read once per step, not once per group). A group is dropped when one of
     its generations leaves or changes key.
     """
 
-    MAX_GRAPHS = 4
+    MAX_GRAPHS = 8
     """Captured groups kept at once (each holds its own memory pool)."""
+    MAX_WARM = 1024
+    """Keys remembered as seen in a rest (forgotten with their generation, or all at once past this)."""
     MAX_FAILURES = 3
     """Failed captures after which nothing is captured any more (one group's failure, e.g. its method's,
     must not take the graphs from every other group; a capture that cannot work must not be retried forever)."""
@@ -149,7 +154,8 @@ class StepGraphCache:
         self.model, self.device, self.capture = model, device, capture
         self._groups: list[_Group] = []
         """Kept groups, least recently used first."""
-        self._last_rest: frozenset[MemberKey] = frozenset()
+        self._warm: set[MemberKey] = set()
+        """Keys seen in an earlier step's rest."""
         self._last_all: frozenset[MemberKey] = frozenset()
         self._same_steps = 0
         """Steps in a row with the same candidates (``_last_all``) before this one."""
@@ -178,14 +184,16 @@ class StepGraphCache:
             if all(k in index for k in g.keys) and not any(k in u.keys for u in used for k in g.keys):
                 used.append(g)
         rest = [i for i, k in enumerate(keys) if not any(k in g.keys for g in used)]
-        rest_keys = frozenset(keys[i] for i in rest)
-        last_rest, self._last_rest = self._last_rest, rest_keys
+        warm = [i for i in rest if keys[i] in self._warm]
+        if len(self._warm) + len(rest) > self.MAX_WARM:
+            self._warm.clear()
+        self._warm.update(keys[i] for i in rest)
         replayed = len(used)  # of groups captured before this step
-        if rest and rest_keys == last_rest and rest_keys not in self._failed_keys:
-            made = self._capture([candidates[i] for i in rest], keep=used)
+        if warm and frozenset(keys[i] for i in warm) not in self._failed_keys:
+            made = self._capture([candidates[i] for i in warm], keep=used)
             if made is not None:
                 used.append(made)
-                rest = []
+                rest = [i for i in rest if i not in warm]
         elif (not rest and len(used) > 1 and self._same_steps >= self.MERGE_AFTER
               and all_keys not in self._failed_keys):
             merged = self._capture(candidates, keep=used, replacing=len(used))
@@ -236,6 +244,7 @@ class StepGraphCache:
         return len(self._groups)
 
     def prune(self, alive: set[int]) -> None:
-        """Forget every captured step holding a generation whose own K/V (by ``id``) is not in ``alive`` (it
-        left the engine: its buffers and prefix must not be kept by a graph)."""
-        self._groups = [g for g in self._groups if all(id(m.own) in alive for m in g.step.members)]
+        """Forget every captured step holding a generation (by ``id``) not in ``alive`` (it left the engine: its
+        buffers and prefix must not be kept by a graph), and what was remembered of it."""
+        self._groups = [g for g in self._groups if all(k[0] in alive for k in g.keys)]
+        self._warm = {k for k in self._warm if k[0] in alive}
