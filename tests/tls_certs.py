@@ -37,11 +37,11 @@ class TestCA:
         return cls(dir, cert, key)
 
     def issue(self, name: str, usage: str) -> tuple[Path, Path]:
-        """(certificate, key) for ``name`` signed by this CA; ``usage`` is serverAuth or clientAuth (a server
-        certificate names localhost and 127.0.0.1)."""
+        """(certificate, key) for ``name`` signed by this CA; ``usage``: serverAuth, clientAuth or both,
+        comma-separated (a certificate for serverAuth names localhost and 127.0.0.1)."""
         cert, key = self.dir / f"{name}.pem", self.dir / f"{name}.key"
         ext = ["-addext", f"extendedKeyUsage={usage}", "-addext", "basicConstraints=CA:FALSE"]
-        if usage == "serverAuth":
+        if "serverAuth" in usage:
             ext += ["-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"]
         _openssl("req", "-x509", *EC_KEY, "-days", DAYS, "-subj", f"/CN={name}", "-CA", str(self.cert),
                  "-CAkey", str(self.key), "-keyout", str(key), "-out", str(cert), *ext)
