@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import parse_qs, urlparse
 
 from store.errors import InvalidInput, KVStashError
 from store.manifest import Manifest
 from workers.requests import GenerateRequest, GenerationStats, PrefillRequest
+
+if TYPE_CHECKING:
+    from services.tls import TlsConfig
 
 
 class Backend(Protocol):
@@ -55,18 +58,21 @@ def _remote_error(e: Any) -> RemoteError:
 
 class GrpcBackend:
     """``grpc://worker-host:port?api_key=...``: every call goes to the worker (the store service is for
-    services only). A ``store=`` parameter, which older URLs carry, is accepted and ignored."""
+    services only). A ``store=`` parameter, which older URLs carry, is accepted and ignored. Mutual TLS
+    when ``tls`` is given or ``KVSTASH_TLS_CERT``/``_KEY``/``_CA`` are set (InvalidInput when unusable)."""
 
-    def __init__(self, url: str, api_key: str | None = None):
+    def __init__(self, url: str, api_key: str | None = None, tls: TlsConfig | None = None):
         import grpc  # noqa: F401 - fail early when grpc is missing
 
         from services.gen import kvstash_pb2_grpc as pb_grpc
         from services.grpc_common import channel
+        from services.tls import TlsConfig
 
         u = urlparse(url)
         key = api_key or parse_qs(u.query).get("api_key", [None])[0]
         self._md = [("x-api-key", key)] if key else []
-        self.worker = pb_grpc.WorkerStub(channel(u.netloc))
+        tls = tls or TlsConfig.from_env()
+        self.worker = pb_grpc.WorkerStub(channel(u.netloc, tls.validate() if tls else None))
 
     def _call(self, fn: Any, *args: Any, **kw: Any) -> Any:
         import grpc

@@ -45,6 +45,7 @@ from services.gen import kvstash_pb2_grpc as pb_grpc
 from services.grpc_common import channel
 from services.http_calls import CancellingStream, run_unless_disconnected
 from services.openapi_doc import document_api
+from services.tls import TlsConfig, add_tls_args, tls_or_exit
 from store.errors import InvalidInput, KVStashError, TooLarge
 from workers.requests import (
     FILE_PATH_REFUSED,
@@ -73,6 +74,8 @@ class GatewayConfig:
     request_timeout_s: float = 600.0
     health_timeout_s: float = 1.0
     """How long /readyz waits for each dependency's health answer."""
+    tls: TlsConfig | None = None
+    """Mutual TLS to the worker and the store (this certificate presented, theirs checked against its CA)."""
 
 
 class PrefillBody(BaseModel):
@@ -210,7 +213,7 @@ def create_app(cfg: GatewayConfig, keys: ApiKeys, service_token: ServiceToken | 
     The worker gets the caller's API key; the store gets ``service_token`` and the tenant the key resolves to.
     """
     app = FastAPI(title="kvstash gateway", version="1")
-    worker_ch, store_ch = channel(cfg.worker_addr), channel(cfg.store_addr)
+    worker_ch, store_ch = channel(cfg.worker_addr, cfg.tls), channel(cfg.store_addr, cfg.tls)
     worker, store = pb_grpc.WorkerStub(worker_ch), pb_grpc.KVStoreStub(store_ch)
     metrics = Metrics()
 
@@ -493,12 +496,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--insecure-no-auth", action="store_true",
                    help=f"serve without KVSTASH_API_KEYS (every caller is tenant 'default') and, when "
                         f"{SERVICE_TOKEN_ENV} is unset, call an --insecure store without it: local development only")
+    add_tls_args(p)
     args = p.parse_args(argv)
     keys, insecure = ApiKeys.from_env(), insecure_no_auth(args.insecure_no_auth)
     require_api_keys(keys, insecure, "kvstash-gateway")
     token = service_token_or_exit("kvstash-gateway", insecure, "--insecure-no-auth", keys)
+    tls = tls_or_exit(args, "kvstash-gateway")
     app = create_app(GatewayConfig(worker_addr=args.worker_addr, store_addr=args.store_addr,
-                                   max_body_bytes=args.max_body_bytes), keys, token)
+                                   max_body_bytes=args.max_body_bytes, tls=tls), keys, token)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 
 

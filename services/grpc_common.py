@@ -1,4 +1,4 @@
-"""What both gRPC servers share: options, TLS, health, reflection, auth and error mapping."""
+"""What both gRPC servers share: options, mutual TLS, health, reflection, auth and error mapping."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import grpc
@@ -19,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.auth import API_KEY_HEADER, ApiKeys
 from services.convert import HTTP_STATUS_TRAILER, RETRY_AFTER_TRAILER
+from services.tls import TlsConfig
 from store.errors import KVStashError, Overloaded
 
 log = logging.getLogger(__name__)
@@ -38,8 +38,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     max_workers: int = 16
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
+    tls: TlsConfig | None = None
+    """Mutual TLS (clients must present a certificate from its CA); None: a plaintext port."""
     drain_s: float = 10.0
     """On SIGTERM: seconds in-flight calls get to finish before they are cancelled."""
 
@@ -66,9 +66,8 @@ def build_server(cfg: ServerConfig, service_names: list[str], add_services: Call
     for name in [*service_names, ""]:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection([*service_names, reflection.SERVICE_NAME, health.SERVICE_NAME], server)
-    if cfg.tls_cert and cfg.tls_key:
-        creds = grpc.ssl_server_credentials([(cfg.tls_key.read_bytes(), cfg.tls_cert.read_bytes())])
-        bound = server.add_secure_port(cfg.address, creds)
+    if cfg.tls is not None:
+        bound = server.add_secure_port(cfg.address, cfg.tls.server_credentials())
     else:
         bound = server.add_insecure_port(cfg.address)
     if not bound:
@@ -110,11 +109,11 @@ def call_with_errors(context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
     raise AssertionError("unreachable: abort raises")
 
 
-def channel(address: str, tls_ca: Path | None = None) -> grpc.Channel:
-    """A client channel with the shared options and a short reconnect backoff (TLS when a CA file is given)."""
+def channel(address: str, tls: TlsConfig | None = None) -> grpc.Channel:
+    """A client channel with the shared options and a short reconnect backoff (mutual TLS when ``tls`` is set)."""
     options = grpc_options() + RECONNECT_OPTIONS
-    if tls_ca:
-        return grpc.secure_channel(address, grpc.ssl_channel_credentials(tls_ca.read_bytes()), options=options)
+    if tls is not None:
+        return grpc.secure_channel(address, tls.channel_credentials(), options=options)
     return grpc.insecure_channel(address, options=options)
 
 

@@ -1,4 +1,6 @@
-"""``python -m services.healthcheck ADDR``: exit 0 when the gRPC server at ADDR is SERVING."""
+"""``python -m services.healthcheck ADDR``: exit 0 when the gRPC server at ADDR is SERVING.
+
+Speaks mutual TLS when ``KVSTASH_TLS_*`` are set (in a container, the same files the server uses)."""
 
 from __future__ import annotations
 
@@ -7,12 +9,16 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.grpc_common import channel
+from services.tls import TlsConfig
+from store.errors import InvalidInput
+
 TIMEOUT_S = 3.0
 
 
-def check(address: str, service: str = "") -> bool:
+def check(address: str, service: str = "", tls: TlsConfig | None = None) -> bool:
     """Whether ``service`` at ``address`` reports SERVING."""
-    with grpc.insecure_channel(address) as ch:
+    with channel(address, tls) as ch:
         try:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
                                                          timeout=TIMEOUT_S)
@@ -21,5 +27,15 @@ def check(address: str, service: str = "") -> bool:
     return resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def main(address: str) -> int:
+    """0 when ``address`` is SERVING, 1 when not; exits with the reason when the TLS settings are unusable."""
+    try:
+        tls = TlsConfig.from_env()
+        tls = tls.validate() if tls else None
+    except InvalidInput as e:
+        raise SystemExit(f"kvstash-healthcheck: {e}") from None
+    return 0 if check(address, tls=tls) else 1
+
+
 if __name__ == "__main__":
-    sys.exit(0 if check(sys.argv[1]) else 1)
+    sys.exit(main(sys.argv[1]))

@@ -21,6 +21,7 @@ from services.gen import kvstash_pb2_grpc as pb_grpc
 from services.grpc_common import ServerConfig, build_server, mapped_errors, serve_forever, watch_health
 from services.service_auth import ServiceTokenInterceptor, service_tenant
 from services.store_flags import add_store_limit_args, store_limits
+from services.tls import add_tls_args, tls_or_exit
 from store.config import StoreConfig, default_home
 from store.errors import InvalidInput
 from store.kvstore import KVStore, PrefixWriter
@@ -219,17 +220,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--home", type=Path, default=None)
     p.add_argument("--metadata-url", default=None, help="redis://host:port/db (default: LMDB in the data dir)")
-    p.add_argument("--tls-cert", type=Path)
-    p.add_argument("--tls-key", type=Path)
+    add_tls_args(p)
     p.add_argument("--insecure", action="store_true",
                    help=f"serve without {SERVICE_TOKEN_ENV} (every call trusted; loopback development only)")
     add_store_limit_args(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     token = service_token_or_exit("kvstash-store", args.insecure, "--insecure", ApiKeys.from_env())
+    tls = tls_or_exit(args, "kvstash-store")
     store = KVStore(StoreConfig(home=args.home or default_home(), metadata_url=args.metadata_url,
                                 **store_limits(args)))
-    cfg = ServerConfig(host=args.host, port=args.port, tls_cert=args.tls_cert, tls_key=args.tls_key)
+    cfg = ServerConfig(host=args.host, port=args.port, tls=tls)
     server, health = build_store_server(store, cfg, token, tenant_secret())
     watch_health(health, [pb.DESCRIPTOR.services_by_name["KVStore"].full_name], store.usage)  # metadata reachable
     serve_forever(server, health, "kvstash-store", cfg.address, cfg.drain_s, close=store.close)

@@ -21,6 +21,7 @@ from services.gen import kvstash_pb2_grpc as pb_grpc
 from services.grpc_common import ServerConfig, build_server, mapped_errors, serve_forever, tenant_of, watch_health
 from services.scheduler import FairScheduler, SchedulerConfig, Ticket
 from services.store_flags import add_store_limit_args, store_limits
+from services.tls import add_tls_args, tls_or_exit
 from store.config import StoreConfig, default_home
 from store.errors import InvalidInput, PrefixInUse, TooLarge
 from store.kvstore import KVStore
@@ -192,8 +193,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="generations and prefills admitted at once, all tenants together")
     p.add_argument("--retry-after-seconds", type=int, default=SchedulerConfig.retry_after_s,
                    help="retry-after hint sent with a refusal")
-    p.add_argument("--tls-cert", type=Path)
-    p.add_argument("--tls-key", type=Path)
+    add_tls_args(p)
     p.add_argument("--insecure-no-auth", action="store_true",
                    help="serve without KVSTASH_API_KEYS: every caller is tenant 'default' (local development only)")
     add_offload_args(p)
@@ -202,13 +202,14 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO)
     keys = ApiKeys.from_env()
     require_api_keys(keys, insecure_no_auth(args.insecure_no_auth), "kvstash-worker")
+    tls = tls_or_exit(args, "kvstash-worker")  # before the model loads: a bad config fails in a second
     limits = WorkerLimits(max_document_bytes=args.max_document_bytes, max_new_tokens_cap=args.max_new_tokens_cap)
     store = KVStore(StoreConfig(home=args.home or default_home(), metadata_url=args.metadata_url, **store_limits(args)))
     device = args.device or default_device()
     lm = load_model(args.model or default_model(), device=device, dtype=default_dtype(device), progress=False)
     worker = Worker(store, lm, secret=tenant_secret(), progress=False, offload=offload_from_args(args))
     worker.host_tier()  # allocate and pin it now: pinning GBs takes seconds no request should wait for
-    cfg = ServerConfig(host=args.host, port=args.port, tls_cert=args.tls_cert, tls_key=args.tls_key)
+    cfg = ServerConfig(host=args.host, port=args.port, tls=tls)
     scheduling = SchedulerConfig(max_per_tenant=args.max_per_tenant, max_active=args.max_active,
                                  retry_after_s=args.retry_after_seconds)
     server, health = build_worker_server(worker, cfg, keys, limits, scheduling)

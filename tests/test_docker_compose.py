@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from services.auth import INSECURE_NO_AUTH_ENV
+from services.tls import TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKER = REPO / "docker"
@@ -348,3 +349,39 @@ def test_security_checks_catch_a_planted_regression(compose: dict[str, Any], nam
     plant(bad)
     with pytest.raises(AssertionError):
         check(bad)
+
+
+# -- optional mutual TLS (docker/docker-compose.mtls.yml, layered over the main file) ---------------
+MTLS = DOCKER / "docker-compose.mtls.yml"
+GRPC_PARTIES = ("store", "worker", "gateway")
+"""Every process that serves gRPC or calls it (the healthchecks run in the store's and worker's containers)."""
+
+
+def check_mtls_override(override: dict[str, Any], compose: dict[str, Any]) -> None:
+    """Each gRPC party gets all three TLS files (never a partial set), from one read-only mount; one CA for all."""
+    assert {k for k in override if not k.startswith("x-")} <= TOP_LEVEL and override["name"] == compose["name"]
+    assert set(override["services"]) == set(GRPC_PARTIES) <= set(compose["services"])
+    with pytest.raises(MissingVariable, match="KVSTASH_TLS_DIR"):
+        render(override, SECRETS)
+    rendered = render(override, {**SECRETS, "KVSTASH_TLS_DIR": "/etc/kvstash-tls"})["services"]
+    cas, certs = set(), set()
+    for name in GRPC_PARTIES:
+        env = rendered[name]["environment"]
+        assert set(env) == {TLS_CERT_ENV, TLS_KEY_ENV, TLS_CA_ENV}, name
+        (mount,) = rendered[name]["volumes"]
+        src, dst, mode = mount.split(":")
+        assert src == "/etc/kvstash-tls" and mode == "ro", name
+        assert all(Path(v).parent == Path(dst) for v in env.values()), name
+        cas.add(env[TLS_CA_ENV])
+        certs.add(env[TLS_CERT_ENV])
+    assert len(cas) == 1 and len(certs) == len(GRPC_PARTIES)
+
+
+def test_mtls_override_is_complete(compose: dict[str, Any]) -> None:
+    override = yaml.safe_load(MTLS.read_text())
+    check_mtls_override(override, compose)
+    assert MTLS.name in COMPOSE.read_text(), "the main file says how to turn mTLS on"
+    partial = copy.deepcopy(override)
+    del partial["services"]["worker"]["environment"][TLS_KEY_ENV]
+    with pytest.raises(AssertionError, match="worker"):
+        check_mtls_override(partial, compose)

@@ -1,10 +1,9 @@
-"""The KV-store gRPC service in process: TLS, tenancy, pins, page streaming, stats (called as a service)."""
+"""The KV-store gRPC service in process: mutual TLS, tenancy, pins, page streaming, stats (called as a service)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -23,18 +22,11 @@ from store.kvstore import KVStore
 from store.limits import MAX_HOLDER_BYTES, MAX_TOKENS
 from tests.services_harness import free_port
 from tests.test_store import HOSTILE_IDS, _write
+from tests.tls_certs import TestCA
 
 TOKEN = ServiceToken("service-token-for-tests")
 ALICE = TOKEN.metadata("alice")
 BOB = TOKEN.metadata("bob")
-
-
-def _self_signed(tmp: Path) -> tuple[Path, Path]:
-    cert, key = tmp / "cert.pem", tmp / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True)
-    return cert, key
 
 
 def _alice_prefix(store: KVStore) -> str:
@@ -43,18 +35,18 @@ def _alice_prefix(store: KVStore) -> str:
 
 @pytest.fixture()
 def tls_server(store: KVStore, tmp_path: Path):
-    cert, key = _self_signed(tmp_path)
-    cfg = ServerConfig(port=free_port(), tls_cert=cert, tls_key=key)
+    ca = TestCA.make(tmp_path / "ca")
+    cfg = ServerConfig(port=free_port(), tls=ca.tls("server", "serverAuth"))
     server, _ = build_store_server(store, cfg, TOKEN)
     server.start()
-    yield cfg, cert
+    yield cfg, ca.tls("client", "clientAuth")
     server.stop(0)
 
 
 def test_tls_store_service(tls_server, store: KVStore) -> None:
-    cfg, cert = tls_server
+    cfg, client_tls = tls_server
     pid = _alice_prefix(store)
-    stub = pb_grpc.KVStoreStub(channel(f"localhost:{cfg.port}", tls_ca=cert))
+    stub = pb_grpc.KVStoreStub(channel(f"localhost:{cfg.port}", client_tls))
     m = stub.GetManifest(pb.PrefixRef(prefix_id=pid), metadata=ALICE, timeout=10)
     assert m.n_tokens == 70 and m.layout.page_size == 16
 
