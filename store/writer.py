@@ -405,7 +405,7 @@ class ArtifactStream:
             raise
         f.close()
         self._home._finish_artifact(self, ArtifactInfo(name=self.name, size=self.written,
-                                                         blake2b=self._hash.hexdigest()))
+                                                       blake2b=self._hash.hexdigest()))
 
     def discard(self) -> None:
         """Drop the artifact: its staged file removed, nothing recorded (nothing if already closed)."""
