@@ -1,12 +1,34 @@
-"""Serialization of artifacts (dicts of tensors) to the bytes stored as files of a prefix directory."""
+"""Serialization of artifacts (dicts of tensors) to the bytes stored as files of a prefix directory.
+
+An artifact may also be produced as chunks (``ArtifactData``): ``tensors_to_chunks`` gives the bytes of
+``tensors_to_bytes`` one tensor at a time, and ``TensorSpill`` takes tensors as they are produced (a prefill's
+summaries, layer by layer) and gives the same bytes once all are in, so host memory never holds them all.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import struct
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
+
+from store.errors import InvalidInput
 
 if TYPE_CHECKING:  # torch is imported by the functions that need it: the metadata-only paths stay light
     import torch
+
+ArtifactData = bytes | bytearray | memoryview | Iterable[bytes | bytearray | memoryview]
+"""An artifact's bytes, whole or as the chunks they arrive in (written as they are pulled)."""
+READ_CHUNK = 1 << 20
+"""Bytes a spilled tensor is read back in."""
+_DTYPE_ORDER = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64",
+                "F64", "I64", "U64")
+"""safetensors' dtypes in the order it lays tensors out (widest first, then by name), so our bytes equal its own."""
 
 
 def tensors_to_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
@@ -23,6 +45,115 @@ def bytes_to_tensors(data: bytes) -> dict[str, torch.Tensor]:
     return st_load(data)
 
 
+def new_digest() -> hashlib.blake2b:
+    """An empty hash of the kind ``digest`` gives (fed incrementally by streamed writes)."""
+    return hashlib.blake2b(digest_size=32)
+
+
 def digest(data: bytes | memoryview) -> str:
     """blake2b digest used for every checksum in a manifest."""
-    return hashlib.blake2b(data, digest_size=32).hexdigest()
+    h = new_digest()
+    h.update(data)
+    return h.hexdigest()
+
+
+def as_chunks(data: ArtifactData) -> Iterable[bytes | bytearray | memoryview]:
+    """``data`` as chunks: whole bytes are one chunk."""
+    return (data,) if isinstance(data, bytes | bytearray | memoryview) else data
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One tensor of a safetensors file: its dtype name, shape and size in bytes."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def _entry(t: torch.Tensor) -> _Entry:
+    import torch
+
+    names = {torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.uint16: "U16",
+             torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32", torch.uint32: "U32",
+             torch.float32: "F32", torch.float64: "F64", torch.int64: "I64", torch.uint64: "U64"}
+    if t.dtype not in names:
+        raise InvalidInput(f"tensors of dtype {t.dtype} cannot be stored in an artifact")
+    return _Entry(dtype=names[t.dtype], shape=tuple(t.shape), nbytes=t.numel() * t.element_size())
+
+
+def _header(entries: Mapping[str, _Entry]) -> tuple[bytes, list[str]]:
+    """The safetensors header (length, JSON, space padding to 8 bytes) of ``entries``, and the order their data
+    follows it in: safetensors' own, so the file is byte for byte what ``tensors_to_bytes`` gives."""
+    order = sorted(entries, key=lambda n: (-_DTYPE_ORDER.index(entries[n].dtype), n))
+    fields, offset = {}, 0
+    for name in order:
+        e = entries[name]
+        fields[name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+        offset += e.nbytes
+    text = json.dumps(fields, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, order
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """A tensor's bytes on the host (a copy only when it is on a device or not contiguous)."""
+    import torch
+
+    return t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data
+
+
+def tensors_to_chunks(tensors: Mapping[str, torch.Tensor]) -> Iterator[memoryview | bytes]:
+    """The bytes of ``tensors_to_bytes(tensors)`` as chunks, its header first, then one tensor's at a time (copied
+    to the host only when pulled)."""
+    header, order = _header({name: _entry(t) for name, t in tensors.items()})
+    yield header
+    for name in order:
+        yield _raw(tensors[name])
+
+
+class TensorSpill:
+    """Tensors written to an unnamed scratch file as they are added, then read back (``chunks``) as the bytes of
+    ``tensors_to_bytes`` of all of them: the header needs every shape first, so the data waits on disk, not in
+    memory. The file has no name (nothing is left behind, whatever happens); ``close`` frees its space."""
+
+    def __init__(self, directory: Path) -> None:
+        self._file = tempfile.TemporaryFile(dir=directory, buffering=0)  # noqa: SIM115 - closed by close
+        self._entries: dict[str, tuple[_Entry, int]] = {}
+        self._size = 0
+
+    def add(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Write ``tensors`` to the scratch file now (none of them is kept)."""
+        for name, t in tensors.items():
+            if name in self._entries:
+                raise InvalidInput(f"tensor {name!r} was already added")
+            entry, raw = _entry(t), _raw(t)
+            done = 0
+            while done < entry.nbytes:
+                done += self._file.write(raw[done:])
+            self._entries[name] = (entry, self._size)
+            self._size += entry.nbytes
+
+    def chunks(self) -> Iterator[bytes]:
+        """The artifact's bytes, its header first, read back ``READ_CHUNK`` bytes at a time."""
+        header, order = _header({name: e for name, (e, _) in self._entries.items()})
+        yield header
+        fd = self._file.fileno()
+        for name in order:
+            entry, start = self._entries[name]
+            for off in range(start, start + entry.nbytes, READ_CHUNK):
+                n = min(READ_CHUNK, start + entry.nbytes - off)
+                piece = os.pread(fd, n, off)
+                if len(piece) != n:
+                    raise OSError(f"scratch file of tensor {name!r} ended early")
+                yield piece
+
+    def close(self) -> None:
+        """Drop the scratch file."""
+        self._file.close()
+
+    def __enter__(self) -> TensorSpill:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

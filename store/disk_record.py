@@ -60,11 +60,6 @@ def write_file(path: Path, data: bytes | memoryview, fsync: bool) -> None:
             os.fsync(f.fileno())
 
 
-def write_artifact(directory: Path, index: int, data: bytes, *, fsync: bool) -> None:
-    """Write the manifest's ``index``-th artifact file (before the manifest that lists it is published)."""
-    write_file(directory / artifact_file_name(index), data, fsync)
-
-
 def publish(directory: Path, manifest: Manifest, *, fsync: bool) -> None:
     """Write ``directory``'s manifest file (temp file, fsync, rename, fsync of the directory)."""
     text = manifest.to_json()

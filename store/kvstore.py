@@ -18,14 +18,15 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from store import disk_record, recovery
-from store.artifacts import digest
+from store.added_artifact import StagedArtifact
+from store.artifacts import ArtifactData
 from store.capacity import EvictionResult, LeaseHandle, default_holder
 from store.config import StoreConfig
 from store.errors import (
@@ -206,15 +207,25 @@ class KVStore:
         cfg = self.config
         if cfg.max_bytes_per_tenant is None and cfg.max_prefixes_per_tenant is None:
             return
-        # A scan of the registry: quotas are checked once per write, which is far costlier anyway.
-        mine = [m for m in self._meta.manifests() if m.tenant == tenant]
+        mine = self._tenant_manifests(tenant)
         if new_prefix and cfg.max_prefixes_per_tenant is not None and len(mine) >= cfg.max_prefixes_per_tenant:
             raise QuotaExceeded(f"tenant {tenant!r} stores {len(mine)} prefixes, its quota is "
                                 f"{cfg.max_prefixes_per_tenant}")
-        used = sum(prefix_bytes(m) for m in mine)
-        if cfg.max_bytes_per_tenant is not None and used + page_bytes > cfg.max_bytes_per_tenant:
-            raise QuotaExceeded(f"tenant {tenant!r} stores {used} bytes; {page_bytes} more exceed its quota of "
-                                f"{cfg.max_bytes_per_tenant}")
+        self._check_tenant_bytes(tenant, sum(prefix_bytes(m) for m in mine), page_bytes)
+
+    def _tenant_manifests(self, tenant: str) -> list[Manifest]:
+        # A scan of the registry: quotas are checked once per write, which is far costlier anyway.
+        return [m for m in self._meta.manifests() if m.tenant == tenant]
+
+    def _tenant_bytes(self, tenant: str) -> int:
+        """Bytes ``tenant``'s prefixes take (page files and artifacts)."""
+        return sum(prefix_bytes(m) for m in self._tenant_manifests(tenant))
+
+    def _check_tenant_bytes(self, tenant: str, used: int, more: int) -> None:
+        """QuotaExceeded when ``more`` bytes beside the ``used`` ones would exceed ``tenant``'s byte quota."""
+        cap = self.config.max_bytes_per_tenant
+        if cap is not None and used + more > cap:
+            raise QuotaExceeded(f"tenant {tenant!r} stores {used} bytes; {more} more exceed its quota of {cap}")
 
     def _commit(self, manifest: Manifest) -> None:
         """Register a written prefix (``PrefixWriter.commit``, once its directory is in place), then evict down
@@ -232,12 +243,17 @@ class KVStore:
             log.warning("store holds %d bytes, over its capacity of %d: the rest is pinned, leased or busy",
                         result.usage_bytes, cap)
 
-    def add_artifact(self, prefix_id: str, name: str, data: bytes) -> Manifest:
+    def add_artifact(self, prefix_id: str, name: str, data: ArtifactData) -> Manifest:
         """Add an artifact to a committed prefix (a compressed cache built after the prefill); returns the
-        manifest that lists it. First writer wins: when ``name`` is already committed (another worker got
-        there first), nothing is written and the committed manifest is returned. The artifact's file goes
-        into the prefix directory, then the directory's manifest is replaced, then the metadata's, all under
-        the prefix's prefill lock, so a removal or eviction never sees half of it."""
+        manifest that lists it. ``data`` is its bytes, or an iterable of its chunks, each written to a staged file
+        as it is pulled (memory holds one chunk; pulled while the prefix's prefill lock is held). The size cap
+        (``max_added_artifact_bytes``) and the tenant's byte quota are checked before each chunk is written: a
+        refusal, or a failure (the iterable's own included), leaves no file and changes nothing.
+
+        First writer wins: when ``name`` is already committed (another worker got there first), nothing is
+        pulled or written and the committed manifest is returned. The artifact's file goes into the prefix
+        directory, then the directory's manifest is replaced, then the metadata's, all under the prefix's
+        prefill lock, so a removal or eviction never sees half of it."""
         check_text("artifact name", name)
         if not name or name == PAGE_CRC_ARTIFACT:
             raise InvalidInput(f"invalid artifact name {name!r}")
@@ -245,26 +261,43 @@ class KVStore:
             m = self.manifest(prefix_id)
             if m.artifact(name) is not None:
                 return m
-            cap = max_added_artifact_bytes(m.kv_bytes)
             if len(m.artifacts) + 1 > MAX_ARTIFACTS:
                 raise InvalidInput(f"a prefix holds at most {MAX_ARTIFACTS} artifacts")
-            if m.artifact_bytes + len(data) > cap:
-                raise InvalidInput(f"artifact {name!r} ({len(data)} bytes) does not fit: this prefix's artifacts may "
-                                   f"take {cap} bytes together and already take {m.artifact_bytes}")
-            # Appended, not sorted in: artifact files are named by manifest position, the old ones keep theirs.
-            new = dataclasses.replace(m, artifacts=(*m.artifacts,
-                                                    ArtifactInfo(name=name, size=len(data), blake2b=digest(data))))
-            d = self.prefix_dir(prefix_id)
-            with self._quota_lock(m.tenant):  # the byte quota re-checked and used atomically with the commit
-                self._check_tenant_quota(m.tenant, len(data), new_prefix=False)
-                disk_record.write_artifact(d, len(m.artifacts), data, fsync=self.config.fsync)
+            with StagedArtifact(self.prefixes_dir, prefix_id, name, fsync=self.config.fsync,
+                                check_room=self._added_room(m, name)) as staged:
+                return self._commit_added(m, staged, staged.write_all(data))
+
+    def _added_room(self, m: Manifest, name: str) -> Callable[[int], None]:
+        """A check that an artifact ``name`` of ``size`` bytes still fits beside ``m``'s: InvalidInput past the
+        prefix's cap, QuotaExceeded past its tenant's byte quota (as of now: ``_commit_added`` checks it again)."""
+        cap = max_added_artifact_bytes(m.kv_bytes)
+        used = self._tenant_bytes(m.tenant) if self.config.max_bytes_per_tenant is not None else 0
+
+        def check(size: int) -> None:
+            if m.artifact_bytes + size > cap:
+                raise InvalidInput(f"artifact {name!r} ({size} bytes or more) does not fit: this prefix's artifacts "
+                                   f"may take {cap} bytes together and already take {m.artifact_bytes}")
+            self._check_tenant_bytes(m.tenant, used, size)
+        return check
+
+    def _commit_added(self, m: Manifest, staged: StagedArtifact, info: ArtifactInfo) -> Manifest:
+        """Commit a written added artifact (caller holds the prefill lock): its file, the directory's manifest,
+        the metadata's, with the byte quota re-checked and used atomically under the tenant's quota lock."""
+        # Appended, not sorted in: artifact files are named by manifest position, the old ones keep theirs.
+        new = dataclasses.replace(m, artifacts=(*m.artifacts, info))
+        d = self.prefix_dir(m.prefix_id)
+        path = d / disk_record.artifact_file_name(len(m.artifacts))
+        with self._quota_lock(m.tenant):
+            self._check_tenant_quota(m.tenant, info.size, new_prefix=False)
+            staged.move_to(path)
+            try:
                 disk_record.publish(d, new, fsync=self.config.fsync)
-                try:
-                    self._meta.commit(new)
-                except BaseException:
-                    disk_record.publish(d, m, fsync=self.config.fsync)  # the directory says what the index says
-                    raise
-            return new
+                self._meta.commit(new)
+            except BaseException:
+                disk_record.publish(d, m, fsync=self.config.fsync)  # the directory says what the index says
+                path.unlink(missing_ok=True)
+                raise
+        return new
 
     # -- manifests and tenancy -----------------------------------------------------------------
     def find(self, prefix_id: str) -> Manifest | None:

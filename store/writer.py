@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, BinaryIO, Protocol
 
 import numpy as np
 
+from store.artifacts import ArtifactData, as_chunks, new_digest
 from store.crc32 import crc32
 from store.disk_record import artifact_file_name, fsync_dir, publish
 from store.errors import InvalidInput, StoreFull
@@ -51,6 +52,24 @@ class WriterHome(Protocol):
     def quota_guard(self, tenant: str, page_bytes: int) -> AbstractContextManager[None]:
         """Held around a commit: the tenant's quotas re-checked atomically with it."""
         ...
+
+
+class ArtifactHome(Protocol):
+    """Where an ``ArtifactStream`` goes (a ``PrefixWriter``, or one artifact added to a committed prefix): the
+    room it may take, and what happens to it once closed or dropped."""
+
+    def _check_artifact_room(self, stream: ArtifactStream, size: int) -> None:
+        """Raise (a typed error) when ``stream`` may not grow to ``size`` bytes."""
+        ...
+
+    def _finish_artifact(self, stream: ArtifactStream, info: ArtifactInfo) -> None:
+        """Record a closed stream's artifact (its file written and flushed)."""
+        ...
+
+    def _drop_artifact(self, stream: ArtifactStream) -> None:
+        """Forget a stream whose file was removed."""
+        ...
+
 
 PAGE_CRC_ARTIFACT = "page_crc"
 """The artifact holding every page's keyed CRC ``uint32 [layers, kv_heads, pages]``."""
@@ -162,10 +181,11 @@ class PrefixWriter:
                 f.result()
             self._files[layer] = FileInfo(name=name, size=size, blake2b=str(digest_job.result()))
 
-    def put_artifact(self, name: str, data: bytes | memoryview) -> None:
-        """Write an artifact to its file in the temp dir now (``open_artifact`` with all of its bytes at once)."""
+    def put_artifact(self, name: str, data: ArtifactData) -> None:
+        """Write an artifact to its file in the temp dir now (``open_artifact`` fed every chunk of ``data``)."""
         with self.open_artifact(name) as stream:
-            stream.write(data)
+            for chunk in as_chunks(data):
+                stream.write(chunk)
 
     def open_artifact(self, name: str) -> ArtifactStream:
         """A sink for one artifact's bytes as they arrive, written to its file in the temp dir as they come
@@ -187,7 +207,7 @@ class PrefixWriter:
     def _open_stream(self, name: str, *, budgeted: bool) -> ArtifactStream:
         staged = f"{STAGED_PREFIX}{self._n_staged:03d}"
         self._n_staged += 1
-        stream = ArtifactStream(self, name, staged, budgeted=budgeted)
+        stream = ArtifactStream(self, name, self.tmp_dir / staged, fsync=self.store.config.fsync, budgeted=budgeted)
         self._artifact_streams[name] = stream
         return stream
 
@@ -202,11 +222,15 @@ class PrefixWriter:
 
     def _finish_artifact(self, stream: ArtifactStream, info: ArtifactInfo) -> None:
         """Record a closed artifact stream, then drop any older one of its name."""
-        del self._artifact_streams[stream.name]
+        self._drop_artifact(stream)
         old = self._artifacts.get(stream.name)
         self._artifacts[stream.name] = (stream.staged, info)
         if old is not None:
             (self.tmp_dir / old[0]).unlink(missing_ok=True)
+
+    def _drop_artifact(self, stream: ArtifactStream) -> None:
+        if self._artifact_streams.get(stream.name) is stream:
+            del self._artifact_streams[stream.name]
 
     def _stage(self, name: str, data: bytes) -> None:
         """Write an artifact the writer makes itself (outside the budget, which reserves its room)."""
@@ -339,29 +363,30 @@ class LayerStream:
 
 
 class ArtifactStream:
-    """One artifact, written to its staged file as its bytes arrive (digest computed on the way, budget checked
-    before each write): memory holds one ``write`` at most. Recorded by ``close``; a context manager that
-    closes on success and discards on an exception."""
+    """One artifact, written to its staged file as its bytes arrive (digest computed on the way, room checked
+    before each write): memory holds one ``write`` at most. Recorded by ``close`` in its home (a ``PrefixWriter``
+    or an artifact added to a committed prefix); a context manager that closes on success and discards on an
+    exception."""
 
-    def __init__(self, writer: PrefixWriter, name: str, staged: str, *, budgeted: bool) -> None:
-        self.name, self.staged, self.written = name, staged, 0
-        self._writer, self._budgeted = writer, budgeted
-        self._path = writer.tmp_dir / staged
-        self._file: BinaryIO | None = open(self._path, "wb")  # noqa: SIM115 - closed by close/discard
-        self._hash = hashlib.blake2b(digest_size=32)  # the digest ``store.artifacts.digest`` gives
+    def __init__(self, home: ArtifactHome, name: str, path: Path, *, fsync: bool, budgeted: bool = True) -> None:
+        self.name, self.staged, self.path, self.written = name, path.name, path, 0
+        self._home, self._fsync, self._budgeted = home, fsync, budgeted
+        self._file: BinaryIO | None = open(path, "wb")  # noqa: SIM115 - closed by close/discard
+        self._hash = new_digest()
 
-    def write(self, data: bytes | memoryview) -> None:
-        """Append the next bytes of the artifact; InvalidInput (the stream discarded) past the prefix's budget."""
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Append the next bytes of the artifact; the home's refusal (InvalidInput past a prefix's budget, say) or
+        a failed write discards the stream and raises."""
         if self._file is None:
             raise InvalidInput("this artifact stream is closed")
         size = memoryview(data).nbytes
-        if self._budgeted:
-            try:
-                self._writer._check_artifact_room(self, self.written + size)
-            except InvalidInput:
-                self.discard()
-                raise
-        self._file.write(data)
+        try:
+            if self._budgeted:
+                self._home._check_artifact_room(self, self.written + size)
+            self._file.write(data)
+        except BaseException:
+            self.discard()
+            raise
         self._hash.update(data)
         self.written += size
 
@@ -372,15 +397,15 @@ class ArtifactStream:
         f, self._file = self._file, None
         try:
             f.flush()
-            if self._writer.store.config.fsync:
+            if self._fsync:
                 os.fsync(f.fileno())
         except BaseException:
             f.close()
             self._remove()
             raise
         f.close()
-        self._writer._finish_artifact(self, ArtifactInfo(name=self.name, size=self.written,
-                                                         blake2b=self._hash.hexdigest()))
+        self._home._finish_artifact(self, ArtifactInfo(name=self.name, size=self.written,
+                                                       blake2b=self._hash.hexdigest()))
 
     def discard(self) -> None:
         """Drop the artifact: its staged file removed, nothing recorded (nothing if already closed)."""
@@ -391,9 +416,8 @@ class ArtifactStream:
         self._remove()
 
     def _remove(self) -> None:
-        self._path.unlink(missing_ok=True)
-        if self._writer._artifact_streams.get(self.name) is self:
-            del self._writer._artifact_streams[self.name]
+        self.path.unlink(missing_ok=True)
+        self._home._drop_artifact(self)
 
     def __enter__(self) -> ArtifactStream:
         return self

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import torch
 
-from store.artifacts import bytes_to_tensors, tensors_to_bytes
+from store.artifacts import bytes_to_tensors, tensors_to_bytes, tensors_to_chunks
 from store.errors import InvalidInput
 from store.kvstore import KVStore
 from store.manifest import Manifest
@@ -90,10 +90,9 @@ class Compressions:
                 t0 = time.perf_counter()
                 lay = m.layout
                 tensors = compact_cache(method.keep(scores, ratio, lay.n_layers, lay.n_kv_heads, m.n_tokens), kv)
-            data = tensors_to_bytes(tensors)
             self.seconds["compact"] = time.perf_counter() - t0
             self.builds += 1
-            return self.store.add_artifact(pid, name, data)
+            return self.store.add_artifact(pid, name, tensors_to_chunks(tensors))  # one tensor on the host at a time
 
     def ensure_scores(self, manifest: Manifest, method: CompressionMethod) -> Manifest:
         """The prefix's manifest listing ``method``'s scores artifact (computed now if missing; unchanged for a
@@ -125,7 +124,7 @@ class Compressions:
                 scores = method.score(self.lm, ids, kv).float().cpu()
             self.seconds["score"] = time.perf_counter() - t0
             self.scorings += 1
-            m = self.store.add_artifact(m.prefix_id, name, tensors_to_bytes({SCORES_KEY: scores}))
+            m = self.store.add_artifact(m.prefix_id, name, tensors_to_chunks({SCORES_KEY: scores}))  # no copy
             return m, scores
 
     def _token_ids(self, m: Manifest, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:

@@ -8,9 +8,7 @@ import time
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 
-import torch
-
-from store.artifacts import tensors_to_bytes
+from store.artifacts import TensorSpill
 from store.capacity import LeaseHandle
 from store.errors import ContextTooLong, InvalidInput, LockTimeout, ModelMismatch
 from store.kvstore import KVStore
@@ -155,18 +153,19 @@ class Worker:
 
     def _write_prefix(self, key: PrefixKey, ids: list[int], tenant: str) -> Manifest:
         summarizers = build_summarizers(self.lm.phi_map)
-        parts: dict[str, dict[str, torch.Tensor]] = {s.name: {} for s in summarizers}
         shown = PrefillProgress(enabled=self.progress, n_layers=self.lm.layout.n_layers)
-        with self.store.write_prefix(key, model_name=self.lm.name, n_tokens=len(ids), tenant=tenant) as w:
+        with self.store.write_prefix(key, model_name=self.lm.name, n_tokens=len(ids), tenant=tenant) as w, \
+                contextlib.ExitStack() as held:
+            # Each layer's summaries go to a scratch file as they come: device and host memory hold one layer's.
+            spills = {s.name: held.enter_context(TensorSpill(w.tmp_dir)) for s in summarizers}
             for layer, k, v in shown.layers(prefill_kv(self.lm, ids, chunk_size=self.chunk_size,
                                                        progress=self.progress, desc=shown.forward_desc)):
                 w.write_layer(layer, k, v)
                 for s in summarizers:
-                    for name, t in s.summarize(layer, k, v).items():  # kept on the host from here: the device
-                        parts[s.name][f"{layer}.{name}"] = t.detach().cpu()  # holds one layer's summaries at most
+                    spills[s.name].add({f"{layer}.{name}": t for name, t in s.summarize(layer, k, v).items()})
             with shown.committing():  # pending page writes, fsyncs, artifacts and the metadata commit
                 for s in summarizers:
-                    w.put_artifact(s.name, tensors_to_bytes(parts[s.name]))
+                    w.put_artifact(s.name, spills[s.name].chunks())
                 w.put_artifact(TOKENS_ARTIFACT, tokens_to_bytes(ids))
                 return w.commit()
 

@@ -1,0 +1,198 @@
+"""Artifacts written as they are produced, with bounded memory: ``KVStore.add_artifact`` of an iterable of chunks
+(each on disk before the next is pulled; cap, quota and count refusals as they arrive, leaving nothing behind),
+tensors serialized one at a time (``tensors_to_chunks``, ``TensorSpill``), and a prefill's summaries spilled
+layer by layer into the same safetensors bytes the gathered ones gave."""
+
+from __future__ import annotations
+
+import gc
+import os
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_store import _write
+
+from store import limits
+from store.artifacts import TensorSpill, bytes_to_tensors, digest, tensors_to_bytes, tensors_to_chunks
+from store.config import StoreConfig
+from store.errors import InvalidInput, QuotaExceeded
+from store.kvstore import KVStore
+from store.manifest import ArtifactInfo
+from workers.engine import Worker
+from workers.methods.base import Summarizer
+
+CHUNK = 65_536
+"""Larger than a file's write buffer: each written chunk is in the file at once."""
+
+
+def _staged_sizes(store: KVStore) -> list[int]:
+    """Sizes of the files staged in writers' temp dirs."""
+    return [p.stat().st_size for p in store.prefixes_dir.glob(".tmp-*/*")]
+
+
+def _prefix_state(store: KVStore, pid: str) -> tuple[object, list[str], list[str]]:
+    """What a refused add must leave as it was: the manifest, the prefix directory, and the store's entries."""
+    return (store.manifest(pid), sorted(p.name for p in store.prefix_dir(pid).iterdir()),
+            sorted(p.name for p in store.prefixes_dir.iterdir()))
+
+
+def test_add_artifact_writes_each_chunk_before_pulling_the_next(store: KVStore) -> None:
+    pid, _ = _write(store, 40)
+    data = os.urandom(5 * CHUNK + 17)
+    seen: list[list[int]] = []
+
+    def chunks() -> Iterator[bytes]:
+        for off in range(0, len(data), CHUNK):
+            seen.append(_staged_sizes(store))  # what is on disk when the next chunk is asked for
+            yield data[off:off + CHUNK]
+
+    m = store.add_artifact(pid, "streamed", chunks())
+    assert seen == [[off] for off in range(0, len(data), CHUNK)]
+    assert m.artifact("streamed") == ArtifactInfo(name="streamed", size=len(data), blake2b=digest(data))
+    assert store.manifest(pid) == m and store.artifact(pid, "streamed") == data
+    assert _staged_sizes(store) == [] and not list(store.prefixes_dir.glob(".tmp-*"))
+    store.verify(pid)
+    assert not store.check().problems
+
+
+def _refusing_store(tmp_path: Path, case: str, monkeypatch: pytest.MonkeyPatch) -> tuple[KVStore, str, int]:
+    """A store holding one prefix whose next added artifact has room for ``room`` bytes (cap or tenant quota)."""
+    monkeypatch.setattr(limits, "MIN_ARTIFACT_BUDGET", 0)  # the floor would hide the cap on a tiny prefix
+    cfg = StoreConfig(home=tmp_path / "probe", page_size=16, fsync=False)
+    probe = KVStore(cfg)
+    m = probe.manifest(_write(probe, 40)[0])
+    probe.close()
+    cap_room = limits.max_added_artifact_bytes(m.kv_bytes) - m.artifact_bytes
+    quota = m.kv_bytes + m.artifact_bytes + cap_room // 2 if case == "quota" else None
+    store = KVStore(StoreConfig(home=tmp_path / "home", page_size=16, fsync=False, max_bytes_per_tenant=quota))
+    pid = _write(store, 40)[0]
+    return store, pid, cap_room // 2 if case == "quota" else cap_room
+
+
+@pytest.mark.parametrize("case", ["cap", "quota", "producer fails"])
+def test_add_artifact_refused_mid_stream_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        case: str) -> None:
+    """The chunk that would go past the prefix's cap or its tenant's byte quota is refused before it is written,
+    the chunks after it are never pulled; a failing producer is the same: no file, no metadata change."""
+    store, pid, room = _refusing_store(tmp_path, case, monkeypatch)
+    before = _prefix_state(store, pid)
+    piece, pulled = room // 3 + 1, [0]  # three pieces take one byte or more past the room
+
+    def chunks() -> Iterator[bytes]:
+        for i in range(10):
+            if case == "producer fails" and i == 2:
+                raise RuntimeError("the producer failed")
+            pulled[0] += 1
+            yield b"x" * piece
+
+    error = {"cap": InvalidInput, "quota": QuotaExceeded, "producer fails": RuntimeError}[case]
+    with pytest.raises(error, match={"cap": "does not fit", "quota": "exceed its quota",
+                                     "producer fails": "failed"}[case]):
+        store.add_artifact(pid, "cache", chunks())
+    assert pulled[0] == (2 if case == "producer fails" else 3)
+    assert _prefix_state(store, pid) == before and store.manifest(pid).artifact("cache") is None
+    assert not store.check().problems
+    data = b"y" * (room - 1)  # what fits, added after the refusal, is stored as such
+    assert store.add_artifact(pid, "cache", data).artifact("cache") == ArtifactInfo(name="cache", size=len(data),
+                                                                                   blake2b=digest(data))
+    assert store.artifact(pid, "cache") == data
+    store.close()
+
+
+def test_add_artifact_pulls_nothing_when_committed_or_over_the_count(store: KVStore) -> None:
+    """First writer wins without pulling a chunk, and so does the count refusal; streamed adds fill up to it."""
+    pid, _ = _write(store, 40)
+    pulled: list[str] = []
+
+    def chunks(name: str) -> Iterator[bytes]:
+        pulled.append(name)
+        yield name.encode()
+
+    m = store.manifest(pid)
+    for i in range(limits.MAX_ARTIFACTS - len(m.artifacts)):
+        m = store.add_artifact(pid, f"a{i}", chunks(f"a{i}"))
+    assert len(m.artifacts) == limits.MAX_ARTIFACTS and store.artifact(pid, "a3") == b"a3"
+    n = len(pulled)
+    assert store.add_artifact(pid, "a0", chunks("again")) == m
+    with pytest.raises(InvalidInput, match=f"at most {limits.MAX_ARTIFACTS} artifacts"):
+        store.add_artifact(pid, "one too many", chunks("one too many"))
+    assert len(pulled) == n and store.manifest(pid) == m
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"1.max": torch.randn(2, 3, 4, generator=g).to(torch.bfloat16), "0.min": torch.randn(3, generator=g),
+            "10.ids": torch.arange(5, dtype=torch.int32), "2.f64": torch.randn(2, 2, generator=g).double(),
+            "empty": torch.zeros(0, 4), "scalar": torch.tensor(3.5), "t": torch.randn(4, 5, generator=g).t(),
+            "mask": torch.tensor([True, False, True]), "half": torch.randn(7, generator=g).half(),
+            "long": torch.arange(3), "u8": torch.arange(9, dtype=torch.uint8)}
+
+
+def test_tensor_chunks_and_spills_are_the_bytes_of_tensors_to_bytes(tmp_path: Path) -> None:
+    """Header and layout as safetensors makes them (widest dtype first, then by name), one tensor per chunk;
+    a spill given the tensors in groups, in another order, reads back the same bytes and leaves no file."""
+    tensors = _tensors()
+    want = tensors_to_bytes(tensors)
+    chunks = list(tensors_to_chunks(tensors))
+    assert len(chunks) == 1 + len(tensors) and b"".join(bytes(c) for c in chunks) == want
+    with TensorSpill(tmp_path) as spill:
+        names = sorted(tensors, reverse=True)
+        spill.add({n: tensors[n] for n in names[:4]})
+        spill.add({n: tensors[n] for n in names[4:]})
+        assert list(tmp_path.iterdir()) == []  # an unnamed file: nothing to clean up after a crash
+        got = b"".join(spill.chunks())
+        with pytest.raises(InvalidInput, match="already added"):
+            spill.add({"0.min": tensors["0.min"]})
+    assert got == want
+    back = bytes_to_tensors(got)
+    assert back.keys() == tensors.keys() and all(torch.equal(back[n], tensors[n]) for n in tensors)
+
+
+class _Tracked:
+    """A prefill summarizer's outputs, handed on in numpy-backed tensors whose arrays the test watches (each dies
+    once nothing holds its tensor), and copied for the test (``gathered``)."""
+
+    def __init__(self, inner: Summarizer, arrays: dict[int, list[weakref.ref]], alive: list[tuple[int, int]],
+                 gathered: dict[str, dict[str, torch.Tensor]]) -> None:
+        self.inner, self.name, self.version = inner, inner.name, inner.version
+        self._arrays, self._alive, self._gathered = arrays, alive, gathered
+
+    def summarize(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The inner summaries; first notes how many arrays of earlier layers are still alive."""
+        gc.collect()
+        self._alive.append((layer, sum(r() is not None for ly, refs in self._arrays.items() if ly < layer
+                                       for r in refs)))
+        out = {}
+        for name, t in self.inner.summarize(layer, k, v).items():
+            host = t.detach().cpu().contiguous()
+            self._gathered.setdefault(self.name, {})[f"{layer}.{name}"] = host.clone()
+            arr = np.array(host.reshape(-1).view(torch.uint8).numpy())  # the only holder of these bytes
+            self._arrays.setdefault(layer, []).append(weakref.ref(arr))
+            out[name] = torch.from_numpy(arr).view(t.dtype).reshape(t.shape)
+        return out
+
+
+def test_prefill_summaries_are_written_layer_by_layer(worker: Worker, store: KVStore,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """No layer's summaries are held once the next layer is summarized, and each summary artifact is byte for byte
+    what gathering every layer's and serializing them at the end gives (so old and new prefixes read alike)."""
+    import workers.engine as engine
+
+    arrays: dict[int, list[weakref.ref]] = {}
+    alive: list[tuple[int, int]] = []
+    gathered: dict[str, dict[str, torch.Tensor]] = {}
+    real = engine.build_summarizers
+    monkeypatch.setattr(engine, "build_summarizers",
+                        lambda phi_map=None: [_Tracked(s, arrays, alive, gathered) for s in real(phi_map)])
+    pid = worker.prefill("The quick brown fox jumps over the lazy dog. " * 6).prefix_id
+    n_layers = worker.lm.layout.n_layers
+    assert n_layers >= 2 and {layer for layer, _ in alive} == set(range(n_layers))
+    assert all(n == 0 for _, n in alive), alive
+    assert gathered and all(len(t) >= n_layers for t in gathered.values())
+    for name, tensors in gathered.items():
+        assert store.artifact(pid, name) == tensors_to_bytes(tensors)
+    store.verify(pid)
