@@ -1,0 +1,124 @@
+"""Prefill throughput with and without the store, side by side in one run.
+
+The product's prefill (`Worker.prefill`: the chunked forward pass, then every layer's pages written to
+the store with its summaries, fsync'd and committed) against the same chunked forward pass alone
+(`workers.prefill.prefill_kv`, each layer's K/V taken and dropped), over the same document and model.
+The issue's target is tokens/s with the store >= 0.9x without. ``--dynamic`` adds the forward pass
+over transformers' own dynamic cache (a concatenation per chunk), for what the in-place cache saves.
+
+    python3 bench/bench_prefill.py --ctx 131072 --layers 32 --full-mlp --json out.json
+    python3 bench/bench_prefill.py --quick          # smoke run (tiny shape, CPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.common import describe_device, document, llama8b_attention_spec, load_random_model, sync  # noqa: E402
+from lab.tiny_random import TinyLlamaSpec  # noqa: E402
+from store.config import StoreConfig  # noqa: E402
+from store.kvstore import KVStore  # noqa: E402
+from workers import prefill  # noqa: E402
+from workers.engine import Worker  # noqa: E402
+from workers.model import LoadedModel  # noqa: E402
+
+WARMUP_TOKENS = 2048
+"""A short prefill before the measured rows (kernels, allocator, cuBLAS handles)."""
+
+
+def forward_only(lm: LoadedModel, ids: list[int], chunk: int) -> None:
+    """The chunked forward pass alone: each layer's K/V taken, then dropped."""
+    for _, k, v in prefill.prefill_kv(lm, ids, chunk_size=chunk, progress=False):
+        del k, v
+
+
+def with_store(lm: LoadedModel, doc: str, home: Path, chunk: int) -> int:
+    """``Worker.prefill`` of the document into a fresh store (the product path); its token count."""
+    store = KVStore(StoreConfig(home=home, page_size=lm.layout.page_size))
+    try:
+        return Worker(store, lm, progress=False, offload=None, chunk_size=chunk).prefill(doc).n_tokens
+    finally:
+        store.close()
+
+
+def timed_row(name: str, fn, device: torch.device, n_tokens: int) -> dict:  # type: ignore[no-untyped-def]
+    """Seconds and tokens/s of one run of ``fn``."""
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    s = time.perf_counter() - t0
+    print(f"  {name}: {s:.2f} s", flush=True)
+    return {"name": name, "seconds": s, "tokens_per_s": n_tokens / s}
+
+
+def run(args: argparse.Namespace, work: Path) -> dict:
+    """Every row over the same document and model."""
+    if args.quick:
+        spec = TinyLlamaSpec(hidden_size=256, intermediate_size=256, n_layers=args.layers, n_heads=4, n_kv_heads=2,
+                             max_positions=args.ctx + 1024, init_range=0.02)
+    else:
+        spec = llama8b_attention_spec(args.layers, args.ctx + 1024, intermediate_size=14336 if args.full_mlp else 4096)
+    lm = load_random_model(spec, work)
+    doc = document(args.ctx - 1)
+    ids = list(lm.tokenizer(doc).input_ids)
+    forward_only(lm, ids[:WARMUP_TOKENS], args.chunk)
+    with_store(lm, doc[:WARMUP_TOKENS], work / "warm", args.chunk)
+    dev = lm.device
+    rows = [timed_row("forward only (in-place cache)", lambda: forward_only(lm, ids, args.chunk), dev, len(ids))]
+    rows.append(timed_row("Worker.prefill with the store (pages, summaries, fsync, commit)",
+                          lambda: with_store(lm, doc, work / "store", args.chunk), dev, len(ids)))
+    if args.dynamic:
+        saved = prefill.filled_cache
+        prefill.filled_cache = lambda lm, n: DynamicCache(config=lm.model.config)  # type: ignore[assignment]
+        try:
+            rows.append(timed_row("forward only (transformers' dynamic cache)",
+                                  lambda: forward_only(lm, ids, args.chunk), dev, len(ids)))
+        finally:
+            prefill.filled_cache = saved
+    base = rows[0]["tokens_per_s"]
+    for r in rows:
+        r["vs_forward"] = r["tokens_per_s"] / base
+    return {"device": describe_device(dev), "ctx": len(ids), "layers": spec.n_layers, "chunk": args.chunk,
+            "mlp": spec.intermediate_size, "rows": rows}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ctx", type=int, default=32768)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--full-mlp", action="store_true", help="Llama-3.1-8B's MLP width (14336), not 4096")
+    p.add_argument("--chunk", type=int, default=prefill.DEFAULT_CHUNK)
+    p.add_argument("--dynamic", action="store_true", help="add the forward pass over transformers' dynamic cache")
+    p.add_argument("--quick", action="store_true", help="tiny shape (smoke run)")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    if args.quick:
+        args.ctx, args.layers, args.dynamic = 4096, 2, True
+    with tempfile.TemporaryDirectory() as tmp:
+        r = run(args, Path(tmp))
+    print(f"\ndevice: {r['device']}; {r['ctx']} tokens, {r['layers']} layers (MLP {r['mlp']}), chunks of {r['chunk']}")
+    print("\n| prefill | s | tokens/s | vs forward only |")
+    print("|---|---|---|---|")
+    for row in r["rows"]:
+        print(f"| {row['name']} | {row['seconds']:.2f} | {row['tokens_per_s']:.0f} | {row['vs_forward']:.2f} |")
+    ratio = r["rows"][1]["vs_forward"]
+    print(f"\nwith the store: {ratio:.2f}x the forward pass's tokens/s (target >= 0.90): "
+          f"{'met' if ratio >= 0.9 else 'NOT met'}")
+    if args.json:
+        args.json.write_text(json.dumps(r, indent=2))
+
+
+if __name__ == "__main__":
+    main()
