@@ -17,6 +17,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -52,7 +53,7 @@ def with_store(lm: LoadedModel, doc: str, home: Path, chunk: int) -> int:
         store.close()
 
 
-def timed_row(name: str, fn, device: torch.device, n_tokens: int) -> dict:  # type: ignore[no-untyped-def]
+def timed_row(name: str, fn: Callable[[], object], device: torch.device, n_tokens: int) -> dict:
     """Seconds and tokens/s of one run of ``fn``."""
     sync(device)
     t0 = time.perf_counter()
