@@ -38,14 +38,14 @@ def page_crc(prefix_id: str, layer: int, head: int, page: int, payload: memoryvi
 
 
 def pack_layer(layout: KVLayout, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Lay out one layer's K/V ``[kv_heads, n_tokens, head_dim]`` as page-file bytes."""
+    """Lay out one layer's K/V ``[kv_heads, n_tokens, head_dim]`` as page-file bytes (on K's device)."""
     import torch
 
     h, n, d = k.shape
     p = layout.page_size
     n_pages = layout.n_pages(n)
-    pages = torch.zeros(h, n_pages, layout.page_bytes, dtype=torch.uint8)
-    kv = torch.zeros(h, n_pages * p, 2, d, dtype=layout.torch_dtype)
+    pages = torch.zeros(h, n_pages, layout.page_bytes, dtype=torch.uint8, device=k.device)
+    kv = torch.zeros(h, n_pages * p, 2, d, dtype=layout.torch_dtype, device=k.device)
     kv[:, :n, 0] = k.to(layout.torch_dtype)
     kv[:, :n, 1] = v.to(layout.torch_dtype)
     # [h, pages, p, 2, d] -> [h, pages, 2, p, d]: K block then V block inside a page.

@@ -535,3 +535,25 @@ def test_another_tenants_prefix_looks_missing(store: KVStore) -> None:
     # Listing follows the same rule as ``visible``, the secret included.
     assert [m.prefix_id for m in store.list_prefixes("default", secret="")] == [mine]
     assert store.list_prefixes("default", secret="another") == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_layers_are_staged_through_the_pinned_ring_intact(tmp_path: Path) -> None:
+    """Device layers are packed on the device and staged in a ring of pinned buffers; more layers than the ring
+    holds, so each buffer is reused while earlier layers may still be being written."""
+    from store.writer import MAX_PENDING_LAYERS
+
+    layers, n = 2 * (MAX_PENDING_LAYERS + 1) + 1, 100
+    layout = KVLayout(n_layers=layers, n_kv_heads=2, head_dim=16, dtype="float32", page_size=16)
+    key = PrefixKey(model_fingerprint="fp", tenant_salt=tenant_salt("default"), token_hash=token_hash([1, 2, 3]),
+                    layout=layout)
+    store = KVStore(StoreConfig(home=tmp_path / "s", page_size=16))
+    kv = [(torch.randn(2, n, 16, device="cuda"), torch.randn(2, n, 16, device="cuda")) for _ in range(layers)]
+    with store.write_prefix(key, model_name="m", n_tokens=n) as w:
+        for layer, (k, v) in enumerate(kv):
+            w.write_layer(layer, k, v)
+        w.commit()
+    for layer, (k, v) in enumerate(kv):
+        k2, v2 = store.read_layer(key.prefix_id, layer, verify=True)
+        assert torch.equal(k2, k.cpu()) and torch.equal(v2, v.cpu())
+    store.close()
