@@ -74,7 +74,7 @@ def bench_shape(name: str, shape: tuple[int, int, int, int], device: torch.devic
     h, n, c, d = shape
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(h, n, d, generator=gen).to(device).to(torch.bfloat16).float()  # keys are bf16 values
-    cent = x[:, torch.randperm(n, generator=gen)[:c].to(device)] + 0.01 * torch.randn(h, c, d, device=device)
+    cent = x[:, torch.randperm(n, generator=gen)[:c].to(device)] + 0.01 * torch.randn(h, c, d, generator=gen).to(device)
     time_of: Callable[[Callable[[], object]], float] = functools.partial(timed, reps=reps, device=device, warmup=1)
     ref = kmeans_assign(x, cent, use_triton=False)
     t_ref = time_of(lambda: kmeans_assign(x, cent, use_triton=False))
