@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import torch
 
-ASSIGN_CHUNK = 8192
+from workers.kernels.kmeans_assign import kmeans_assign
 
 
-def assign(x: torch.Tensor, centroids: torch.Tensor, chunk: int = ASSIGN_CHUNK) -> torch.Tensor:
-    """Nearest centroid (Euclidean) of each point: x ``[H, n, D]``, centroids ``[H, C, D]`` -> ``[H, n]``."""
-    c2 = centroids.square().sum(-1)
-    out = []
-    for s in range(0, x.shape[1], chunk):
-        xs = x[:, s:s + chunk]
-        out.append((c2[:, None, :] - 2 * torch.einsum("hnd,hcd->hnc", xs, centroids)).argmin(-1))
-    return torch.cat(out, dim=1) if out else torch.zeros(x.shape[:2], dtype=torch.long, device=x.device)
+def assign(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """Nearest centroid (Euclidean) of each point: x ``[H, n, D]``, centroids ``[H, C, D]`` -> ``[H, n]``.
+
+    The fused Triton kernel on CUDA (no ``[H, n, C]`` distance matrix), the torch reference elsewhere.
+    """
+    return kmeans_assign(x, centroids)
 
 
 def cluster_sums(x: torch.Tensor, labels: torch.Tensor, n_clusters: int) -> tuple[torch.Tensor, torch.Tensor]:
