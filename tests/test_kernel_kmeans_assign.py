@@ -83,9 +83,10 @@ def _integers(h: int, n: int, c: int, d: int, dtype: torch.dtype, seed: int) -> 
 
 def _first_nearest(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     """Exact (int64) lowest index among the nearest centroids of integer-valued inputs."""
-    xi, ci = x.long(), centroids.long()
+    xi, ci = x.long().cpu(), centroids.long().cpu()  # CUDA has no integer matmul
     dist = ci.square().sum(-1)[:, None, :] - 2 * torch.einsum("hnd,hcd->hnc", xi, ci)
-    return (dist == dist.min(-1, keepdim=True).values).int().argmax(-1)  # argmax: the first maximum
+    first = (dist == dist.min(-1, keepdim=True).values).int().argmax(-1)  # argmax: the first maximum
+    return first.to(x.device)
 
 
 @pytest.fixture()
