@@ -36,8 +36,9 @@ CASES = [  # segment lengths (1, odd, across chunk boundaries, long, an empty on
     ([1], 1, 8, DecayScanConfig(block_t=16, block_d=8)),
     ([7], 2, 16, DecayScanConfig(block_t=4, block_d=16)),
     ([1, 33, 0, 64, 5], 2, 20, DecayScanConfig(block_t=16, block_d=8)),
-    ([257, 1, 63], 3, 64, DecayScanConfig()),
-    ([600], 2, 64, DecayScanConfig(block_t=64, block_d=64)),
+    # Long segments at the default configs: 7-15 s each in the CPU interpreter, so outside the inner loop.
+    pytest.param([257, 1, 63], 3, 64, DecayScanConfig(), marks=pytest.mark.slow),
+    pytest.param([600], 2, 64, DecayScanConfig(block_t=64, block_d=64), marks=pytest.mark.slow),
 ]
 
 
