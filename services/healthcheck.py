@@ -10,8 +10,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.grpc_common import channel
-from services.tls import TlsConfig
-from store.errors import InvalidInput
+from services.tls import TlsConfig, tls_or_exit
 
 TIMEOUT_S = 3.0
 
@@ -29,12 +28,7 @@ def check(address: str, service: str = "", tls: TlsConfig | None = None) -> bool
 
 def main(address: str) -> int:
     """0 when ``address`` is SERVING, 1 when not; exits with the reason when the TLS settings are unusable."""
-    try:
-        tls = TlsConfig.from_env()
-        tls = tls.validate() if tls else None
-    except InvalidInput as e:
-        raise SystemExit(f"kvstash-healthcheck: {e}") from None
-    return 0 if check(address, tls=tls) else 1
+    return 0 if check(address, tls=tls_or_exit(None, "kvstash-healthcheck")) else 1
 
 
 if __name__ == "__main__":

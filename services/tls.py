@@ -46,10 +46,13 @@ class TlsConfig:
         return cls(cert=given["cert"], key=given["key"], ca=given["ca"])
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> TlsConfig | None:
-        """The config from ``$KVSTASH_TLS_CERT``, ``$KVSTASH_TLS_KEY`` and ``$KVSTASH_TLS_CA``."""
+    def from_env(cls, env: Mapping[str, str] | None = None, flags: argparse.Namespace | None = None
+                 ) -> TlsConfig | None:
+        """The config from ``$KVSTASH_TLS_CERT``, ``$KVSTASH_TLS_KEY`` and ``$KVSTASH_TLS_CA``, each overridden by its
+        ``add_tls_args`` flag in ``flags`` when that is given."""
         env = os.environ if env is None else env
-        return cls.resolve({name: env.get(var, "").strip() for name, (_, var) in FIELDS.items()})
+        return cls.resolve({name: (getattr(flags, f"tls_{name}") if flags is not None else None)
+                            or env.get(var, "").strip() for name, (_, var) in FIELDS.items()})
 
     def validate(self) -> TlsConfig:
         """This config, once every file reads as PEM and the key matches the certificate (InvalidInput if not)."""
@@ -94,13 +97,11 @@ def add_tls_args(p: argparse.ArgumentParser) -> None:
                        help=f"gRPC mutual TLS: {HELP[name]} (default: ${var}); all three TLS files or none (plaintext)")
 
 
-def tls_or_exit(args: argparse.Namespace, process: str) -> TlsConfig | None:
-    """The validated config of ``add_tls_args`` flags over the environment; exits with the reason when it is
-    partial or its files are unusable (never a silent fallback to plaintext)."""
-    values = {name: getattr(args, f"tls_{name}") or os.environ.get(var, "").strip()
-              for name, (_, var) in FIELDS.items()}
+def tls_or_exit(args: argparse.Namespace | None, process: str) -> TlsConfig | None:
+    """The validated config of ``add_tls_args`` flags (when ``args`` is given) over the environment; exits with
+    the reason when it is partial or its files are unusable (never a silent fallback to plaintext)."""
     try:
-        tls = TlsConfig.resolve(values)
+        tls = TlsConfig.from_env(flags=args)
         return tls.validate() if tls else None
     except InvalidInput as e:
         raise SystemExit(f"{process}: {e}") from None
