@@ -1,20 +1,16 @@
 """Serialization of artifacts (dicts of tensors) to the bytes stored as files of a prefix directory.
 
 An artifact may also be produced as chunks (``ArtifactData``): ``tensors_to_chunks`` gives the bytes of
-``tensors_to_bytes`` one tensor at a time, and ``TensorSpill`` takes tensors as they are produced (a prefill's
-summaries, layer by layer) and gives the same bytes once all are in, so host memory never holds them all.
+``tensors_to_bytes`` one tensor at a time (``store.layer_artifact`` writes a prefill's summaries layer by layer).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import struct
-import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from store.errors import InvalidInput
@@ -24,8 +20,6 @@ if TYPE_CHECKING:  # torch is imported by the functions that need it: the metada
 
 ArtifactData = bytes | bytearray | memoryview | Iterable[bytes | bytearray | memoryview]
 """An artifact's bytes, whole or as the chunks they arrive in (written as they are pulled)."""
-READ_CHUNK = 1 << 20
-"""Bytes a spilled tensor is read back in."""
 _DTYPE_ORDER = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64",
                 "F64", "I64", "U64")
 """safetensors' dtypes in the order it lays tensors out (widest first, then by name), so our bytes equal its own."""
@@ -82,10 +76,11 @@ def _entry(t: torch.Tensor) -> _Entry:
     return _Entry(dtype=names[t.dtype], shape=tuple(t.shape), nbytes=t.numel() * t.element_size())
 
 
-def _header(entries: Mapping[str, _Entry]) -> tuple[bytes, list[str]]:
-    """The safetensors header (length, JSON, space padding to 8 bytes) of ``entries``, and the order their data
-    follows it in: safetensors' own, so the file is byte for byte what ``tensors_to_bytes`` gives."""
-    order = sorted(entries, key=lambda n: (-_DTYPE_ORDER.index(entries[n].dtype), n))
+def _header(entries: Mapping[str, _Entry], order: list[str] | None = None) -> tuple[bytes, list[str]]:
+    """The safetensors header (length, JSON, space padding to 8 bytes) of ``entries`` with their data in ``order``
+    (default: safetensors' own, so the file is byte for byte what ``tensors_to_bytes`` gives), and that order."""
+    if order is None:
+        order = sorted(entries, key=lambda n: (-_DTYPE_ORDER.index(entries[n].dtype), n))
     fields, offset = {}, 0
     for name in order:
         e = entries[name]
@@ -110,50 +105,3 @@ def tensors_to_chunks(tensors: Mapping[str, torch.Tensor]) -> Iterator[memoryvie
     yield header
     for name in order:
         yield _raw(tensors[name])
-
-
-class TensorSpill:
-    """Tensors written to an unnamed scratch file as they are added, then read back (``chunks``) as the bytes of
-    ``tensors_to_bytes`` of all of them: the header needs every shape first, so the data waits on disk, not in
-    memory. The file has no name (nothing is left behind, whatever happens); ``close`` frees its space."""
-
-    def __init__(self, directory: Path) -> None:
-        self._file = tempfile.TemporaryFile(dir=directory, buffering=0)  # noqa: SIM115 - closed by close
-        self._entries: dict[str, tuple[_Entry, int]] = {}
-        self._size = 0
-
-    def add(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Write ``tensors`` to the scratch file now (none of them is kept)."""
-        for name, t in tensors.items():
-            if name in self._entries:
-                raise InvalidInput(f"tensor {name!r} was already added")
-            entry, raw = _entry(t), _raw(t)
-            done = 0
-            while done < entry.nbytes:
-                done += self._file.write(raw[done:])
-            self._entries[name] = (entry, self._size)
-            self._size += entry.nbytes
-
-    def chunks(self) -> Iterator[bytes]:
-        """The artifact's bytes, its header first, read back ``READ_CHUNK`` bytes at a time."""
-        header, order = _header({name: e for name, (e, _) in self._entries.items()})
-        yield header
-        fd = self._file.fileno()
-        for name in order:
-            entry, start = self._entries[name]
-            for off in range(start, start + entry.nbytes, READ_CHUNK):
-                n = min(READ_CHUNK, start + entry.nbytes - off)
-                piece = os.pread(fd, n, off)
-                if len(piece) != n:
-                    raise OSError(f"scratch file of tensor {name!r} ended early")
-                yield piece
-
-    def close(self) -> None:
-        """Drop the scratch file."""
-        self._file.close()
-
-    def __enter__(self) -> TensorSpill:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -7,6 +7,7 @@ import functools
 import hashlib
 import os
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -107,6 +108,10 @@ class PrefixWriter:
         self._streams: dict[int, LayerStream] = {}
         self._artifact_streams: dict[str, ArtifactStream] = {}
         """Artifacts being written (``open_artifact``), not yet recorded."""
+        self._claimed: dict[str, int] = {}
+        """Bytes each budgeted stream being written may grow to (checked and claimed at once: streams of a prefill's
+        summaries write from their own threads)."""
+        self._room_lock = threading.Lock()
         n_pages = self.layout.n_pages(n_tokens)
         self._crc = np.zeros((self.layout.n_layers, self.layout.n_kv_heads, n_pages), dtype=np.uint32)
         self._pending: list[tuple[int, str, int, Future, list[Future]]] = []
@@ -235,25 +240,34 @@ class PrefixWriter:
         return stream
 
     def _check_artifact_room(self, stream: ArtifactStream, size: int) -> None:
-        """InvalidInput when ``stream`` growing to ``size`` bytes would put the artifacts past the budget."""
-        others = sum(info.size for n, (_, info) in self._artifacts.items() if n != stream.name)
-        others += sum(s.written for n, s in self._artifact_streams.items() if n != stream.name)
-        if others + size + self._crc.nbytes > self._artifact_budget:
-            raise InvalidInput(f"the artifacts of this prefix may take at most {self._artifact_budget} bytes "
-                               f"together (its page files' size, or store.limits.MIN_ARTIFACT_BUDGET when more): "
-                               f"{others + size} bytes and its page checksums do not fit")
+        """InvalidInput when ``stream`` growing to ``size`` bytes would put the artifacts past the budget; else the
+        room is claimed for it."""
+        with self._room_lock:
+            others = sum(info.size for n, (_, info) in self._artifacts.items() if n != stream.name)
+            others += sum(c for n, c in self._claimed.items() if n != stream.name)
+            if others + size + self._crc.nbytes > self._artifact_budget:
+                raise InvalidInput(f"the artifacts of this prefix may take at most {self._artifact_budget} bytes "
+                                   f"together (its page files' size, or store.limits.MIN_ARTIFACT_BUDGET when "
+                                   f"more): {others + size} bytes and its page checksums do not fit")
+            self._claimed[stream.name] = size
 
     def _finish_artifact(self, stream: ArtifactStream, info: ArtifactInfo) -> None:
         """Record a closed artifact stream, then drop any older one of its name."""
-        self._drop_artifact(stream)
-        old = self._artifacts.get(stream.name)
-        self._artifacts[stream.name] = (stream.staged, info)
+        with self._room_lock:
+            self._forget_stream(stream)
+            old = self._artifacts.get(stream.name)
+            self._artifacts[stream.name] = (stream.staged, info)
         if old is not None:
             (self.tmp_dir / old[0]).unlink(missing_ok=True)
 
     def _drop_artifact(self, stream: ArtifactStream) -> None:
+        with self._room_lock:
+            self._forget_stream(stream)
+
+    def _forget_stream(self, stream: ArtifactStream) -> None:
         if self._artifact_streams.get(stream.name) is stream:
             del self._artifact_streams[stream.name]
+            self._claimed.pop(stream.name, None)
 
     def _stage(self, name: str, data: bytes) -> None:
         """Write an artifact the writer makes itself (outside the budget, which reserves its room)."""

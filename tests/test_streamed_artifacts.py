@@ -1,12 +1,14 @@
 """Artifacts written as they are produced, with bounded memory: ``KVStore.add_artifact`` of an iterable of chunks
 (each on disk before the next is pulled; cap, quota and count refusals as they arrive, leaving nothing behind),
-tensors serialized one at a time (``tensors_to_chunks``, ``TensorSpill``), and a prefill's summaries spilled
-layer by layer into the same safetensors bytes the gathered ones gave."""
+tensors serialized one at a time (``tensors_to_chunks``), and a prefill's summaries written once, layer by layer
+(``LayerArtifact``), into artifacts that load as the gathered ones."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+import time
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,14 +16,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_store import _write
+from test_store import _key, _write
 
 from store import limits
-from store.artifacts import TensorSpill, bytes_to_tensors, digest, tensors_to_bytes, tensors_to_chunks
+from store.artifacts import bytes_to_tensors, digest, tensors_to_bytes, tensors_to_chunks
 from store.config import StoreConfig
 from store.errors import InvalidInput, QuotaExceeded
 from store.kvstore import KVStore
+from store.layer_artifact import MAX_PENDING_SUMMARY_LAYERS, LayerArtifact
 from store.manifest import ArtifactInfo
+from store.writer import ArtifactStream, PrefixWriter
 from workers.engine import Worker
 from workers.methods.base import Summarizer
 
@@ -132,24 +136,123 @@ def _tensors() -> dict[str, torch.Tensor]:
             "long": torch.arange(3), "u8": torch.arange(9, dtype=torch.uint8)}
 
 
-def test_tensor_chunks_and_spills_are_the_bytes_of_tensors_to_bytes(tmp_path: Path) -> None:
-    """Header and layout as safetensors makes them (widest dtype first, then by name), one tensor per chunk;
-    a spill given the tensors in groups, in another order, reads back the same bytes and leaves no file."""
+def test_tensor_chunks_are_the_bytes_of_tensors_to_bytes() -> None:
+    """Header and layout as safetensors makes them (widest dtype first, then by name), one tensor per chunk."""
     tensors = _tensors()
-    want = tensors_to_bytes(tensors)
     chunks = list(tensors_to_chunks(tensors))
-    assert len(chunks) == 1 + len(tensors) and b"".join(bytes(c) for c in chunks) == want
-    with TensorSpill(tmp_path) as spill:
-        names = sorted(tensors, reverse=True)
-        spill.add({n: tensors[n] for n in names[:4]})
-        spill.add({n: tensors[n] for n in names[4:]})
-        assert list(tmp_path.iterdir()) == []  # an unnamed file: nothing to clean up after a crash
-        got = b"".join(spill.chunks())
-        with pytest.raises(InvalidInput, match="already added"):
-            spill.add({"0.min": tensors["0.min"]})
-    assert got == want
-    back = bytes_to_tensors(got)
-    assert back.keys() == tensors.keys() and all(torch.equal(back[n], tensors[n]) for n in tensors)
+    assert len(chunks) == 1 + len(tensors) and b"".join(bytes(c) for c in chunks) == tensors_to_bytes(tensors)
+
+
+def _layer(layer: int, rows: int = 3) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(layer)
+    return {"min": torch.randn(2, rows, generator=g), "ids": torch.arange(rows, dtype=torch.int32) + layer,
+            "half": torch.randn(rows, generator=g).half(), "meta": torch.tensor([layer, rows])}
+
+
+@contextlib.contextmanager
+def _layer_stream(store: KVStore, name: str = "summary") -> Iterator[tuple[PrefixWriter, ArtifactStream]]:
+    """A prefix writer (never committed: aborted on exit) and its stream for one artifact."""
+    with store.write_prefix(_key(8), model_name="m", n_tokens=8, tenant="t") as w:
+        yield w, w.open_artifact(name)
+
+
+def test_layer_artifact_writes_layers_once_into_one_safetensors_file(store: KVStore) -> None:
+    """Layers added one at a time make one file that loads as every layer's tensors, laid out layer after layer
+    (the header comes from layer 0), with the digest of its bytes; nothing else is left in the temp dir."""
+    with _layer_stream(store) as (w, stream):
+        with LayerArtifact(stream, 3, max_pending=1) as out:
+            for layer in range(3):
+                out.add(layer, _layer(layer))
+        staged, info = w._artifacts["summary"]
+        data = (w.tmp_dir / staged).read_bytes()
+        assert info.size == len(data) and info.blake2b == digest(data)
+        back = bytes_to_tensors(data)
+        want = {f"{ly}.{n}": t for ly in range(3) for n, t in _layer(ly).items()}
+        assert back.keys() == want.keys() and all(torch.equal(back[n], want[n]) for n in want)
+        hlen = int.from_bytes(data[:8], "little")
+        import json
+
+        offsets = {n: e["data_offsets"][0] for n, e in json.loads(data[8:8 + hlen]).items()}
+        assert [n.split(".")[0] for n in sorted(offsets, key=offsets.__getitem__)] == ["0"] * 4 + ["1"] * 4 + ["2"] * 4
+        assert sorted(p.name for p in w.tmp_dir.iterdir()) == [staged]
+
+
+@pytest.mark.parametrize("bad", ["shape", "name", "order", "missing"])
+def test_layer_artifact_refuses_a_layer_unlike_layer_0_and_leaves_nothing(store: KVStore, bad: str) -> None:
+    """A later layer with another shape or set of tensors, a layer out of order, or a close before every layer came
+    is InvalidInput, and the staged file is gone."""
+    with _layer_stream(store) as (w, stream):
+        out = LayerArtifact(stream, 3)
+        with pytest.raises(InvalidInput), out:
+            out.add(0, _layer(0))
+            if bad == "shape":
+                out.add(1, _layer(1, rows=4))
+            elif bad == "name":
+                out.add(1, {**_layer(1), "extra": torch.zeros(1)})
+            elif bad == "order":
+                out.add(2, _layer(2))
+            else:
+                out.add(1, _layer(1))
+                out.close()
+        assert list(w.tmp_dir.iterdir()) == [] and "summary" not in w._artifacts
+
+
+def test_layer_artifact_write_refused_by_the_budget_surfaces_and_leaves_nothing(store: KVStore,
+                                                                                monkeypatch: pytest.MonkeyPatch
+                                                                                ) -> None:
+    """A background write past the prefix's artifact budget is raised to the caller (at a later add or at close),
+    and the staged file is gone."""
+    monkeypatch.setattr("store.writer.max_artifact_bytes", lambda page_bytes: 600)
+    with _layer_stream(store) as (w, stream):
+        out = LayerArtifact(stream, 50, max_pending=1)
+        with pytest.raises(InvalidInput, match="at most 600 bytes"), out:
+            for layer in range(50):
+                out.add(layer, _layer(layer, rows=4))
+        assert list(w.tmp_dir.iterdir()) == []
+
+
+class _SlowFile:
+    """A file whose writes sleep first (releasing the GIL)."""
+
+    def __init__(self, inner: object) -> None:
+        self._inner = inner
+
+    def write(self, data: bytes) -> int:
+        """Sleep a millisecond, then write."""
+        time.sleep(0.001)
+        return self._inner.write(data)  # type: ignore[attr-defined,no-any-return]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._inner, name)
+
+
+def test_concurrent_artifact_streams_claim_the_budget_atomically(store: KVStore,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Streams written from several threads at once never take the artifacts past the budget together: each write's
+    room is checked and claimed in one step (a refused stream is discarded and gives its room back)."""
+    import threading
+
+    budget, chunk, chunks = 64 * 1024, 512, 32  # four streams want the budget, which the page checksums share
+    monkeypatch.setattr("store.writer.max_artifact_bytes", lambda page_bytes: budget)
+    with _layer_stream(store, "s0") as (w, _):
+        streams = [w._artifact_streams["s0"]] + [w.open_artifact(f"s{i}") for i in range(1, 4)]
+        for s in streams:  # a write that gives up the GIL, as a large one does: the other threads run meanwhile
+            s._file = _SlowFile(s._file)  # type: ignore[assignment]
+        start = threading.Barrier(len(streams))
+
+        def fill(stream: ArtifactStream) -> None:
+            start.wait()
+            with contextlib.suppress(InvalidInput):
+                for _ in range(chunks):
+                    stream.write(b"x" * chunk)
+
+        threads = [threading.Thread(target=fill, args=(s,)) for s in streams]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        kept = [s.written for s in streams if s.name in w._artifact_streams]
+        assert len(kept) < len(streams) and sum(kept) + w._crc.nbytes <= budget
 
 
 class _Tracked:
@@ -178,8 +281,8 @@ class _Tracked:
 
 def test_prefill_summaries_are_written_layer_by_layer(worker: Worker, store: KVStore,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """No layer's summaries are held once the next layer is summarized, and each summary artifact is byte for byte
-    what gathering every layer's and serializing them at the end gives (so old and new prefixes read alike)."""
+    """At most ``MAX_PENDING_SUMMARY_LAYERS`` earlier layers' summaries are held when a layer is summarized, and each
+    summary artifact loads as every layer's tensors (what gathering them all at the end gives)."""
     import workers.engine as engine
 
     arrays: dict[int, list[weakref.ref]] = {}
@@ -191,8 +294,10 @@ def test_prefill_summaries_are_written_layer_by_layer(worker: Worker, store: KVS
     pid = worker.prefill("The quick brown fox jumps over the lazy dog. " * 6).prefix_id
     n_layers = worker.lm.layout.n_layers
     assert n_layers >= 2 and {layer for layer, _ in alive} == set(range(n_layers))
-    assert all(n == 0 for _, n in alive), alive
+    per_layer = len(arrays[0])
+    assert all(n <= MAX_PENDING_SUMMARY_LAYERS * per_layer for _, n in alive), alive
     assert gathered and all(len(t) >= n_layers for t in gathered.values())
     for name, tensors in gathered.items():
-        assert store.artifact(pid, name) == tensors_to_bytes(tensors)
+        back = bytes_to_tensors(store.artifact(pid, name))
+        assert back.keys() == tensors.keys() and all(torch.equal(back[n], tensors[n]) for n in tensors)
     store.verify(pid)

@@ -8,10 +8,10 @@ import time
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 
-from store.artifacts import TensorSpill
 from store.capacity import LeaseHandle
 from store.errors import ContextTooLong, InvalidInput, LockTimeout, ModelMismatch
 from store.kvstore import KVStore
+from store.layer_artifact import LayerArtifact
 from store.manifest import Manifest
 from store.prefix_key import PrefixKey, tenant_salt, token_hash
 from workers.attention import PrefixAttention
@@ -156,16 +156,18 @@ class Worker:
         shown = PrefillProgress(enabled=self.progress, n_layers=self.lm.layout.n_layers)
         with self.store.write_prefix(key, model_name=self.lm.name, n_tokens=len(ids), tenant=tenant) as w, \
                 contextlib.ExitStack() as held:
-            # Each layer's summaries go to a scratch file as they come: device and host memory hold one layer's.
-            spills = {s.name: held.enter_context(TensorSpill(w.tmp_dir)) for s in summarizers}
+            # Each layer's summaries go to their artifact as they come, from a background thread per artifact:
+            # device and host memory hold a couple of layers' of them, and no byte is written twice.
+            outs = [(s, held.enter_context(LayerArtifact(w.open_artifact(s.name), self.lm.layout.n_layers)))
+                    for s in summarizers]
             for layer, k, v in shown.layers(prefill_kv(self.lm, ids, chunk_size=self.chunk_size,
                                                        progress=self.progress, desc=shown.forward_desc)):
                 w.write_layer(layer, k, v)
-                for s in summarizers:
-                    spills[s.name].add({f"{layer}.{name}": t for name, t in s.summarize(layer, k, v).items()})
+                for s, out in outs:
+                    out.add(layer, s.summarize(layer, k, v))
             with shown.committing():  # pending page writes, fsyncs, artifacts and the metadata commit
-                for s in summarizers:
-                    w.put_artifact(s.name, spills[s.name].chunks())
+                for _, out in outs:
+                    out.close()
                 w.put_artifact(TOKENS_ARTIFACT, tokens_to_bytes(ids))
                 return w.commit()
 
