@@ -23,7 +23,7 @@ from workers.methods.phi import (
     stable_cache,
     subtract,
 )
-from workers.methods.phi_maps import FavorFeatureMap, FeatureMap, ReZeroMLPFeatureMap
+from workers.methods.phi_maps import FavorFeatureMap, FeatureMap, ReZeroMLPFeatureMap, favor_omega
 from workers.methods.registry import get_method
 from workers.methods.selector import LayerContext
 from workers.requests import DecodeConfig
@@ -127,6 +127,17 @@ def test_favor_is_positive_seeded_and_unbiased() -> None:
     torch.testing.assert_close(again, FavorFeatureMap(4096, seed=1).log_phi_k(0, k), rtol=0, atol=0)
     assert not torch.equal(FavorFeatureMap(4096, seed=2).log_phi_k(0, k), again)
     assert again.shape == (1, 20, 4096) and torch.isfinite(again).all()
+
+
+def test_favor_projections_are_drawn_once_per_process_and_differ_per_layer_and_head() -> None:
+    """A new map (each prefill builds one) reuses the projections already drawn; layers and heads get their own."""
+    favor_omega.cache_clear()
+    first = FavorFeatureMap(16, seed=3).omega(1, 2, 8, torch.device("cpu"))
+    assert favor_omega.cache_info().misses == 1
+    again = FavorFeatureMap(16, seed=3).omega(1, 2, 8, torch.device("cpu"))
+    assert favor_omega.cache_info().hits == 1 and torch.equal(first, again) and first.shape == (2, 16, 8)
+    assert not torch.equal(first[0], first[1])
+    assert not torch.equal(first, FavorFeatureMap(16, seed=3).omega(2, 2, 8, torch.device("cpu")))
 
 
 def test_rezero_mlp_map_loads_weights() -> None:

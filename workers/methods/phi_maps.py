@@ -17,6 +17,7 @@ Shapes: keys ``[..., Hkv, n, D] -> [..., Hkv, n, F]``; queries grouped by KV hea
 from __future__ import annotations
 
 import abc
+import functools
 import json
 import math
 from pathlib import Path
@@ -29,6 +30,9 @@ from torch import nn
 from workers.fingerprint import tensors_digest
 
 MAP_KINDS: dict[int, str] = {1: "favor", 2: "rezero_mlp"}
+OMEGA_CACHE_LAYERS = 256
+"""Layers' FAVOR+ projections kept per process (``favor_omega``): float32 ``[Hkv, F, D]``, 512 KiB each at 8 KV
+heads and F = D = 128."""
 MAP_WEIGHTS = "phi_map.safetensors"
 MAP_CONFIG = "phi_map.json"
 """A distilled map ships next to the model's weights under these names (``lab.train.phi_distill``)."""
@@ -65,6 +69,19 @@ def orthogonal_gaussian(n_rows: int, dim: int, generator: torch.Generator) -> to
     return torch.cat(blocks)[:n_rows]
 
 
+@functools.lru_cache(maxsize=OMEGA_CACHE_LAYERS)
+def favor_omega(seed: int, layer: int, kv_heads: int, dim: int, phi_dim: int) -> torch.Tensor:
+    """The FAVOR+ projections ``[Hkv, F, D]`` float32 (host) of one layer, drawn from ``(seed, layer, kv_head)``.
+
+    Cached per process: every prefill builds a new map, and the QR factorizations on the host cost more than the
+    φ cache itself on a GPU (and far more while the store's threads keep the host's cores busy)."""
+    rows = []
+    for h in range(kv_heads):
+        g = torch.Generator().manual_seed((seed * 1_000_003 + layer) * 4099 + h)
+        rows.append(orthogonal_gaussian(phi_dim, dim, g))
+    return torch.stack(rows).float()
+
+
 class FavorFeatureMap(FeatureMap):
     """FAVOR+ positive random features: ``E[<φq(q), φk(k)>] = exp(scale q . k)`` (unbiased).
 
@@ -92,11 +109,7 @@ class FavorFeatureMap(FeatureMap):
         """Projections ``[Hkv, F, D]`` float32 of one layer (cached per device)."""
         key = (layer, kv_heads, dim, str(device))
         if key not in self._omega:
-            rows = []
-            for h in range(kv_heads):
-                g = torch.Generator().manual_seed((self._seed * 1_000_003 + layer) * 4099 + h)
-                rows.append(orthogonal_gaussian(self.phi_dim, dim, g))
-            self._omega[key] = torch.stack(rows).float().to(device)
+            self._omega[key] = favor_omega(self._seed, layer, kv_heads, dim, self.phi_dim).to(device)
         return self._omega[key]
 
     def _log_features(self, layer: int, x: torch.Tensor, mult: float) -> torch.Tensor:
