@@ -36,3 +36,38 @@ def test_each_chunk_is_written_into_one_buffer(lm: LoadedModel) -> None:
     assert layer.get_seq_length() == 7
     with pytest.raises(ValueError, match="capacity"):
         layer.update(k, v)
+
+
+@pytest.mark.parametrize("chunk", [64, 1000])
+def test_layer_major_prefill_equals_chunk_major(lm: LoadedModel, chunk: int, monkeypatch: pytest.MonkeyPatch
+                                                ) -> None:
+    """The layer-by-layer pass gives bit for bit the K/V of the chunk-by-chunk pass through the whole model."""
+    assert lm.model.config.model_type in prefill.LAYER_MAJOR_MODELS
+    ids = [(11 * i) % 200 + 3 for i in range(300)]
+    got = [(layer, k.clone(), v.clone()) for layer, k, v in prefill_kv(lm, ids, chunk_size=chunk, progress=False)]
+    monkeypatch.setattr(prefill, "LAYER_MAJOR_MODELS", frozenset())
+    want = list(prefill_kv(lm, ids, chunk_size=chunk, progress=False))
+    assert [g[0] for g in got] == [w[0] for w in want] == list(range(lm.layout.n_layers))
+    for (_, kg, vg), (_, kw, vw) in zip(got, want, strict=True):
+        assert torch.equal(kg, kw) and torch.equal(vg, vw)
+
+
+def test_layer_major_prefill_hands_on_each_layer_before_the_next_runs(lm: LoadedModel,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer's K/V reaches the caller before any chunk of a later layer runs (so it is stored meanwhile)."""
+    calls: list[int] = []
+    layers = lm.model.get_decoder().layers
+    for i, layer in enumerate(layers):
+        real = layer.forward
+
+        def traced(*a: object, _i: int = i, _real: object = real, **k: object) -> object:
+            calls.append(_i)
+            return _real(*a, **k)  # type: ignore[operator]
+
+        monkeypatch.setattr(layer, "forward", traced)
+    seen = []
+    gen = prefill_kv(lm, list(range(3, 203)), chunk_size=64, progress=False)
+    for layer, _, _ in gen:
+        assert calls and max(calls) == layer, (layer, calls)  # no later layer has run yet
+        seen.append(layer)
+    assert seen == list(range(len(layers))) and calls.count(0) == 4  # 200 tokens in chunks of 64

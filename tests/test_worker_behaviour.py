@@ -20,7 +20,7 @@ DOC = "The treaty was signed in Vienna by Ada Lovelace on a rainy Tuesday. " * 3
 
 def _count_forwards(worker: Worker) -> list[int]:
     calls = [0]
-    worker.lm.model.get_decoder().register_forward_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+    worker.lm.model.get_decoder().layers[0].register_forward_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
     return calls
 
 
