@@ -59,13 +59,14 @@ class ClusterSummarizer(Summarizer):
     (a variable-tracking needle) shares its cluster with haystack keys whose mean logit hides it; at 8 vt at
     4k and 2 % rose from 0.47 to 0.83 (docs/benchmarks/accuracy.md) for twice the centroid bytes."""
     segment_tokens = 16384
-    """Most mid tokens clustered together. The mid region is cut into consecutive segments of this many tokens
-    from its start (the last one keeps the remainder) and each is clustered on its own, with
-    ``ceil(len / cluster_size)`` clusters: an assignment then costs ``n_mid * segment_tokens / cluster_size``
-    distances per head, linear in the context, where clustering the whole region cost ``n_mid^2 / cluster_size``
-    (at 128k about 350 ms per layer on an H100, 2/3 of the layer's forward pass; segments make it 8x less).
-    At 16384 every context up to 16k is one segment, clustered exactly as before (the 4k-16k accuracy tables
-    stand). A multiple of ``cluster_size``, so the segments hold as many clusters as the whole region would."""
+    """Most mid tokens clustered together. The mid region is cut from its start into segments of this many
+    tokens plus a shorter last one (the remainder; fixed boundaries, and the full segments are rows of one
+    batched call), each clustered on its own with ``ceil(len / cluster_size)`` clusters. An assignment then
+    computes ``n_mid * segment_tokens / cluster_size`` distances per head, linear in the context, where the
+    whole region took ``n_mid^2 / cluster_size`` (at 128k 8x more: about 350 ms per layer on an H100, as long
+    as 2/3 of the layer's forward pass). At 16384 every context up to 16k is one segment, clustered exactly as
+    before (the 4k-16k accuracy tables stand). A multiple of ``cluster_size``: the segments hold as many
+    clusters as the whole region would."""
     iters = 10
     seed = 0
 
@@ -102,7 +103,9 @@ class ClusterSummarizer(Summarizer):
             labels.append((lab.view(h, full, seg) + shift).reshape(h, full * seg))
             first = full * c_seg
         if rest:
-            cent, lab = kmeans(x[:, n - rest:], math.ceil(rest / self.cluster_size), iters=self.iters, generator=gen)
+            # contiguous once here, not per iteration in ``cluster_sums``' reshape
+            last = x[:, n - rest:].contiguous()
+            cent, lab = kmeans(last, math.ceil(rest / self.cluster_size), iters=self.iters, generator=gen)
             cents.append(cent)
             labels.append(lab + first)
         if not cents:  # no mid region
