@@ -1,8 +1,12 @@
 """K-means assignment (Double-P's prefill clustering): the fused Triton kernel against the torch reference.
 
 Double-P's ``ClusterSummarizer`` runs Lloyd k-means per layer over the mid keys (8 KV heads, D = 128,
-``C = n / 8`` clusters, up to 11 assignments). The torch reference materialises ``[H, 8192, C]`` float32
-distance blocks and takes their argmin; the kernel keeps a running minimum per point over centroid blocks.
+``C = n / 8`` clusters, up to 11 assignments) within segments of ``segment_tokens`` = 16k tokens: at 128k
+one call on ``[8 * 7, 16k, 128]`` and one on the shorter last segment ``[8, < 16k, 128]``, 2k clusters per
+row. The shapes here are one segment spanning the whole 32k or 128k (the problem before segments, 2-8x the
+distances of a layer now): a stress test of the kernel. The torch reference materialises ``[H, 8192, C]``
+float32 distance blocks and takes their argmin; the kernel keeps a running minimum per point over centroid
+blocks.
 For each shape it times one assignment by the reference (float32) and by the kernel with float32 points
 (tf32 and ieee products) and with bf16 points (the keys' own dtype), and reports, for a sample of
 points, how often the kernel's label equals the reference's and the largest float64 excess distance of

@@ -25,17 +25,19 @@ def cluster_sums(x: torch.Tensor, labels: torch.Tensor, n_clusters: int) -> tupl
     return sizes.view(h, n_clusters), sums.view(h, n_clusters, d)
 
 
-def kmeans(x: torch.Tensor, n_clusters: int, *, iters: int = 10, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def kmeans(x: torch.Tensor, n_clusters: int, *, iters: int = 10, seed: int = 0,
+           generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Lloyd's k-means per head: x ``[H, n, D]`` float -> (centroids ``[H, C, D]``, labels ``[H, n]``).
 
-    Initial centroids are ``C`` distinct points drawn with a seeded CPU generator (the same on
-    every device). Each iteration assigns then recomputes means; a cluster that empties keeps its
-    previous centroid (and has size 0). The returned centroids are the means of the returned labels.
+    Initial centroids are ``C`` distinct points per row drawn, row after row, from a CPU generator (the
+    same on every device): ``generator`` if given (it advances, so consecutive calls draw fresh inits),
+    else one seeded with ``seed``. Each iteration assigns then recomputes means; a cluster that empties
+    keeps its previous centroid (and has size 0). The returned centroids are the means of the returned labels.
     """
     h, n, _ = x.shape
     if not 1 <= n_clusters <= n:
         raise ValueError(f"n_clusters must be in [1, {n}], got {n_clusters}")
-    g = torch.Generator().manual_seed(seed)
+    g = generator if generator is not None else torch.Generator().manual_seed(seed)
     init = torch.stack([torch.randperm(n, generator=g)[:n_clusters] for _ in range(h)]).to(x.device)
     centroids = x.gather(1, init[..., None].expand(-1, -1, x.shape[-1])).clone()
     labels = assign(x, centroids)
