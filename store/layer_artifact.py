@@ -73,6 +73,9 @@ class LayerArtifact:
             self._stream.write(header)
         for t in tensors:
             self._stream.write(_raw(t))
+        # Each layer to the disk as it comes: else gigabytes of summaries wait in the page cache for the fsync at
+        # close, and the whole prefill waits for them after the forward pass.
+        self._stream.sync()
 
     def close(self) -> None:
         """Wait for every layer's write, then finish the artifact (InvalidInput when a layer is missing); once."""

@@ -427,6 +427,15 @@ class ArtifactStream:
         self._hash.update(data)
         self.written += size
 
+    def sync(self) -> None:
+        """Make the bytes written so far durable now (unless the store skips fsync): a long artifact's bytes then
+        reach the disk while it is written, not all at its close."""
+        if self._file is None:
+            raise InvalidInput("this artifact stream is closed")
+        if self._fsync:
+            self._file.flush()
+            os.fdatasync(self._file.fileno())
+
     def close(self) -> None:
         """Finish the artifact (durable unless the store skips fsync) and record it in the writer."""
         if self._file is None:

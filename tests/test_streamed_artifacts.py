@@ -301,3 +301,18 @@ def test_prefill_summaries_are_written_layer_by_layer(worker: Worker, store: KVS
         back = bytes_to_tensors(store.artifact(pid, name))
         assert back.keys() == tensors.keys() and all(torch.equal(back[n], tensors[n]) for n in tensors)
     store.verify(pid)
+
+
+def test_layer_artifact_makes_each_layer_durable_as_it_is_written(store: KVStore,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every layer's bytes are synced to the disk once written (not all at close), when the store fsyncs."""
+    assert store.config.fsync
+    synced: list[int] = []
+    real = os.fdatasync
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (synced.append(os.fstat(fd).st_size), real(fd))[1])
+    with _layer_stream(store) as (w, stream):
+        out = LayerArtifact(stream, 3, max_pending=1)
+        for layer in range(3):
+            out.add(layer, _layer(layer))
+        out.close()
+    assert len(synced) == 3 and synced == sorted(synced) and synced[0] > 0
