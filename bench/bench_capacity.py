@@ -3,10 +3,12 @@
 One ``--ctx``-token document is prefilled once into a store on local disk (random weights of Llama-3.1-8B's shape,
 ``--layers`` layers). Then, for each path, N = 1, 2, 4, ... ``--max-n`` generations over it are opened at once
 through ``Worker.generate`` on one worker and decoded together (``--tokens`` tokens each; the engine's batch
-bound raised to N, so every generation is in every step). The largest N that finishes is the path's capacity; the
+bound raised to ``--max-n``, so every generation is in every step; one worker per path, its host tier warmed by
+the first trial). The largest N that finishes is the path's capacity; the
 first N that fails says why (the device out of memory, say). The paths are the product's: dense ``full`` with the
 prefix's K/V resident in device memory, and Quest at ``--budget`` over the worker's pinned host tier with a device
-page cache (both per worker, shared by its generations: ``--host-cache-mb``, ``--gpu-cache-mb``). Printed per N:
+page cache (the host tier per worker, shared by its generations: ``--host-cache-mb``; the device page cache per
+generation: ``--gpu-cache-mb``). Printed per N:
 peak device memory, its growth per generation over N = 1, and the median step time.
 
     python3 bench/bench_capacity.py --ctx 131072 --layers 32 --full-mlp --max-n 64 --json out.json
@@ -53,13 +55,13 @@ def device_bytes(cuda: bool) -> int:
     return torch.cuda.max_memory_allocated() if cuda else 0
 
 
-def trial(store: KVStore, lm: LoadedModel, pid: str, path: EngineRow, n: int, budget: float, tokens: int,
-          cuda: bool) -> dict:
-    """N generations of ``path`` over ``pid`` at once on a fresh worker: peak memory and median step, or the
-    error that stopped them."""
-    worker = Worker(store, lm, progress=False, offload=path.offload, engine=EngineConfig(max_batch=max(n, 1)))
+def trial(worker: Worker, pid: str, path: EngineRow, n: int, budget: float, tokens: int, cuda: bool) -> dict:
+    """N generations of ``path`` over ``pid`` at once: peak memory and median step, or the error that stopped
+    them."""
+    gc.collect()
     if cuda:
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     try:
@@ -67,11 +69,6 @@ def trial(store: KVStore, lm: LoadedModel, pid: str, path: EngineRow, n: int, bu
     except Exception as e:  # noqa: BLE001 - the failure is the measurement: reported, then the next path runs
         return {"n": n, "ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}",
                 "peak_bytes": device_bytes(cuda)}
-    finally:
-        del worker
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
     steady = [t for st in stats for t in st.step_seconds[1:]] or [0.0]
     return {"n": n, "ok": all(st.new_tokens == tokens for st in stats), "peak_bytes": device_bytes(cuda),
             "ms_per_step": 1e3 * statistics.median(steady), "seconds": time.perf_counter() - t0,
@@ -80,17 +77,23 @@ def trial(store: KVStore, lm: LoadedModel, pid: str, path: EngineRow, n: int, bu
 
 def measure(store: KVStore, lm: LoadedModel, pid: str, path: EngineRow, args: argparse.Namespace, cuda: bool
             ) -> dict:
-    """Doubling N until a trial fails or ``--max-n``: every trial, and the largest N that finished."""
+    """Doubling N until a trial fails or ``--max-n`` on one worker (its host tier warmed once): every trial, and
+    the largest N that finished."""
+    worker = Worker(store, lm, progress=False, offload=path.offload, engine=EngineConfig(max_batch=args.max_n))
     trials: list[dict] = []
     n = 1
     while n <= args.max_n:
-        t = trial(store, lm, pid, path, n, args.budget, args.tokens, cuda)
+        t = trial(worker, pid, path, n, args.budget, args.tokens, cuda)
         trials.append(t)
         shown = f"{t['peak_bytes'] / 2**30:.1f} GiB peak" + (f", {t['ms_per_step']:.1f} ms/step" if t["ok"] else "")
         print(f"  {path.name}: N={n} {'ok' if t['ok'] else 'FAILED ' + t.get('error', '')} ({shown})", flush=True)
         if not t["ok"]:
             break
         n *= 2
+    del worker
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
     done = [t["n"] for t in trials if t["ok"]]
     return {"name": path.name, "method": path.method, "trials": trials, "capacity": max(done, default=0),
             "limit_reached": not trials[-1]["ok"]}
@@ -104,7 +107,8 @@ def main() -> None:
     p.add_argument("--budget", type=float, default=0.02)
     p.add_argument("--tokens", type=int, default=8, help="tokens per generation")
     p.add_argument("--max-n", type=int, default=64, help="the most concurrent generations tried")
-    p.add_argument("--gpu-cache-mb", type=int, default=4096)
+    p.add_argument("--gpu-cache-mb", type=int, default=OffloadConfig().gpu_cache_bytes >> 20,
+                   help="device page cache of each generation")
     p.add_argument("--host-cache-mb", type=int, default=20480)
     p.add_argument("--quick", action="store_true", help="tiny shape on the CPU (smoke run)")
     p.add_argument("--json", type=Path)

@@ -144,6 +144,12 @@ def test_reference_equals_selector_torch_path(monkeypatch: pytest.MonkeyPatch, d
     q = torch.randn(3, 2, 4, 64, generator=torch.Generator().manual_seed(6))
     kb = torch.cat([sel.bounds["0.kmax"][:, 7:31], sel.bounds["0.kmin"][:, 7:31]], dim=-1).transpose(1, 2)
     assert torch.equal(sel.upper_bounds(0, q, SCALE, 7, 31), quest_upper_bounds_ref(q, kb.contiguous(), SCALE))
+    # a range inside the first one is cut from the stacked bounds (the layer's kmax/kmin are gone by now)
+    assert "0.kmax" not in sel.bounds and "0.kmin" not in sel.bounds
+    assert torch.equal(sel.upper_bounds(0, q, SCALE, 10, 20),
+                       quest_upper_bounds_ref(q, kb[..., 3:13].contiguous(), SCALE))
+    with pytest.raises(ValueError, match="outside the range"):
+        sel.upper_bounds(0, q, SCALE, 5, 20)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -152,9 +158,9 @@ def test_selector_upper_bounds_match_the_definition(dtype: torch.dtype) -> None:
     of the pages asked for, computed here from the bounds dict in float64."""
     sel = _selector(2, 40, 64, dtype, seed=9)
     q = torch.randn(1, 2, 4, 64, generator=torch.Generator().manual_seed(10)).to(DEV)
+    kmax, kmin = sel.bounds["0.kmax"][:, 5:33].double(), sel.bounds["0.kmin"][:, 5:33].double()
     ub = sel.upper_bounds(0, q, SCALE, 5, 33)
     qc = q.to(dtype).double()
-    kmax, kmin = sel.bounds["0.kmax"][:, 5:33].double(), sel.bounds["0.kmin"][:, 5:33].double()
     want = (torch.einsum("thgd,hud->thgu", qc.clamp_min(0), kmax)
             + torch.einsum("thgd,hud->thgu", qc.clamp_max(0), kmin)) * SCALE
     _assert_close(ub, want, *TOL[dtype])

@@ -56,19 +56,31 @@ class QuestSelector(Selector):
     """
 
     def __init__(self, bounds: dict[str, torch.Tensor]):
-        self.bounds = bounds
+        self.bounds = dict(bounds)  # its own dict: ``_bounds_t`` drops entries a shared source still holds
         self.page = int(self.bounds["0.meta"][0])
         self.page_size = self.page
         self._stacked: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._first_range: dict[int, tuple[int, int]] = {}
 
     def _bounds_t(self, layer: int, p0: int, p1: int) -> torch.Tensor:
         """``[Hkv, 2D, p1 - p0]``: kmax over kmin of pages ``[p0, p1)``, in the bounds' dtype, built once per
-        layer so a step is one batched matmul (no per-step dtype conversion of the bounds)."""
+        layer so a step is one batched matmul (no per-step dtype conversion of the bounds). The layer's kmax and
+        kmin are dropped once built (a generation asks for one page range per layer; a range inside the first
+        one is cut from it): device memory holds the bounds once per generation, not twice."""
         key = (layer, p0, p1)
         if key not in self._stacked:
-            kmax = self.bounds[f"{layer}.kmax"][:, p0:p1]
-            kmin = self.bounds[f"{layer}.kmin"][:, p0:p1]
-            self._stacked[key] = torch.cat([kmax, kmin], dim=-1).transpose(1, 2).contiguous()
+            first = self._first_range.get(layer)
+            if first is None:
+                kmax = self.bounds.pop(f"{layer}.kmax")[:, p0:p1]
+                kmin = self.bounds.pop(f"{layer}.kmin")[:, p0:p1]
+                self._stacked[key] = torch.cat([kmax, kmin], dim=-1).transpose(1, 2).contiguous()
+                self._first_range[layer] = (p0, p1)
+            else:
+                f0, f1 = first
+                if not f0 <= p0 <= p1 <= f1:
+                    raise ValueError(f"layer {layer}: pages [{p0}, {p1}) are outside the range [{f0}, {f1}) its "
+                                     "bounds were kept for")
+                self._stacked[key] = self._stacked[(layer, f0, f1)][..., p0 - f0:p1 - f0].contiguous()
         return self._stacked[key]
 
     def upper_bounds(self, layer: int, q: torch.Tensor, scale: float, p0: int, p1: int) -> torch.Tensor:
