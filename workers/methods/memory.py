@@ -50,6 +50,10 @@ class MemorySource(PrefixSource):
         """A source with the artifacts ``summarizers`` produce for ``kv``."""
         return cls(kv, summarize_layers(kv, summarizers), **kwargs)
 
+    def shared_key(self, name: str) -> None:
+        """None: in-memory tensors are not shared between generations."""
+        return None
+
     @property
     def layout(self) -> KVLayout:
         """The layout these tensors would be stored with."""

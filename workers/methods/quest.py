@@ -8,6 +8,8 @@ the budget.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import ClassVar
 
 import torch
@@ -48,6 +50,59 @@ class QuestBounds(Summarizer):
         return {"kmin": padded.amin(2), "kmax": padded.amax(2), "meta": torch.tensor([p], dtype=torch.int64)}
 
 
+class StackedBounds:
+    """A prefix's page bounds stacked per layer for the scoring kernel: ``[Hkv, 2D, p1 - p0]``, kmax over kmin of
+    pages ``[p0, p1)`` in the bounds' dtype, built once per layer (a step is then one batched matmul, with no
+    per-step dtype conversion). A layer's kmax and kmin are dropped once it is built: a generation asks for one
+    page range per layer, and a range inside it is cut from it. Read-only once built, so the generations over one
+    stored prefix share one (``shared_bounds``)."""
+
+    def __init__(self, bounds: dict[str, torch.Tensor]):
+        self.bounds = dict(bounds)  # its own dict: ``get`` drops entries a caller's dict still holds
+        self.page = int(self.bounds["0.meta"][0])
+        self._stacked: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._first_range: dict[int, tuple[int, int]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, layer: int, p0: int, p1: int) -> torch.Tensor:
+        """The stacked bounds of ``layer``'s pages ``[p0, p1)`` (ValueError outside the layer's first range)."""
+        key = (layer, p0, p1)
+        with self._lock:
+            if key not in self._stacked:
+                first = self._first_range.get(layer)
+                if first is None:
+                    kmax = self.bounds.pop(f"{layer}.kmax")[:, p0:p1]
+                    kmin = self.bounds.pop(f"{layer}.kmin")[:, p0:p1]
+                    self._stacked[key] = torch.cat([kmax, kmin], dim=-1).transpose(1, 2).contiguous()
+                    self._first_range[layer] = (p0, p1)
+                else:
+                    f0, f1 = first
+                    if not f0 <= p0 <= p1 <= f1:
+                        raise ValueError(f"layer {layer}: pages [{p0}, {p1}) are outside the range [{f0}, {f1}) "
+                                         "its bounds were kept for")
+                    self._stacked[key] = self._stacked[(layer, f0, f1)][..., p0 - f0:p1 - f0].contiguous()
+            return self._stacked[key]
+
+
+_SHARED: weakref.WeakValueDictionary[tuple[str, str, str], StackedBounds] = weakref.WeakValueDictionary()
+"""The stacked bounds in use, by ``PrefixSource.shared_key``: each lives while a generation holds it."""
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_bounds(source: PrefixSource) -> StackedBounds:
+    """The stacked page bounds of ``source``'s prefix: those another generation over it holds (nothing is read
+    then), else read now."""
+    key = source.shared_key(QuestBounds.name)
+    if key is None:
+        return StackedBounds(source.artifact(QuestBounds.name))
+    with _SHARED_LOCK:  # one read per prefix when generations over it open at once
+        held = _SHARED.get(key)
+        if held is None:
+            held = StackedBounds(source.artifact(QuestBounds.name))
+            _SHARED[key] = held
+        return held
+
+
 class QuestSelector(Selector):
     """Top pages by upper-bound score, within the token budget.
 
@@ -55,33 +110,16 @@ class QuestSelector(Selector):
     decode device.
     """
 
-    def __init__(self, bounds: dict[str, torch.Tensor]):
-        self.bounds = dict(bounds)  # its own dict: ``_bounds_t`` drops entries a shared source still holds
-        self.page = int(self.bounds["0.meta"][0])
-        self.page_size = self.page
-        self._stacked: dict[tuple[int, int, int], torch.Tensor] = {}
-        self._first_range: dict[int, tuple[int, int]] = {}
+    def __init__(self, bounds: dict[str, torch.Tensor] | StackedBounds):
+        self.stacked = bounds if isinstance(bounds, StackedBounds) else StackedBounds(bounds)
+        """The page bounds stacked for the scoring kernel (shared by the generations over one stored prefix)."""
+        self.bounds = self.stacked.bounds
+        self.page = self.page_size = self.stacked.page
+        self._stacked: dict[tuple[int, int, int], torch.Tensor] = {}  # a subclass's own stacked summaries
 
     def _bounds_t(self, layer: int, p0: int, p1: int) -> torch.Tensor:
-        """``[Hkv, 2D, p1 - p0]``: kmax over kmin of pages ``[p0, p1)``, in the bounds' dtype, built once per
-        layer so a step is one batched matmul (no per-step dtype conversion of the bounds). The layer's kmax and
-        kmin are dropped once built (a generation asks for one page range per layer; a range inside the first
-        one is cut from it): device memory holds the bounds once per generation, not twice."""
-        key = (layer, p0, p1)
-        if key not in self._stacked:
-            first = self._first_range.get(layer)
-            if first is None:
-                kmax = self.bounds.pop(f"{layer}.kmax")[:, p0:p1]
-                kmin = self.bounds.pop(f"{layer}.kmin")[:, p0:p1]
-                self._stacked[key] = torch.cat([kmax, kmin], dim=-1).transpose(1, 2).contiguous()
-                self._first_range[layer] = (p0, p1)
-            else:
-                f0, f1 = first
-                if not f0 <= p0 <= p1 <= f1:
-                    raise ValueError(f"layer {layer}: pages [{p0}, {p1}) are outside the range [{f0}, {f1}) its "
-                                     "bounds were kept for")
-                self._stacked[key] = self._stacked[(layer, f0, f1)][..., p0 - f0:p1 - f0].contiguous()
-        return self._stacked[key]
+        """``[Hkv, 2D, p1 - p0]``: kmax over kmin of pages ``[p0, p1)`` (``StackedBounds.get``)."""
+        return self.stacked.get(layer, p0, p1)
 
     def upper_bounds(self, layer: int, q: torch.Tensor, scale: float, p0: int, p1: int) -> torch.Tensor:
         """Upper-bound logits ``[T, Hkv, G, p1 - p0]`` (float32) of pages ``[p0, p1)``:
@@ -119,7 +157,7 @@ class Quest(SparseMethod):
 
     def selector(self, source: PrefixSource, config: DecodeConfig) -> Selector:
         """A Quest selector over the stored page bounds."""
-        return QuestSelector(source.artifact(QuestBounds.name))
+        return QuestSelector(shared_bounds(source))
 
 
 class QuestPhi(Quest):

@@ -40,6 +40,13 @@ class PrefixSource:
         warm-up made the prefix warm (``workers.offload.fast_path.FastOpen.poll``)."""
         self.bytes_read = 0
 
+    def shared_key(self, name: str) -> tuple[str, str, str] | None:
+        """Key under which the generations over this prefix on this device may share read-only state derived
+        from artifact ``name`` (its digest: the same bytes, whichever store or prefix holds them); None when
+        the prefix has no such artifact."""
+        info = self.manifest.artifact(name)
+        return None if info is None else (name, info.blake2b, str(self.device))
+
     @property
     def layout(self) -> KVLayout:
         """The prefix's KV layout."""

@@ -1,7 +1,7 @@
 """Public launcher of Quest's page upper-bound logits: validates the call, then runs the Triton kernel or the
 torch reference.
 
-``quest_upper_bounds`` scores query rows against the stacked, transposed page bounds (``QuestSelector``'s
+``quest_upper_bounds`` scores query rows against the stacked, transposed page bounds (``StackedBounds``'s
 ``[Hkv, 2D, U]`` kmax-over-kmin layout) in one launch on CUDA; elsewhere (or with ``use_triton=False``) the
 torch reference serves (CPU decoding in the tests' interpreter would be slow; the kernel's own tests pass
 ``use_triton=True``). Kernel tuning is a
@@ -66,7 +66,7 @@ def _validate(q: torch.Tensor, kb: torch.Tensor, scale: float) -> None:
         _fail(f"q must be a float tensor [T, Hkv, G, D], got {q.dtype} {tuple(q.shape)}")
     if kb.dim() != 3 or kb.dtype not in _BOUNDS or not kb.is_contiguous():
         _fail(f"kb must be a contiguous float tensor [Hkv, 2D, U] (kmax rows over kmin rows, transposed), got "
-              f"{kb.dtype} {tuple(kb.shape)}; build it as QuestSelector._bounds_t does (.contiguous())")
+              f"{kb.dtype} {tuple(kb.shape)}; build it as StackedBounds.get does (.contiguous())")
     if kb.shape[0] != q.shape[1] or kb.shape[1] != 2 * q.shape[3]:
         _fail(f"kb {tuple(kb.shape)} does not match q {tuple(q.shape)}: expected [Hkv={q.shape[1]}, "
               f"2D={2 * q.shape[3]}, U]")
