@@ -20,10 +20,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.bench_engine import EngineRow, run_together  # noqa: E402
-from bench.common import QUICK_SPEC, document, llama8b_attention_spec, load_random_model  # noqa: E402
+from bench.common import QUICK_SPEC, document, in_scratch_dir, llama8b_attention_spec, load_random_model  # noqa: E402
 from store.config import StoreConfig  # noqa: E402
 from store.kvstore import KVStore  # noqa: E402
 from workers.decode_batch import EngineConfig  # noqa: E402
@@ -118,11 +116,7 @@ def main() -> None:
         args.ctx, args.tokens, args.max_n, args.gpu_cache_mb, args.host_cache_mb = 1500, 3, 2, 64, 256
     else:
         spec = llama8b_attention_spec(args.layers, args.ctx + 1024, intermediate_size=14336 if args.full_mlp else 4096)
-    work = Path(tempfile.mkdtemp(prefix="kvstash-bench-"))
-    try:  # the store's page files are tens of GB at 128k: never left behind
-        run(args, spec, work)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    in_scratch_dir(lambda work: run(args, spec, work))
 
 
 def run(args: argparse.Namespace, spec: object, work: Path) -> None:

@@ -27,10 +27,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +43,7 @@ from bench.common import (  # noqa: E402
     QUICK_SPEC,
     document,
     drop_os_cache,
+    in_scratch_dir,
     llama8b_attention_spec,
     load_random_model,
 )
@@ -204,11 +203,7 @@ def main() -> None:
         args.gpu_cache_mb, args.host_cache_mb = 64, 256
     else:
         spec = llama8b_attention_spec(args.layers, args.ctx + 1024, intermediate_size=14336 if args.full_mlp else 4096)
-    work = Path(tempfile.mkdtemp(prefix="kvstash-bench-"))
-    try:  # the store's page files are tens of GB at 128k: never left behind
-        run(args, spec, work)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    in_scratch_dir(lambda work: run(args, spec, work))
 
 
 def run(args: argparse.Namespace, spec: TinyLlamaSpec, work: Path) -> None:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -137,3 +139,13 @@ def prefilled_sample(worker: Worker, task: str, n_ctx: int, seed: int = 7) -> tu
     print(f"[{n_ctx}] prefix {pre.n_tokens} tokens ({'cached' if pre.cached else 'prefilled'} in "
           f"{time.perf_counter() - t0:.1f} s)", flush=True)
     return sample, pre
+
+
+def in_scratch_dir(fn: Callable[[Path], object], prefix: str = "kvstash-bench-") -> None:
+    """Run ``fn`` on a new temp dir, removed afterwards whatever happens (a store's page files are tens of GB at
+    128k: never left behind)."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        fn(work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

@@ -15,18 +15,17 @@ from typing import TYPE_CHECKING
 
 from store.artifacts import _DTYPE_ORDER, _Entry, _entry, _header, _raw
 from store.errors import InvalidInput
+from store.writer import ArtifactStream, ClosedOrDiscarded
 
 if TYPE_CHECKING:
     import torch
-
-    from store.writer import ArtifactStream
 
 MAX_PENDING_SUMMARY_LAYERS = 2
 """Layers of one artifact queued for the background writer: bounds the (device) memory their tensors hold, while
 the next layer's summaries are computed beside the last one's write."""
 
 
-class LayerArtifact:
+class LayerArtifact(ClosedOrDiscarded):
     """Tensors named ``"{layer}.{name}"`` for layers ``0..n_layers-1``, added a layer at a time in order, written
     to ``stream`` as they come; ``close`` waits for the writes and records the artifact, ``discard`` drops it. A
     context manager that closes on success and discards on an exception."""
@@ -101,12 +100,3 @@ class LayerArtifact:
         self._pool.shutdown(wait=True)
         self._pending.clear()
         self._stream.discard()
-
-    def __enter__(self) -> LayerArtifact:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.discard()

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, Protocol
+from typing import TYPE_CHECKING, BinaryIO, Protocol, Self
 
 import numpy as np
 
@@ -399,7 +399,28 @@ class LayerStream:
         self._writer._streams.pop(self.layer, None)
 
 
-class ArtifactStream:
+class ClosedOrDiscarded:
+    """A context manager that ``close``s on success and ``discard``s on an exception."""
+
+    def close(self) -> None:
+        """Finish (subclasses)."""
+        raise NotImplementedError
+
+    def discard(self) -> None:
+        """Drop what was written (subclasses)."""
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.discard()
+
+
+class ArtifactStream(ClosedOrDiscarded):
     """One artifact, written to its staged file as its bytes arrive (digest computed on the way, room checked
     before each write): memory holds one ``write`` at most. Recorded by ``close`` in its home (a ``PrefixWriter``
     or an artifact added to a committed prefix); a context manager that closes on success and discards on an
@@ -465,11 +486,4 @@ class ArtifactStream:
         self.path.unlink(missing_ok=True)
         self._home._drop_artifact(self)
 
-    def __enter__(self) -> ArtifactStream:
-        return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.discard()
