@@ -111,6 +111,19 @@ def test_strided_and_mixed_dtype_queries(q_dtype: torch.dtype, kb_dtype: torch.d
     _assert_close(out, _exact(q, kb, SCALE), *EXACT_TOL)
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("p0,p1", [(7, 31), (0, 50), (49, 50), (13, 50)])
+def test_a_page_range_of_the_stack_needs_no_copy(dtype: torch.dtype, p0: int, p1: int) -> None:
+    """kb as a view of pages [p0, p1) of a wider stack (rows 50 apart, offset p0): the logits of those pages."""
+    q, full = _case(3, 2, 4, 64, 50, dtype, seed=21)
+    kb = full[..., p0:p1]
+    assert kb.stride(1) == 50 and (p1 - p0 == 50 or not kb.is_contiguous())
+    out = quest_upper_bounds(q, kb, SCALE, use_triton=True)
+    _assert_close(out, quest_upper_bounds_ref(q, kb.contiguous(), SCALE), *TOL[dtype])
+    _assert_close(out, _exact(q, kb, SCALE), *EXACT_TOL if dtype == torch.float32 else TOL[dtype])
+
+
 @pytest.mark.parametrize("use_triton", [False, pytest.param(True, marks=needs_triton)])
 def test_bounds_bound_every_key_logit(use_triton: bool) -> None:
     """From keys: each page's upper bound is >= the logit of every key in it, and = for a one-key page."""
@@ -144,12 +157,13 @@ def test_reference_equals_selector_torch_path(monkeypatch: pytest.MonkeyPatch, d
     q = torch.randn(3, 2, 4, 64, generator=torch.Generator().manual_seed(6))
     kb = torch.cat([sel.bounds["0.kmax"][:, 7:31], sel.bounds["0.kmin"][:, 7:31]], dim=-1).transpose(1, 2)
     assert torch.equal(sel.upper_bounds(0, q, SCALE, 7, 31), quest_upper_bounds_ref(q, kb.contiguous(), SCALE))
-    # a range inside the first one is cut from the stacked bounds (the layer's kmax/kmin are gone by now)
+    # any other range is a view of the same stack (the layer's kmax/kmin are gone by now)
     assert "0.kmax" not in sel.bounds and "0.kmin" not in sel.bounds
     assert torch.equal(sel.upper_bounds(0, q, SCALE, 10, 20),
                        quest_upper_bounds_ref(q, kb[..., 3:13].contiguous(), SCALE))
-    with pytest.raises(ValueError, match="outside the range"):
-        sel.upper_bounds(0, q, SCALE, 5, 20)
+    assert sel.upper_bounds(0, q, SCALE, 0, 40).shape[-1] == 40
+    with pytest.raises(ValueError, match="outside the prefix's 40 pages"):
+        sel.upper_bounds(0, q, SCALE, 5, 41)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])

@@ -33,9 +33,11 @@ def test_generations_over_one_prefix_share_its_stacked_bounds(worker: Worker, st
     size = store.manifest(pid).artifact(QuestBounds.name).size  # type: ignore[union-attr]
     assert a_src.bytes_read == size and b_src.bytes_read == 0 and c_src.bytes_read > 0
     assert a.stacked is b.stacked and a.stacked is not c.stacked  # type: ignore[attr-defined]
-    pages = a.stacked.bounds["0.kmax"].shape[1]  # type: ignore[attr-defined]
+    pages = a.stacked.bounds["0.kmax"].shape[1]  # type: ignore[attr-defined]  # before layer 0 is stacked
     t = a._bounds_t(0, 0, pages)  # type: ignore[attr-defined]
     assert b._bounds_t(0, 0, pages).data_ptr() == t.data_ptr()  # type: ignore[attr-defined]
+    narrower = b._bounds_t(0, 1, pages - 2)  # type: ignore[attr-defined]  # another config's page range: a view
+    assert narrower.data_ptr() == t.data_ptr() + t.element_size() and torch.equal(narrower, t[..., 1:pages - 2])
     key = a_src.shared_key(QuestBounds.name)
     del a, t
     gc.collect()

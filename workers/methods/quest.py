@@ -51,37 +51,28 @@ class QuestBounds(Summarizer):
 
 
 class StackedBounds:
-    """A prefix's page bounds stacked per layer for the scoring kernel: ``[Hkv, 2D, p1 - p0]``, kmax over kmin of
-    pages ``[p0, p1)`` in the bounds' dtype, built once per layer (a step is then one batched matmul, with no
-    per-step dtype conversion). A layer's kmax and kmin are dropped once it is built: a generation asks for one
-    page range per layer, and a range inside it is cut from it. Read-only once built, so the generations over one
-    stored prefix share one (``shared_bounds``)."""
+    """A prefix's page bounds stacked per layer for the scoring kernel: ``[Hkv, 2D, pages]``, kmax over kmin in the
+    bounds' dtype, built once per layer (a step is then one batched matmul, with no per-step dtype conversion),
+    a page range served as a view of it. A layer's kmax and kmin are dropped once it is stacked. Read-only once
+    built, so the generations over one stored prefix share one (``shared_bounds``), whatever their page ranges."""
 
     def __init__(self, bounds: dict[str, torch.Tensor]):
         self.bounds = dict(bounds)  # its own dict: ``get`` drops entries a caller's dict still holds
         self.page = int(self.bounds["0.meta"][0])
-        self._stacked: dict[tuple[int, int, int], torch.Tensor] = {}
-        self._first_range: dict[int, tuple[int, int]] = {}
+        self._stacked: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
 
     def get(self, layer: int, p0: int, p1: int) -> torch.Tensor:
-        """The stacked bounds of ``layer``'s pages ``[p0, p1)`` (ValueError outside the layer's first range)."""
-        key = (layer, p0, p1)
+        """The stacked bounds of ``layer``'s pages ``[p0, p1)``: ``[Hkv, 2D, p1 - p0]``, pages contiguous (a view:
+        ``quest_upper_bounds`` takes its row stride)."""
         with self._lock:
-            if key not in self._stacked:
-                first = self._first_range.get(layer)
-                if first is None:
-                    kmax = self.bounds.pop(f"{layer}.kmax")[:, p0:p1]
-                    kmin = self.bounds.pop(f"{layer}.kmin")[:, p0:p1]
-                    self._stacked[key] = torch.cat([kmax, kmin], dim=-1).transpose(1, 2).contiguous()
-                    self._first_range[layer] = (p0, p1)
-                else:
-                    f0, f1 = first
-                    if not f0 <= p0 <= p1 <= f1:
-                        raise ValueError(f"layer {layer}: pages [{p0}, {p1}) are outside the range [{f0}, {f1}) "
-                                         "its bounds were kept for")
-                    self._stacked[key] = self._stacked[(layer, f0, f1)][..., p0 - f0:p1 - f0].contiguous()
-            return self._stacked[key]
+            full = self._stacked.get(layer)
+            if full is None:
+                kmax, kmin = self.bounds.pop(f"{layer}.kmax"), self.bounds.pop(f"{layer}.kmin")
+                full = self._stacked[layer] = torch.cat([kmax, kmin], dim=-1).transpose(1, 2).contiguous()
+        if not 0 <= p0 <= p1 <= full.shape[2]:
+            raise ValueError(f"layer {layer}: pages [{p0}, {p1}) outside the prefix's {full.shape[2]} pages")
+        return full[..., p0:p1]
 
 
 _SHARED: weakref.WeakValueDictionary[tuple[str, str, str], StackedBounds] = weakref.WeakValueDictionary()

@@ -64,9 +64,10 @@ def _fail(msg: str) -> None:
 def _validate(q: torch.Tensor, kb: torch.Tensor, scale: float) -> None:
     if q.dim() != 4 or q.dtype not in _FLOATS:
         _fail(f"q must be a float tensor [T, Hkv, G, D], got {q.dtype} {tuple(q.shape)}")
-    if kb.dim() != 3 or kb.dtype not in _BOUNDS or not kb.is_contiguous():
-        _fail(f"kb must be a contiguous float tensor [Hkv, 2D, U] (kmax rows over kmin rows, transposed), got "
-              f"{kb.dtype} {tuple(kb.shape)}; build it as StackedBounds.get does (.contiguous())")
+    if kb.dim() != 3 or kb.dtype not in _BOUNDS or (kb.shape[2] > 1 and kb.stride(2) != 1):
+        _fail(f"kb must be a float tensor [Hkv, 2D, U] (kmax rows over kmin rows, transposed) whose pages are "
+              f"contiguous, got {kb.dtype} {tuple(kb.shape)} with strides {kb.stride()}; build it as "
+              "StackedBounds does (a page range of a contiguous stack)")
     if kb.shape[0] != q.shape[1] or kb.shape[1] != 2 * q.shape[3]:
         _fail(f"kb {tuple(kb.shape)} does not match q {tuple(q.shape)}: expected [Hkv={q.shape[1]}, "
               f"2D={2 * q.shape[3]}, U]")
@@ -84,7 +85,8 @@ def quest_upper_bounds(q: torch.Tensor, kb: torch.Tensor, scale: float, *, use_t
     ----------
     q : [T, Hkv, G, D] bf16/fp16/fp32, any strides
         Query rows grouped by KV head. Cast to ``kb``'s dtype before the products (as the torch path does).
-    kb : [Hkv, 2D, U] bf16/fp16/fp32, contiguous, on q's device
+    kb : [Hkv, 2D, U] bf16/fp16/fp32, on q's device; pages contiguous (stride 1), any head and row strides
+        (a page range of a contiguous stack)
         Page bounds, transposed: rows ``[:D]`` kmax, rows ``[D:]`` kmin, one column per page.
     scale : float
         Softmax scale applied to the logits.
@@ -123,7 +125,8 @@ def _launch(q: torch.Tensor, kb: torch.Tensor, scale: float, out: torch.Tensor, 
     block_m = min(config.max_rows, max(_DOT_MIN, next_pow2(m)))
     block_k = min(config.block_k, max(_DOT_MIN, next_pow2(d)))
     grid = (hkv, triton.cdiv(u, config.block_u), triton.cdiv(m, block_m))
-    _quest_scores_kernel[grid](q, kb, out, m, u, g, hkv, *q.stride(), scale, D=d, BLOCK_M=block_m,
+    _quest_scores_kernel[grid](q, kb, out, m, u, g, hkv, *q.stride(), kb.stride(0), kb.stride(1), scale, D=d,
+                               BLOCK_M=block_m,
                                BLOCK_U=config.block_u, BLOCK_K=block_k,
                                INTERPRET=interpreting(), num_warps=config.num_warps,
                                num_stages=config.num_stages)

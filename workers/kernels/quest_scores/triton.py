@@ -32,7 +32,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _quest_scores_kernel(q, kb, out, M, U, G, H, s_qt, s_qh, s_qg, s_qd, scale,
+def _quest_scores_kernel(q, kb, out, M, U, G, H, s_qt, s_qh, s_qg, s_qd, s_kh, s_kr, scale,
                          D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_K: tl.constexpr,
                          INTERPRET: tl.constexpr):
     """Program (h, j, i): logits of query rows block i of KV head h over pages block j."""
@@ -46,14 +46,14 @@ def _quest_scores_kernel(q, kb, out, M, U, G, H, s_qt, s_qh, s_qg, s_qd, scale,
     q_rows = q + t * s_qt + h * s_qh + g * s_qg  # [BLOCK_M] row starts (q may be strided)
     u = j * BLOCK_U + tl.arange(0, BLOCK_U)
     u_ok = u < U
-    k_hi = kb + h * (2 * D) * U  # kmax rows [0, D), kmin rows [D, 2D) of head h
-    k_lo = k_hi + D * U
+    k_hi = kb + h * s_kh  # kmax rows [0, D), kmin rows [D, 2D) of head h (rows s_kr apart: kb may be a page range)
+    k_lo = k_hi + D * s_kr
     acc = tl.zeros([BLOCK_M, BLOCK_U], dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
         c = k0 + tl.arange(0, BLOCK_K)
         c_ok = c < D
         qc = tl.load(q_rows[:, None] + c[None, :] * s_qd, mask=r_ok[:, None] & c_ok[None, :], other=0.0)
-        tile = c[:, None] * U + u[None, :]
+        tile = c[:, None] * s_kr + u[None, :]
         tile_ok = c_ok[:, None] & u_ok[None, :]
         hi = tl.load(k_hi + tile, mask=tile_ok, other=0.0)
         lo = tl.load(k_lo + tile, mask=tile_ok, other=0.0)
