@@ -36,7 +36,6 @@ import functools
 import itertools
 import json
 import sys
-import tempfile
 import time
 import zlib
 from collections.abc import Callable, Iterator
@@ -49,7 +48,13 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import document, drop_os_cache, llama8b_attention_spec, load_random_model  # noqa: E402
+from bench.common import (  # noqa: E402
+    document,
+    drop_os_cache,
+    in_scratch_dir,
+    llama8b_attention_spec,
+    load_random_model,
+)
 from lab.tiny_random import TinyLlamaSpec  # noqa: E402
 from store import crc_batch, page_io  # noqa: E402
 from store.config import StoreConfig  # noqa: E402
@@ -310,7 +315,15 @@ def main() -> None:
         args.ctx, args.layers, args.tokens, args.crc_mb, args.reads = 4096, 4, 4, 32, 4000
         args.gpu_cache_mb, args.host_cache_mb = 8, 512  # the CPU reference kernel converts whole pools
     drop = args.drop_cache == "yes" or (args.drop_cache == "auto" and not args.quick)
-    work = Path(tempfile.mkdtemp(prefix="kvstash-open-"))
+    same = [True]
+    in_scratch_dir(lambda work: same.__setitem__(0, run(args, drop, work)), prefix="kvstash-open-")
+    if not same[0]:
+        sys.exit("rows disagree: how the prefix was opened changed the output")
+
+
+def run(args: argparse.Namespace, drop: bool, work: Path) -> bool:
+    """Every section over one saved prefix in ``work``; prints the tables; whether every row gave the same
+    tokens."""
     lm, store, pid, prefill_s = build(args, work)
     m = store.manifest(pid)
     base = OffloadConfig(gpu_cache_bytes=args.gpu_cache_mb << 20, host_cache_bytes=args.host_cache_mb << 20,
@@ -330,8 +343,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(res, indent=2))
     store.close()
-    if not same:
-        sys.exit("rows disagree: how the prefix was opened changed the output")
+    return same
 
 
 if __name__ == "__main__":
