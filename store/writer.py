@@ -485,5 +485,3 @@ class ArtifactStream(ClosedOrDiscarded):
     def _remove(self) -> None:
         self.path.unlink(missing_ok=True)
         self._home._drop_artifact(self)
-
-
