@@ -109,7 +109,8 @@ class FavorFeatureMap(FeatureMap):
         """Projections ``[Hkv, F, D]`` float32 of one layer (cached per device)."""
         key = (layer, kv_heads, dim, str(device))
         if key not in self._omega:
-            self._omega[key] = favor_omega(self._seed, layer, kv_heads, dim, self.phi_dim).to(device)
+            # a copy: the process-wide cached tensor is never handed out to be modified
+            self._omega[key] = favor_omega(self._seed, layer, kv_heads, dim, self.phi_dim).to(device, copy=True)
         return self._omega[key]
 
     def _log_features(self, layer: int, x: torch.Tensor, mult: float) -> torch.Tensor:
