@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..launch import triton_available
+from ..launch import check_tuning, triton_available
 from .reference import decay_scan_ref
 
 __all__ = ["DecayScanConfig", "decay_scan", "triton_available"]
@@ -30,10 +30,7 @@ class DecayScanConfig:
     """Warps per program."""
 
     def __post_init__(self) -> None:
-        for name in ("block_t", "block_d"):
-            v = getattr(self, name)
-            if v < 1 or v & (v - 1):
-                raise ValueError(f"DecayScanConfig.{name} must be a power of two, got {v}")
+        check_tuning(self, powers_of_two=("block_t", "block_d"))
 
 
 DEFAULT_SCAN = DecayScanConfig()

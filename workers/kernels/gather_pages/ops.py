@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..launch import triton_available
+from ..launch import check_tuning, triton_available
 from .reference import gather_pages_ref
 
 __all__ = ["GatherConfig", "gather_pages", "triton_available"]
@@ -32,10 +32,7 @@ class GatherConfig:
     """One program copies a page's K and V blocks (fewer programs; ``block_bytes`` unused)."""
 
     def __post_init__(self) -> None:
-        if self.block_bytes < 1 or self.block_bytes & (self.block_bytes - 1):
-            raise ValueError(f"GatherConfig.block_bytes must be a power of two, got {self.block_bytes}")
-        if self.num_warps not in _WARPS:
-            raise ValueError(f"GatherConfig.num_warps must be one of {_WARPS}, got {self.num_warps}")
+        check_tuning(self, powers_of_two=("block_bytes",), warps=_WARPS)
 
 
 DEFAULT_GATHER = GatherConfig()

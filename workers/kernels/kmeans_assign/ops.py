@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch
 
-from ..launch import interpreting, next_pow2, triton_available
+from ..launch import check_tuning, interpreting, next_pow2, triton_available
 from .reference import kmeans_assign_ref
 
 __all__ = ["DEFAULT_KMEANS_ASSIGN", "KmeansAssignConfig", "kmeans_assign"]
@@ -46,14 +46,7 @@ class KmeansAssignConfig:
     always multiply exactly on tensor cores."""
 
     def __post_init__(self) -> None:
-        for name in ("block_n", "block_c"):
-            v = getattr(self, name)
-            if v < _DOT_MIN or v & (v - 1):
-                raise ValueError(f"KmeansAssignConfig.{name} must be a power of two >= {_DOT_MIN}, got {v}")
-        if self.num_warps not in _WARPS:
-            raise ValueError(f"KmeansAssignConfig.num_warps must be one of {_WARPS}, got {self.num_warps}")
-        if self.num_stages < 1:
-            raise ValueError(f"KmeansAssignConfig.num_stages must be >= 1, got {self.num_stages}")
+        check_tuning(self, powers_of_two=("block_n", "block_c"), at_least=_DOT_MIN, warps=_WARPS, stages=True)
         if self.fp32_precision not in _PRECISIONS:
             raise ValueError(f"KmeansAssignConfig.fp32_precision must be one of {_PRECISIONS}, "
                              f"got {self.fp32_precision!r}")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..launch import interpreting, next_pow2, triton_available
+from ..launch import check_tuning, interpreting, next_pow2, triton_available
 from .reference import quest_upper_bounds_ref
 
 __all__ = ["DEFAULT_QUEST_SCORES", "QuestScoresConfig", "quest_upper_bounds"]
@@ -44,14 +44,8 @@ class QuestScoresConfig:
     """Pipeline depth of the bounds tiles (tiles in flight per program); >= 1."""
 
     def __post_init__(self) -> None:
-        for name in ("block_u", "block_k", "max_rows"):
-            v = getattr(self, name)
-            if v < _DOT_MIN or v & (v - 1):
-                raise ValueError(f"QuestScoresConfig.{name} must be a power of two >= {_DOT_MIN}, got {v}")
-        if self.num_warps not in _WARPS:
-            raise ValueError(f"QuestScoresConfig.num_warps must be one of {_WARPS}, got {self.num_warps}")
-        if self.num_stages < 1:
-            raise ValueError(f"QuestScoresConfig.num_stages must be >= 1, got {self.num_stages}")
+        check_tuning(self, powers_of_two=("block_u", "block_k", "max_rows"), at_least=_DOT_MIN, warps=_WARPS,
+                     stages=True)
 
 
 DEFAULT_QUEST_SCORES = QuestScoresConfig()

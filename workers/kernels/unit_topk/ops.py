@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..launch import next_pow2, triton_available
+from ..launch import check_tuning, next_pow2, triton_available
 from .reference import group_top_units_ref, top_units_ref
 
 __all__ = ["TopConfig", "group_top_units", "top_units"]
@@ -39,17 +39,12 @@ class TopConfig:
     """Most programs per row when split (longer rows take bigger chunks); a power of two."""
 
     def __post_init__(self) -> None:
-        if self.block_units < 16 or self.block_units & (self.block_units - 1):
-            raise ValueError(f"TopConfig.block_units must be a power of two >= 16, got {self.block_units}")
-        if self.tile_elements < 16 or self.tile_elements & (self.tile_elements - 1):
-            raise ValueError(f"TopConfig.tile_elements must be a power of two >= 16, got {self.tile_elements}")
+        check_tuning(self, powers_of_two=("block_units", "tile_elements"), at_least=16, warps=_WARPS)
         for name in ("split_units", "max_splits"):
             v = getattr(self, name)
             if v < 0 or v & (v - 1) or (name == "max_splits" and v == 0):
                 raise ValueError(f"TopConfig.{name} must be a power of two{' or 0' * (name == 'split_units')}, "
                                  f"got {v}")
-        if self.num_warps not in _WARPS:
-            raise ValueError(f"TopConfig.num_warps must be one of {_WARPS}, got {self.num_warps}")
 
 
 DEFAULT_TOP = TopConfig()
