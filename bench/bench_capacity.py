@@ -108,6 +108,7 @@ def main() -> None:
     p.add_argument("--gpu-cache-mb", type=int, default=OffloadConfig().gpu_cache_bytes >> 20,
                    help="device page cache of each generation")
     p.add_argument("--host-cache-mb", type=int, default=20480)
+    p.add_argument("--paths", default="dense,sparse", help="which paths to measure, comma-separated: dense, sparse")
     p.add_argument("--quick", action="store_true", help="tiny shape on the CPU (smoke run)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
@@ -130,8 +131,11 @@ def run(args: argparse.Namespace, spec: object, work: Path) -> None:
     print(f"device: {torch.cuda.get_device_name() if cuda else 'cpu'} ({total / 2**30:.0f} GiB); "
           f"{spec.n_layers} layers; one prefix of {args.ctx} tokens, prefill+write "  # type: ignore[attr-defined]
           f"{time.perf_counter() - t0:.1f} s", flush=True)
-    results = [measure(store, lm, pid, path, args, cuda) for path in paths(args.gpu_cache_mb << 20,
-                                                                           args.host_cache_mb << 20)]
+    wanted = set(args.paths.split(","))
+    chosen = [path for path in paths(args.gpu_cache_mb << 20, args.host_cache_mb << 20) if path.key in wanted]
+    if not chosen:
+        raise SystemExit(f"--paths {args.paths!r} names none of: dense, sparse")
+    results = [measure(store, lm, pid, path, args, cuda) for path in chosen]
     store.close()
     print(f"\nbudget {args.budget:.0%}; {args.tokens} tokens per generation; N doubled up to {args.max_n}\n")
     print("| path | concurrent generations | limit reached | peak GiB at that N | GiB per added generation "
@@ -146,10 +150,11 @@ def run(args: argparse.Namespace, spec: object, work: Path) -> None:
         print(f"| {r['name']} | {r['capacity']} | {'yes' if r['limit_reached'] else f'no (tried up to {args.max_n})'} "
               f"| {last['peak_bytes'] / 2**30 if last else 0:.1f} | {per:.2f} "
               f"| {last['ms_per_step'] if last else 0:.1f} | {fail} |")
-    dense, sparse = results[0]["capacity"], results[1]["capacity"]
-    if dense:
-        print(f"\nsparse serves {sparse / dense:.1f}x the concurrent generations of dense"
-              + ("" if results[1]["limit_reached"] else " (at least: sparse did not reach its limit)"))
+    by_key = {path.key: r for path, r in zip(chosen, results)}
+    if "dense" in by_key and "sparse" in by_key and by_key["dense"]["capacity"]:
+        dense, sparse = by_key["dense"], by_key["sparse"]
+        print(f"\nsparse serves {sparse['capacity'] / dense['capacity']:.1f}x the concurrent generations of dense"
+              + ("" if sparse["limit_reached"] else " (at least: sparse did not reach its limit)"))
     if args.json:
         args.json.write_text(json.dumps({"ctx": args.ctx, "layers": spec.n_layers,  # type: ignore[attr-defined]
                                          "budget": args.budget, "paths": results}, indent=2))
