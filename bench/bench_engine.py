@@ -148,34 +148,38 @@ def measure(store: KVStore, lm: LoadedModel, pids: list[str], row: EngineRow, bu
     return out
 
 
-def profile_row(store: KVStore, lm: LoadedModel, pid: str, row: EngineRow, budget: float, n: int) -> None:
-    """Print the GPU kernels of a batch-1 generation's steady decode steps (after the query's forward, the
-    first eager step and the capture), by total time per step."""
+def profile_row(store: KVStore, lm: LoadedModel, pids: list[str], row: EngineRow, budget: float, n: int) -> None:
+    """Print the GPU kernels of the steady decode steps of generations over ``pids`` run together (after each
+    one's query forward, first eager step and capture), by total time per step."""
     from torch.profiler import ProfilerActivity, profile
 
     worker = row_worker(store, lm, row)
-    run_together(worker, [pid], row, budget, n)  # warm: kernels compiled, allocator grown
-    stats = GenerationStats()
-    gen = row_stream(worker, pid, row, budget, n, stats)
-    while stats.steps < PROFILE_SKIP:  # the query's forward, the first eager step, the capture
-        next(gen)
+    run_together(worker, pids, row, budget, n)  # warm: kernels compiled, allocator grown, groups captured
+    stats = [GenerationStats() for _ in pids]
+    gens = [row_stream(worker, pid, row, budget, n, st) for pid, st in zip(pids, stats, strict=True)]
+    while any(st.steps < PROFILE_SKIP for st in stats):  # the query's forward, the first eager step, the capture
+        for g in gens:
+            next(g, None)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    first = stats.steps
+    first = stats[0].steps
     with profile(activities=acts) as prof:
-        for _ in gen:
-            pass
+        live = list(gens)
+        while live:
+            for g in list(live):
+                if next(g, None) is None:
+                    live.remove(g)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-    steps = max(1, stats.steps - first)
+    steps = max(1, stats[0].steps - first)
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     events.sort(key=lambda e: -e.device_time_total)
     total = sum(e.self_device_time_total for e in events)
-    print(f"  profile of {row.name}: {steps} steady steps, GPU {total / steps / 1e3:.3f} ms per step (self time)",
-          flush=True)
-    for e in events[:25]:
+    print(f"  profile of {row.name}, batch {len(pids)}: {steps} steady steps, GPU {total / steps / 1e3:.3f} ms per "
+          "step (self time)", flush=True)
+    for e in events[:30]:
         print(f"    {e.self_device_time_total / steps / 1e3:8.4f} ms/step  {e.count / steps:6.1f}/step  {e.key[:90]}",
               flush=True)
-    del worker, gen
+    del worker, gens
     gc.collect()
 
 
@@ -195,6 +199,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="tiny shape on the CPU (smoke run)")
     p.add_argument("--profile", default="", help="comma-separated rows to profile after measuring: GPU kernel time "
                                                  "per step by kernel (one more batch-1 generation under the profiler)")
+    p.add_argument("--profile-batch", type=int, default=1, help="generations run together under the profiler")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     if args.quick:
@@ -229,7 +234,7 @@ def run(args: argparse.Namespace, spec: TinyLlamaSpec, work: Path) -> None:
               f"{r['bn']['tokens_per_s']:.1f} tokens/s; whole-step replays {r['b1']['whole_step_replays']}/"
               f"{r['bn']['whole_step_replays']}", flush=True)
         if row.key in args.profile.split(","):
-            profile_row(store, lm, pids[0], row, args.budget, args.tokens)
+            profile_row(store, lm, pids[:args.profile_batch], row, args.budget, args.tokens)
         if args.json:  # after every row: a run stopped at its time limit keeps what it measured
             args.json.write_text(json.dumps({"ctx": args.ctx, "layers": spec.n_layers, "batch": args.batch,
                                              "budget": args.budget, "prefill_s": prefill_s, "rows": results}))
