@@ -3,14 +3,16 @@
 Checked against sizes known from the layout: ``full``'s resident prefix K/V, the page fetcher's pools at a
 given GPU page-cache size, a query-time cache's kept entries at a given ``budget_tokens``; Quest's page
 bounds, shared by the generations over a prefix, are reported apart and never in a generation's total; the
-counters reach clients through the gRPC worker server and the gateway unchanged.
+counters reach clients through the gRPC worker server and the gateway (SSE and JSON) unchanged.
 """
 
 from __future__ import annotations
 
+import httpx
+
 from client import KVClient
 from store.kvstore import KVStore
-from tests.gateway_harness import services
+from tests.gateway_harness import HEADERS, services
 from tests.streams import drain_together
 from workers.device_bytes import device_bytes
 from workers.engine import Worker
@@ -125,3 +127,7 @@ def test_device_bytes_reach_clients_through_grpc_and_the_gateway(worker: Worker)
             gen = client.generate(QUERY, prefix=pid, max_new_tokens=4, method="full")
             assert gen.text is not None
             assert _mem(gen.stats) == local
+        r = httpx.post(f"{svc.url}/v1/prefixes/{pid}/generate", headers=HEADERS["a"], timeout=60,
+                       json={"query": QUERY, "max_new_tokens": 4, "method": "full"})  # the REST body, not streamed
+        assert r.status_code == 200, r.text
+        assert _mem(GenerationStats.from_json(r.json()["stats"])) == local

@@ -16,16 +16,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from workers.methods.reads import ReadCounter
+from workers.methods.source import PrefixSource
 from workers.offload.host_tier import HostTier
 from workers.offload.memory import HostBuffer
 from workers.offload.stats import OffloadStats
 from workers.offload.summaries import SummaryCache
+from workers.own_kv import OwnKV
 
 NOT_DEVICE_STATE = (nn.Module, HostTier, HostBuffer, SummaryCache, ReadCounter, OffloadStats)
 """Not walked: weights (shared); host-side state (the tiers are the worker's, staging is host memory); read
@@ -142,14 +144,16 @@ class DeviceMeter:
     """The peak of what a generation holds, over samples taken when its state grows most: at open, when its
     query is in (before a query-time cache drops the whole layers it read) and at the end."""
 
-    def __init__(self, measure: Callable[[], DeviceBytes]):
-        self._measure = measure
+    def __init__(self, *, own: OwnKV, source: PrefixSource, method: object, device: torch.device):
+        self._own, self._source, self._method, self._device = own, source, method, device
         self.peak = DeviceBytes()
         self.last = DeviceBytes()
 
     def sample(self) -> None:
         """Measure now (a walk of the generation's state: call between its steps)."""
-        self.last = self._measure()
+        src = self._source
+        self.last = device_bytes(own=self._own, page_cache=(src.fetcher, src.device_cache), method=self._method,
+                                 device=self._device)
         if self.last.total > self.peak.total:
             self.peak = self.last
 

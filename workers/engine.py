@@ -17,7 +17,7 @@ from store.prefix_key import PrefixKey, tenant_salt, token_hash
 from workers.attention import PrefixAttention
 from workers.compression import TOKENS_ARTIFACT, Compressions, tokens_to_bytes
 from workers.decode_batch import DecodeEngine, EngineConfig, Generation
-from workers.device_bytes import DeviceMeter, device_bytes
+from workers.device_bytes import DeviceMeter
 from workers.methods.base import ReportsReads, UsesCudaGraphs
 from workers.methods.compressed import CompressionMethod
 from workers.methods.lookahead import LookaheadModel
@@ -225,8 +225,7 @@ class Worker:
                 attn.use_cuda_graphs()
             gen = self._generation(attn, source, q_ids, params, min(room, params.max_new_tokens),
                                    stats if stats is not None else GenerationStats(), tenant)
-            gen.meter = DeviceMeter(lambda: device_bytes(own=gen.own, page_cache=(source.fetcher, source.device_cache),
-                                                         method=attn, device=self.lm.device))
+            gen.meter = DeviceMeter(own=gen.own, source=source, method=attn, device=self.lm.device)
             gen.meter.sample()
         except BaseException:
             held.close()
