@@ -74,6 +74,7 @@ def test_cli_json_round_trip(tmp_path: Path, tiny_model_dir: Path) -> None:
     gen = json.loads(r.stdout)
     assert isinstance(gen["text"], str) and gen["stats"]["steps"] >= 1
     assert gen["stats"]["bytes_full"] > 0 and gen["stats"]["bytes_fetched"] > 0
+    assert gen["stats"]["device_bytes"] >= gen["stats"]["device_bytes_own_kv"] > 0  # workers.device_bytes
     listing = json.loads(_cli(["ls", "--json"], home, tiny_model_dir).stdout)
     assert [x["prefix_id"] for x in listing] == [pre["prefix_id"]]
     info = json.loads(_cli(["info", pre["prefix_id"], "--json"], home, tiny_model_dir).stdout)

@@ -28,6 +28,7 @@ import torch
 
 from store.errors import Cancelled
 from workers.attention import STEP_KWARG, GraphablePrefix, ObservesQuery, PrefixAttention
+from workers.device_bytes import DeviceMeter
 from workers.model import LoadedModel
 from workers.own_kv import OwnKV
 from workers.ratplus import MEMORY_KWARG, has_decaying_memory
@@ -109,6 +110,8 @@ class Generation:
     """Steps that fed it one token (the first runs eagerly: it warms what a captured step replays)."""
     graph_steps: int = 0
     """Steps it took in a whole-step CUDA graph (or its static-input form; ``workers.step_graph``)."""
+    meter: DeviceMeter | None = None
+    """Samples the device memory it holds (``workers.device_bytes``); sampled here when its query is in."""
 
     @property
     def runnable(self) -> bool:
@@ -366,6 +369,8 @@ class DecodeEngine:
             if g.stats.new_tokens or g.query_told or not isinstance(g.prefix, ObservesQuery):
                 continue
             g.query_told = True
+            if g.meter is not None:  # a query-time cache holds the whole layers now, until query_done
+                g.meter.sample()
             try:
                 with self.turn(), torch.inference_mode():
                     g.prefix.query_done(g.own, g.position)

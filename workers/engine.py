@@ -17,6 +17,7 @@ from store.prefix_key import PrefixKey, tenant_salt, token_hash
 from workers.attention import PrefixAttention
 from workers.compression import TOKENS_ARTIFACT, Compressions, tokens_to_bytes
 from workers.decode_batch import DecodeEngine, EngineConfig, Generation
+from workers.device_bytes import DeviceMeter
 from workers.methods.base import ReportsReads, UsesCudaGraphs
 from workers.methods.compressed import CompressionMethod
 from workers.methods.lookahead import LookaheadModel
@@ -224,6 +225,8 @@ class Worker:
                 attn.use_cuda_graphs()
             gen = self._generation(attn, source, q_ids, params, min(room, params.max_new_tokens),
                                    stats if stats is not None else GenerationStats(), tenant)
+            gen.meter = DeviceMeter(own=gen.own, source=source, method=attn, device=self.lm.device)
+            gen.meter.sample()
         except BaseException:
             held.close()
             raise
@@ -303,6 +306,9 @@ def _finish_stats(gen: Generation, source: PrefixSource) -> None:
         st.prefix_tokens_per_step = [source.n_tokens * lay.n_layers * lay.n_kv_heads] * st.steps
     st.extra["own_kv_bytes"] = float(gen.own.nbytes)  # what its own tokens' K/V came to
     st.extra["graph_steps"] = float(gen.graph_steps)  # steps replayed from a whole-step CUDA graph
+    if gen.meter is not None:  # device memory it held at its peak (workers.device_bytes)
+        gen.meter.sample()
+        st.extra.update(gen.meter.to_extra())
     if gen.batch_sizes:
         st.extra["batch_mean"] = sum(gen.batch_sizes) / len(gen.batch_sizes)
         st.extra["batch_max"] = float(max(gen.batch_sizes))

@@ -61,6 +61,8 @@ class StackedBounds:
         self.page = int(self.bounds["0.meta"][0])
         self._stacked: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
+        self.shared_across_generations = False
+        """Whether ``shared_bounds`` hands it out (its device bytes are then no one generation's own)."""
 
     def get(self, layer: int, p0: int, p1: int) -> torch.Tensor:
         """The stacked bounds of ``layer``'s pages ``[p0, p1)``: ``[Hkv, 2D, p1 - p0]``, pages contiguous (a view:
@@ -90,6 +92,7 @@ def shared_bounds(source: PrefixSource) -> StackedBounds:
         held = _SHARED.get(key)
         if held is None:
             held = StackedBounds(source.artifact(QuestBounds.name))
+            held.shared_across_generations = True
             _SHARED[key] = held
         return held
 
