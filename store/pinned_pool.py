@@ -84,20 +84,22 @@ class StagingLease:
 
     def release(self) -> None:
         """Hand the buffer back (once; later calls do nothing). Nothing may read or write it afterwards."""
-        pool, self._pool = self._pool, None
+        pool = self._pool
         if pool is not None:
             pool._give_back(self)
 
 
 class PinnedPool:
     """Pinned host buffers leased out and kept for reuse, at most ``bound_bytes`` of them (in use and kept);
-    thread safe. ``allocate`` makes a pooled buffer, ``fallback`` one outside the pool (both injectable)."""
+    thread safe. ``allocate`` makes a pooled buffer (``pinned_buffer``), ``fallback`` one outside the pool
+    (``pageable_buffer``): each makes a uint8 tensor of exactly the bytes asked."""
 
-    def __init__(self, bound_bytes: int, *, allocate: Allocate = pinned_buffer, fallback: Allocate = pageable_buffer):
+    def __init__(self, bound_bytes: int, *, allocate: Allocate | None = None, fallback: Allocate | None = None):
         if bound_bytes < 0:
             raise ValueError(f"bound_bytes must be >= 0, got {bound_bytes}")
         self.bound_bytes = bound_bytes
-        self._allocate, self._fallback = allocate, fallback
+        self._allocate = allocate or pinned_buffer
+        self._fallback = fallback or pageable_buffer
         self._lock = threading.Lock()
         self._free: list[torch.Tensor] = []
         self._in_use = 0
@@ -156,11 +158,14 @@ class PinnedPool:
         return buf
 
     def _give_back(self, lease: StagingLease) -> None:
-        if not lease.pooled:
-            return  # dropped: freed with its last reference
-        with self._lock:
-            self._in_use -= lease.buffer.numel()
-            self._free.append(lease.buffer)
+        with self._lock:  # checked and marked at once: a lease released twice, even racing, goes back once
+            if lease._pool is None:
+                return
+            lease._pool = None
+            if lease.pooled:
+                self._in_use -= lease.buffer.numel()
+                self._free.append(lease.buffer)
+        # a buffer outside the pool is dropped: freed with its last reference
 
     def stats(self) -> PoolStats:
         """What the pool holds now and how its leases were served."""
