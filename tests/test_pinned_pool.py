@@ -98,8 +98,8 @@ def test_a_released_buffer_is_leased_again_and_smaller_sizes_reuse_it() -> None:
         small.view((101,))
     small.release()
     assert made == [8192]
-    stats = pool.stats()
-    assert (stats.allocations, stats.reuses, stats.fallbacks, stats.in_use_bytes, stats.free_bytes) == (1, 2, 0, 0, 8192)
+    s = pool.stats()
+    assert (s.allocations, s.reuses, s.fallbacks, s.in_use_bytes, s.free_bytes) == (1, 2, 0, 0, 8192)
 
 
 def test_the_smallest_kept_buffer_that_fits_is_leased() -> None:
@@ -224,11 +224,11 @@ def test_a_second_prefill_of_the_same_shape_reuses_the_staging_buffers(tmp_path:
 def test_a_staging_buffer_is_not_leased_again_before_its_write_finished(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """One buffer in the pool; layer 0's durable write is held back. The buffer stays leased until that write
-    is done: a lease meanwhile gets other memory (were it handed the buffer, the bytes scribbled into it would
-    land in layer 0's file)."""
+    is done, also while the writer drains it: a lease meanwhile gets other memory (were it handed the buffer,
+    the bytes scribbled into it would land in layer 0's file)."""
     store = _store(tmp_path, pinned_staging_bytes=size_class(LAYER_BYTES))
-    gate, started = threading.Event(), threading.Event()
-    real_write = writer_mod.write_bytes_durably
+    gate, started, draining = threading.Event(), threading.Event(), threading.Event()
+    real_write, real_wait = writer_mod.write_bytes_durably, writer_mod.wait
 
     def slow_write(path: Path, arr: object, fsync: bool) -> None:
         if path.name == layer_file_name(0):
@@ -236,21 +236,39 @@ def test_a_staging_buffer_is_not_leased_again_before_its_write_finished(tmp_path
             assert gate.wait(10)
         real_write(path, arr, fsync)  # type: ignore[arg-type]
 
+    def watched_wait(jobs: list) -> object:
+        if not gate.is_set():
+            draining.set()
+        return real_wait(jobs)
+
     monkeypatch.setattr(writer_mod, "write_bytes_durably", slow_write)
+    monkeypatch.setattr(writer_mod, "wait", watched_wait)
     kv = _kv(0)
-    with store.write_prefix(_key(0), model_name="m", n_tokens=N_TOKENS) as w:
-        _stage(w, 0, *kv[0])
-        assert started.wait(10)
-        pool = store.staging_pool()
-        assert pool is not None and pool.stats().in_use_bytes == size_class(LAYER_BYTES)
-        staged = w._pending[0].lease
-        assert staged is not None and staged.pooled
+    pool = store.staging_pool()
+    assert pool is not None
+
+    def scribble_past_layer_0(staged: StagingLease) -> None:
         meanwhile = pool.lease(LAYER_BYTES)
         assert not meanwhile.pooled and meanwhile.buffer.data_ptr() != staged.buffer.data_ptr()
         meanwhile.buffer.fill_(0xAB)
         meanwhile.release()
+
+    with store.write_prefix(_key(0), model_name="m", n_tokens=N_TOKENS) as w:
+        _stage(w, 0, *kv[0])
+        assert started.wait(10)
+        staged = w._pending[0].lease
+        assert staged is not None and staged.pooled and pool.stats().in_use_bytes == size_class(LAYER_BYTES)
+        scribble_past_layer_0(staged)
+        for layer in range(1, MAX_PENDING_LAYERS):  # outside the pool (its one buffer is leased)
+            _stage(w, layer, *kv[layer])
+        # The next layer drains layer 0 first: its buffer goes back only after the held-back write.
+        nxt = threading.Thread(target=_stage, args=(w, MAX_PENDING_LAYERS, *kv[MAX_PENDING_LAYERS]))
+        nxt.start()
+        assert draining.wait(10)
+        scribble_past_layer_0(staged)
         gate.set()
-        for layer in range(1, LAYOUT.n_layers):
+        nxt.join()
+        for layer in range(MAX_PENDING_LAYERS + 1, LAYOUT.n_layers):
             _stage(w, layer, *kv[layer])
         w.commit()
     _assert_intact(store, 0, kv)
