@@ -105,14 +105,8 @@ class PendingLayer:
     lease: StagingLease | None
 
     def settle(self) -> None:
-        """Wait for every job (a failed one included), then hand the staging buffer back."""
+        """Wait for every job, a failed one included: then nothing reads the layer's bytes any more."""
         wait([self.digest_job, *self.other_jobs])
-        self.release()
-
-    def release(self) -> None:
-        """Hand the staging buffer back: only once no job reads it (done, cancelled or never started)."""
-        if self.lease is not None:
-            self.lease.release()
 
 
 def tmp_dir_name(prefix_id: str) -> str:
@@ -146,6 +140,8 @@ class PrefixWriter:
         self._pending: list[PendingLayer] = []
         self._staging: PinnedPool | None = None
         """Where device layers are staged (``_write_staged``): the store's pool, or this writer's own."""
+        self._spares: list[StagingLease] = []
+        """Pageable buffers of this writer (the pool was full when it staged a layer), free for its next layers."""
         self.tmp_dir = store.prefixes_dir / tmp_dir_name(self.prefix_id)
         self.tmp_dir.mkdir(parents=True)  # last: a failure above leaves nothing on disk
         threads = store.config.write_threads
@@ -168,14 +164,30 @@ class PrefixWriter:
         goes back once every job reading it is done (``PendingLayer.settle``), never earlier."""
         self._check_new_layer(layer)
         self._drain(MAX_PENDING_LAYERS - 1)  # first: a writer leases at most MAX_PENDING_LAYERS buffers
-        lease = self._staging_pool(pages.numel()).lease(pages.numel())
+        lease = self._lease_staging(pages.numel())
         try:
             buf = lease.view(pages.shape)
             buf.copy_(pages)  # synchronous: the bytes are on the host when this returns
             self._write_pages(layer, buf.numpy(), lease)
         except BaseException:
-            lease.release()  # no job reads it: ``_write_pages`` raises only once none runs
+            self._hand_back(lease)  # no job reads it: ``_write_pages`` raises only once none runs
             raise
+
+    def _lease_staging(self, nbytes: int) -> StagingLease:
+        """A pooled (pinned) buffer, else a spare of this writer's, else a new pageable one: never a wait."""
+        lease = self._staging_pool(nbytes).try_lease(nbytes)
+        if lease is not None:
+            return lease
+        if self._spares:
+            return self._spares.pop()
+        return self._staging_pool(nbytes).outside(nbytes)
+
+    def _hand_back(self, lease: StagingLease | None) -> None:
+        """A staging buffer no job reads any more: back to the pool, or kept as this writer's spare."""
+        if lease is not None and lease.pooled:
+            lease.release()
+        elif lease is not None:
+            self._spares.append(lease)
 
     def _staging_pool(self, nbytes: int) -> PinnedPool:
         if self._staging is None:  # without the store's pool: a ring of this writer's own, as many as it leases
@@ -250,6 +262,7 @@ class PrefixWriter:
         while len(self._pending) > keep:
             p = self._pending.pop(0)
             p.settle()
+            self._hand_back(p.lease)
             for f in p.other_jobs:
                 f.result()
             self._files[p.layer] = FileInfo(name=p.name, size=p.size, blake2b=str(p.digest_job.result()))
@@ -383,9 +396,12 @@ class PrefixWriter:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        for p in self._pending:
-            p.release()
+        for p in self._pending:  # every job is done or cancelled: nothing reads their buffers
+            self._hand_back(p.lease)
         self._pending.clear()
+        for spare in self._spares:
+            spare.release()
+        self._spares.clear()
         self._staging = None  # a pool of this writer's own is freed with it
 
 

@@ -66,15 +66,21 @@ def _assert_intact(store: KVStore, seed: int, kv: list[tuple[torch.Tensor, torch
 
 @pytest.fixture()
 def leased(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[StagingLease]]:
-    """Every lease any pool hands out, in order."""
+    """Every lease any pool hands out (pooled or outside), in order."""
     seen: list[StagingLease] = []
-    real = PinnedPool.lease
+    try_lease, outside = PinnedPool.try_lease, PinnedPool.outside
 
-    def spy(self: PinnedPool, nbytes: int) -> StagingLease:
-        seen.append(lease := real(self, nbytes))
+    def spy_try(self: PinnedPool, nbytes: int) -> StagingLease | None:
+        if (lease := try_lease(self, nbytes)) is not None:
+            seen.append(lease)
         return lease
 
-    monkeypatch.setattr(PinnedPool, "lease", spy)
+    def spy_outside(self: PinnedPool, nbytes: int) -> StagingLease:
+        seen.append(lease := outside(self, nbytes))
+        return lease
+
+    monkeypatch.setattr(PinnedPool, "try_lease", spy_try)
+    monkeypatch.setattr(PinnedPool, "outside", spy_outside)
     yield seen
 
 
@@ -275,6 +281,25 @@ def test_a_staging_buffer_is_not_leased_again_before_its_write_finished(tmp_path
     after = pool.lease(LAYER_BYTES)
     assert after.pooled and after.buffer is staged.buffer  # handed back once its write was done
     after.release()
+    store.close()
+
+
+def test_with_the_pool_in_use_a_prefill_stages_in_its_own_reused_buffers(tmp_path: Path,
+                                                                           leased: list[StagingLease]) -> None:
+    """Another holds the whole bound: the prefill neither waits nor fails; it makes at most as many pageable
+    buffers as it has layers in flight, reuses them for its later layers, and frees them at the end."""
+    store = _store(tmp_path, pinned_staging_bytes=size_class(LAYER_BYTES))
+    pool = store.staging_pool()
+    assert pool is not None
+    other = pool.lease(LAYER_BYTES)
+    assert other.pooled
+    leased.clear()
+    kv = _prefill(store, 0)
+    assert LAYOUT.n_layers > MAX_PENDING_LAYERS and pool.stats().fallbacks == MAX_PENDING_LAYERS
+    assert len({id(lease) for lease in leased}) == MAX_PENDING_LAYERS
+    assert all(not lease.pooled and lease.released for lease in leased)
+    other.release()
+    _assert_intact(store, 0, kv)
     store.close()
 
 
