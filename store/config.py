@@ -29,6 +29,12 @@ class StoreConfig:
     write_threads: int = 4
     """Threads a prefill's page writer overlaps per-page CRCs, file digests and durable writes on
     (layer l is checksummed and written while layer l+1 is computed and packed)."""
+    pinned_staging_bytes: int = 4 << 30
+    """Pinned host memory the store keeps for staging prefills' device layers (``store.pinned_pool``), reused
+    across prefills: a prefill holds up to ``store.writer.MAX_PENDING_LAYERS`` (4) layers' page bytes
+    (512 MiB each at 128k tokens of Llama-3.1-8B), so 4 GiB serves two such prefills at once. Past it, layers
+    are staged in pageable memory (slower copies, no waiting). 0: no pool, each prefill allocates (and frees)
+    its own pinned buffers."""
     metadata_url: str | None = None
     """Metadata backend: None or ``lmdb`` -> LMDB in ``home/meta``; ``lmdb:///path``; ``redis://host:port/db``."""
     metadata_namespace: str = "kvstash:"
@@ -49,6 +55,8 @@ class StoreConfig:
             raise ValueError("lmdb_map_size must be at least 1 MiB")
         if not self.metadata_namespace:
             raise ValueError("metadata_namespace must not be empty")
+        if self.pinned_staging_bytes < 0:
+            raise ValueError(f"pinned_staging_bytes must be >= 0, got {self.pinned_staging_bytes}")
         for name in ("capacity_bytes", "max_bytes_per_tenant", "max_prefixes_per_tenant"):
             value = getattr(self, name)
             if value is not None and value < 0:

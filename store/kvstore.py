@@ -17,6 +17,7 @@ import hmac
 import logging
 import os
 import shutil
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -47,6 +48,7 @@ from store.metadata import Lease, MetadataBackend, PrefixUsage, lease_prefix, pr
 from store.metadata_factory import open_metadata
 from store.page_io import PageCheck, PosixPageReader, read_checked
 from store.pages import file_digest, unpack_pages
+from store.pinned_pool import PinnedPool
 from store.prefix_key import PrefixKey, check_prefix_id, tenant_salt
 from store.recovery import CheckReport, Problem
 from store.writer import PAGE_CRC_ARTIFACT, PrefixWriter, tmp_dir_name
@@ -103,6 +105,8 @@ class KVStore:
             raise StoreUnavailable(f"data directory {home} is not usable: {e.strerror or e}") from e
         self._meta = meta or open_metadata(self.config.metadata_url, home, lmdb_map_size=self.config.lmdb_map_size,
                                            namespace=self.config.metadata_namespace)
+        self._staging: PinnedPool | None = None
+        self._staging_lock = threading.Lock()
         if recover:
             self.recover()
 
@@ -166,6 +170,16 @@ class KVStore:
             yield writer
         finally:
             writer.abort()  # no-op after a commit: the temp dir was renamed away
+
+    def staging_pool(self) -> PinnedPool | None:
+        """The pinned buffers prefills stage device layers in, shared by this store's writers (made at the first
+        use); None when ``config.pinned_staging_bytes`` is 0 (each writer allocates its own)."""
+        if self.config.pinned_staging_bytes == 0:
+            return None
+        with self._staging_lock:
+            if self._staging is None:
+                self._staging = PinnedPool(self.config.pinned_staging_bytes)
+            return self._staging
 
     def _check_room(self, tenant: str, page_bytes: int) -> None:
         """QuotaExceeded when a new prefix of ``page_bytes`` would exceed the capacity or ``tenant``'s quotas;
@@ -571,5 +585,7 @@ class KVStore:
         return disk_record.artifact_problem(d, m) if artifacts else None
 
     def close(self) -> None:
-        """Release the metadata backend."""
+        """Release the metadata backend and the kept staging buffers."""
         self._meta.close()
+        if self._staging is not None:
+            self._staging.clear()

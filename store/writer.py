@@ -11,8 +11,9 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Protocol, Self
 
@@ -27,6 +28,7 @@ from store.limits import MAX_ARTIFACTS, check_text, max_artifact_bytes
 from store.manifest import ArtifactInfo, FileInfo, Manifest
 from store.metadata import prefix_bytes
 from store.pages import bytes_digest, layer_file_name, pack_layer, page_crc, page_crc_seed, write_bytes_durably
+from store.pinned_pool import PinnedPool, StagingLease, size_class
 from store.prefix_key import PrefixKey
 
 if TYPE_CHECKING:
@@ -52,6 +54,10 @@ class WriterHome(Protocol):
 
     def quota_guard(self, tenant: str, page_bytes: int) -> AbstractContextManager[None]:
         """Held around a commit: the tenant's quotas re-checked atomically with it."""
+        ...
+
+    def staging_pool(self) -> PinnedPool | None:
+        """The pinned buffers shared by the store's writers to stage device layers in; None: each writer its own."""
         ...
 
 
@@ -86,6 +92,23 @@ STAGED_PREFIX = ".artifact-"
 """Name prefix of artifact files staged in a temp dir (by put order), renamed to ``artifact_NNN.bin`` at commit."""
 
 
+@dataclass(frozen=True)
+class PendingLayer:
+    """A layer whose checksums and durable write may still run: they all read its bytes (``lease``'s buffer,
+    when it was staged), so the buffer goes back only once every one of its jobs is done."""
+
+    layer: int
+    name: str
+    size: int
+    digest_job: Future
+    other_jobs: list[Future]
+    lease: StagingLease | None
+
+    def settle(self) -> None:
+        """Wait for every job, a failed one included: then nothing reads the layer's bytes any more."""
+        wait([self.digest_job, *self.other_jobs])
+
+
 def tmp_dir_name(prefix_id: str) -> str:
     """A fresh temp dir name for ``prefix_id`` (garbage collection reads the id back from it)."""
     return f"{TMP_PREFIX}{prefix_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -114,10 +137,11 @@ class PrefixWriter:
         self._room_lock = threading.Lock()
         n_pages = self.layout.n_pages(n_tokens)
         self._crc = np.zeros((self.layout.n_layers, self.layout.n_kv_heads, n_pages), dtype=np.uint32)
-        self._pending: list[tuple[int, str, int, Future, list[Future]]] = []
-        self._pinned: list[torch.Tensor] = []
-        """Pinned host buffers device layers are staged in (``_staged``), allocated at the first one."""
-        self._next_pinned = 0
+        self._pending: list[PendingLayer] = []
+        self._staging: PinnedPool | None = None
+        """Where device layers are staged (``_write_staged``): the store's pool, or this writer's own."""
+        self._spares: list[StagingLease] = []
+        """Pageable buffers of this writer (the pool was full when it staged a layer), free for its next layers."""
         self.tmp_dir = store.prefixes_dir / tmp_dir_name(self.prefix_id)
         self.tmp_dir.mkdir(parents=True)  # last: a failure above leaves nothing on disk
         threads = store.config.write_threads
@@ -131,29 +155,55 @@ class PrefixWriter:
             raise InvalidInput(f"layer {layer}: K/V must be {expect}, got {tuple(k.shape)}, {tuple(v.shape)}")
         if k.device.type == "cuda":  # packed where it is, then one copy into pinned memory (a pageable copy of
             # the unpacked K and V, then packing on the host, took 0.5 s of a 128k layer's 512 MiB)
-            self.write_layer_pages(layer, self._staged(pack_layer(lay, k.detach(), v.detach())))
+            self._write_staged(layer, pack_layer(lay, k.detach(), v.detach()))
         else:
             self.write_layer_pages(layer, pack_layer(lay, k.detach().cpu(), v.detach().cpu()).numpy())
 
-    def _staged(self, pages: torch.Tensor) -> np.ndarray:
-        """A device layer's page bytes copied into the next pinned host buffer of a ring one longer than the
-        pending layers (``write_layer_pages`` keeps at most ``MAX_PENDING_LAYERS``, so the buffer's last layer
-        is written by now)."""
-        import torch
+    def _write_staged(self, layer: int, pages: torch.Tensor) -> None:
+        """Write a layer's page bytes (on a device) from a host buffer leased from the staging pool; the buffer
+        goes back once every job reading it is done (``PendingLayer.settle``), never earlier."""
+        self._check_new_layer(layer)
+        self._drain(MAX_PENDING_LAYERS - 1)  # first: a writer leases at most MAX_PENDING_LAYERS buffers
+        lease = self._lease_staging(pages.numel())
+        try:
+            buf = lease.view(pages.shape)
+            buf.copy_(pages)  # synchronous: the bytes are on the host when this returns
+            self._write_pages(layer, buf.numpy(), lease)
+        except BaseException:
+            self._hand_back(lease)  # no job reads it: ``_write_pages`` raises only once none runs
+            raise
 
-        if not self._pinned or self._pinned[0].shape != pages.shape:
-            self._pinned = [torch.empty(pages.shape, dtype=torch.uint8, pin_memory=True)
-                            for _ in range(MAX_PENDING_LAYERS + 1)]
-        buf = self._pinned[self._next_pinned]
-        self._next_pinned = (self._next_pinned + 1) % len(self._pinned)
-        buf.copy_(pages)  # synchronous: the bytes are on the host when this returns
-        return buf.numpy()
+    def _lease_staging(self, nbytes: int) -> StagingLease:
+        """A pooled (pinned) buffer, else a spare of this writer's, else a new pageable one: never a wait."""
+        lease = self._staging_pool(nbytes).try_lease(nbytes)
+        if lease is not None:
+            return lease
+        if self._spares:
+            return self._spares.pop()
+        return self._staging_pool(nbytes).outside(nbytes)
+
+    def _hand_back(self, lease: StagingLease | None) -> None:
+        """A staging buffer no job reads any more: back to the pool, or kept as this writer's spare."""
+        if lease is not None and lease.pooled:
+            lease.release()
+        elif lease is not None:
+            self._spares.append(lease)
+
+    def _staging_pool(self, nbytes: int) -> PinnedPool:
+        if self._staging is None:  # without the store's pool: a ring of this writer's own, as many as it leases
+            self._staging = self.store.staging_pool() or PinnedPool(MAX_PENDING_LAYERS * size_class(nbytes))
+        return self._staging
 
     def write_layer_pages(self, layer: int, arr: np.ndarray) -> None:
         """Store one layer already laid out as page-file bytes ``uint8 [kv_heads, n_pages, page_bytes]``.
 
         Checksums and the durable write may run in the background until ``commit``: ``arr`` must not
         change until then; a failure raises from a later ``write_layer_pages`` or from ``commit``."""
+        self._write_pages(layer, arr, None)
+
+    def _write_pages(self, layer: int, arr: np.ndarray, lease: StagingLease | None) -> None:
+        """``write_layer_pages``, with the staging buffer ``arr`` lives in (handed back once its jobs are done).
+        When this raises, no job reads ``arr``."""
         lay = self.layout
         expect = (lay.n_kv_heads, lay.n_pages(self.n_tokens), lay.page_bytes)
         if arr.dtype != np.uint8 or tuple(arr.shape) != expect:
@@ -162,16 +212,22 @@ class PrefixWriter:
         name = layer_file_name(layer)
         # Bounded pipeline: at most MAX_PENDING_LAYERS layers' bytes are held while being written.
         self._drain(MAX_PENDING_LAYERS - 1)
-        digest_job = self._run(functools.partial(bytes_digest, arr))
-        other_jobs = [self._run(functools.partial(write_bytes_durably, self.tmp_dir / name, arr,
-                                                  self.store.config.fsync)),
-                      *(self._run(functools.partial(self._page_crcs, layer, arr, h)) for h in range(lay.n_kv_heads))]
-        self._pending.append((layer, name, arr.nbytes, digest_job, other_jobs))
+        jobs: list[Future] = []
+        try:
+            jobs.append(self._run(functools.partial(bytes_digest, arr)))
+            jobs.append(self._run(functools.partial(write_bytes_durably, self.tmp_dir / name, arr,
+                                                    self.store.config.fsync)))
+            for h in range(lay.n_kv_heads):
+                jobs.append(self._run(functools.partial(self._page_crcs, layer, arr, h)))
+        except BaseException:
+            wait(jobs)  # the ones already started finish before the caller may reuse ``arr``
+            raise
+        self._pending.append(PendingLayer(layer, name, arr.nbytes, jobs[0], jobs[1:], lease))
 
     def _check_new_layer(self, layer: int) -> None:
         if not 0 <= layer < self.layout.n_layers:
             raise InvalidInput(f"layer {layer} out of range [0, {self.layout.n_layers})")
-        if layer in self._files or layer in self._streams or any(p[0] == layer for p in self._pending):
+        if layer in self._files or layer in self._streams or any(p.layer == layer for p in self._pending):
             raise InvalidInput(f"layer {layer} was already written")
 
     def open_layer(self, layer: int) -> LayerStream:
@@ -204,10 +260,12 @@ class PrefixWriter:
     def _drain(self, keep: int) -> None:
         """Wait for pending layer writes until at most ``keep`` remain; the first failure raises."""
         while len(self._pending) > keep:
-            layer, name, size, digest_job, other_jobs = self._pending.pop(0)
-            for f in other_jobs:
+            p = self._pending.pop(0)
+            p.settle()
+            self._hand_back(p.lease)
+            for f in p.other_jobs:
                 f.result()
-            self._files[layer] = FileInfo(name=name, size=size, blake2b=str(digest_job.result()))
+            self._files[p.layer] = FileInfo(name=p.name, size=p.size, blake2b=str(p.digest_job.result()))
 
     def put_artifact(self, name: str, data: ArtifactData) -> None:
         """Write an artifact to its file in the temp dir now (``open_artifact`` fed every chunk of ``data``)."""
@@ -327,17 +385,24 @@ class PrefixWriter:
             stream.discard()
         for artifact in list(self._artifact_streams.values()):
             artifact.discard()
-        for *_, digest_job, other_jobs in self._pending:
-            for f in (digest_job, *other_jobs):
+        for p in self._pending:
+            for f in (p.digest_job, *p.other_jobs):
                 f.cancel()
-        self._shutdown()  # running writes finish before their files are removed
-        self._pending.clear()
+        self._shutdown()  # running writes finish before their files are removed (and their buffers go back)
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
     def _shutdown(self) -> None:
+        """Stop the writer's threads once their jobs are done, then hand back every staging buffer."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        for p in self._pending:  # every job is done or cancelled: nothing reads their buffers
+            self._hand_back(p.lease)
+        self._pending.clear()
+        for spare in self._spares:
+            spare.release()
+        self._spares.clear()
+        self._staging = None  # a pool of this writer's own is freed with it
 
 
 class LayerStream:

@@ -538,9 +538,10 @@ def test_another_tenants_prefix_looks_missing(store: KVStore) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_layers_are_staged_through_the_pinned_ring_intact(tmp_path: Path) -> None:
-    """Device layers are packed on the device and staged in a ring of pinned buffers; more layers than the ring
-    holds, so each buffer is reused while earlier layers may still be being written."""
+def test_cuda_layers_are_staged_through_pinned_buffers_intact(tmp_path: Path) -> None:
+    """Device layers are packed on the device and staged in pinned buffers leased from the store's pool; more
+    layers than a writer holds at once, so each buffer is reused while earlier layers may still be being
+    written."""
     from store.writer import MAX_PENDING_LAYERS
 
     layers, n = 2 * (MAX_PENDING_LAYERS + 1) + 1, 100
