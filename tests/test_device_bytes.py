@@ -87,6 +87,24 @@ def test_page_cache_bytes_follow_the_gpu_cache_size(store: KVStore, lm: LoadedMo
     assert pages[32] > pages[8]
 
 
+def test_a_device_planned_generation_keeps_one_page_cache(store: KVStore, lm: LoadedModel) -> None:
+    """Over a warm prefix the device-planned cache serves the decode steps: the query's larger fetches go to
+    one-off pools, so the generation holds that cache alone, not the fetcher's per-layer pools beside it."""
+    lay = lm.layout
+    slots = 64  # per layer: fewer than the prefix's pages, room for a call of a 10 % step's pages
+    held = {}
+    for plan in ("off", "on"):
+        cfg = OffloadConfig(gpu_cache_bytes=slots * lay.n_layers * lay.page_payload_bytes, device_plan=plan,
+                            host_cache_bytes=1000 * lay.page_bytes, warm_in_background=False)
+        worker = Worker(store, lm, progress=False, offload=cfg)
+        st = _generate(worker, _prefill(worker), "quest", DecodeConfig(budget=0.1))
+        held[plan] = _mem(st)["page_cache"]
+        if plan == "on":
+            assert st.extra["offload_device_plan_fetches"] > 0
+    pools = lay.n_layers * slots * lay.page_payload_bytes  # K and V rows of every layer's slots
+    assert pools <= held["off"] and pools <= held["on"] < pools + held["off"] // 2  # one set of pools, not two
+
+
 def test_query_time_cache_peaks_at_the_whole_prefix_and_ends_at_its_budget(worker: Worker, lm: LoadedModel) -> None:
     pid = _prefill(worker)
     n = worker.store.find(pid).n_tokens  # type: ignore[union-attr]

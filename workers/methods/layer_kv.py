@@ -238,8 +238,14 @@ class FetchedKV(LayerKV):
             return res.k, res.v, res.rows
         first = pages * self.page_size  # each page's first token; a fetch of them fetches exactly these pages
         counts = torch.full((1, self.n_heads), first.shape[1], device=first.device)
-        res = self.fetcher.fetch_tokens(self.layer, first[None], counts, step=step, overflow=True)
+        res = self.fetcher.fetch_tokens(self.layer, first[None], counts, step=step, overflow=True,
+                                        one_off=self._served_by(dc))
         return res.k, res.v, res.token_rows(first)
+
+    def _served_by(self, dc: DevicePageCache | None) -> bool:
+        """Whether the device-planned cache serves this layer's steps (then a larger fetch goes to a one-off pool:
+        the fetcher keeps no GPU page cache of the layer beside it)."""
+        return dc is not None and not self._extra
 
     def step(self, tokens: torch.Tensor, counts: torch.Tensor, step: int, *, overflow: bool = False) -> StepKV:
         """One tiered fetch of every page the rows touch; rows index the page cache.
@@ -255,6 +261,7 @@ class FetchedKV(LayerKV):
                     res = dc.fetch(self.layer, pages[:, :n])
                 return StepKV(k=res.k, v=res.v, rows=res.token_rows(tokens), extra_base=res.extra_base,
                               extra_stride=0)
-        res = self.fetcher.fetch_tokens(self.layer, tokens, counts, step=step, overflow=overflow)
+        res = self.fetcher.fetch_tokens(self.layer, tokens, counts, step=step, overflow=overflow,
+                                        one_off=self._served_by(dc))
         return StepKV(k=res.k, v=res.v, rows=res.token_rows(tokens), extra_base=res.extra_base,
                       extra_stride=res.n_extra)

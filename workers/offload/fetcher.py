@@ -113,14 +113,30 @@ class PageFetcher:
             return self._fetch_keys(layer, keys, lin, step=step)
 
     def fetch_tokens(self, layer: int, tokens: torch.Tensor, counts: torch.Tensor, *,
-                     step: int | None = None, overflow: bool = False) -> FetchResult:
+                     step: int | None = None, overflow: bool = False, one_off: bool = False) -> FetchResult:
         """Fetch the pages of the first ``counts`` token ids of each row of ``tokens [..., Hkv, n]``
         (counts ``[..., Hkv]``; rows of a step are merged); token ids outside the prefix raise.
         ``step``: as for ``fetch``. More pages than the layer's GPU page cache holds raise
         ``CacheTooSmall`` unless ``overflow``: then they go to a one-off pool (over the GPU budget for
-        this call only; counted in ``stats.overflow_fetches``)."""
+        this call only; counted in ``stats.overflow_fetches``). ``one_off``: every page goes to a pool of
+        their size dropped with the result, and the layer keeps no GPU page cache (a layer whose steps a
+        device-planned cache serves: a second cache beside it would double the generation's device memory)."""
         with self.stats.timed("fetch", self.device):
-            return self._fetch_keys(layer, self._token_keys(tokens, counts), step=step, overflow=overflow)
+            keys = self._token_keys(tokens, counts)
+            if not one_off:
+                return self._fetch_keys(layer, keys, step=step, overflow=overflow)
+            if keys.size > self.slots_per_layer:  # the same bound as the layer's cache would set
+                if not overflow:
+                    raise self._too_small(layer, int(keys.size), self.slots_per_layer)
+                self.stats.overflow_fetches += 1
+            self._release_layer(layer)
+            return self._fetch_keys(layer, keys, step=step, cache=self._one_off_cache(max(1, int(keys.size))))
+
+    def _release_layer(self, layer: int) -> None:
+        """Drop ``layer``'s GPU page cache, if it has one (its results keep their pools while referenced)."""
+        if layer in self._layers:
+            self._wait_own()
+            del self._layers[layer]
 
     def read_layer(self, layer: int, *, step: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """All of ``layer``'s K, V ``[Hkv, N, D]`` on the device, every page fetched through the tiers.
@@ -235,9 +251,7 @@ class PageFetcher:
         if keys.size > cache.n_slots and overflow:
             cache = self._overflow_cache(layer, int(keys.size))
         elif keys.size > cache.n_slots:
-            raise CacheTooSmall(f"a step asked for {keys.size} pages of layer {layer} but its GPU page cache holds "
-                                f"{cache.n_slots}; raise OffloadConfig.gpu_cache_bytes to at least "
-                                f"{keys.size * self.layout.page_payload_bytes * self.layout.n_layers} bytes")
+            raise self._too_small(layer, int(keys.size), cache.n_slots)
         if step is None:
             step = self._fetches.get(layer, 0)
         self._fetches[layer] = step + 1
@@ -268,6 +282,11 @@ class PageFetcher:
                 raise
         st.record(step, counts)
         return cache.result(dev[-1].view(self.layout.n_kv_heads, -1) if lin is not None else None)
+
+    def _too_small(self, layer: int, n_keys: int, n_slots: int) -> CacheTooSmall:
+        return CacheTooSmall(f"a step asked for {n_keys} pages of layer {layer} but its GPU page cache holds "
+                             f"{n_slots}; raise OffloadConfig.gpu_cache_bytes to at least "
+                             f"{n_keys * self.layout.page_payload_bytes * self.layout.n_layers} bytes")
 
     def _one_off_cache(self, n_slots: int) -> LayerCache:
         """An empty cache of ``n_slots`` for one fetch (dropped with its result)."""
