@@ -11,6 +11,7 @@ import torch
 from store.kvstore import KVStore
 from store.layout import KVLayout
 from tests.streams import drain_together
+from workers import decode_batch
 from workers.decode_batch import EngineConfig
 from workers.engine import DEFAULT_OFFLOAD, Worker
 from workers.model import LoadedModel, load_model
@@ -57,16 +58,23 @@ def test_static_steps_give_the_packed_steps_tokens_and_reads(store: KVStore, end
     assert len(graphs) == 0  # the finished generations' steps are not kept
 
 
-def test_a_generation_outgrowing_its_own_buffer_gets_a_new_static_step(store: KVStore,
-                                                                        endless_lm: LoadedModel) -> None:
+@pytest.mark.parametrize("ahead", [decode_batch.RESERVE_AHEAD, 8])
+def test_a_generation_outgrowing_its_own_buffer_gets_a_new_static_step(store: KVStore, endless_lm: LoadedModel,
+                                                                        monkeypatch: pytest.MonkeyPatch,
+                                                                        ahead: int) -> None:
+    monkeypatch.setattr(decode_batch, "RESERVE_AHEAD", ahead)
     off, static = _worker(store, endless_lm, "off"), _worker(store, endless_lm, "eager")
     pids = [off.prefill(d).prefix_id for d in DOCS[:1]]
-    n_new = 90  # beyond the buffer's first room (query + 64 tokens): it grows mid-generation
+    n_new = 90  # beyond the buffer's first room (query + 64 tokens)
     want = _run(off, pids, "quest", n_new)
     got = _run(static, pids, "quest", n_new)
     assert got[0].token_ids == want[0].token_ids and len(got[0].token_ids) == n_new
     graphs = static.engine._graphs
-    assert graphs is not None and graphs.captures >= 2
+    assert graphs is not None
+    if ahead >= n_new:  # room for all its steps reserved at its first static step: one capture serves them all
+        assert graphs.captures == 1
+    else:  # room for 8 steps at a time: the buffer grows mid-generation, and its step is captured again
+        assert graphs.captures >= 2
 
 
 def test_a_batch_is_captured_only_when_it_repeats(store: KVStore, endless_lm: LoadedModel) -> None:
@@ -186,6 +194,24 @@ def test_generations_split_over_groups_are_merged_once_stable() -> None:
         assert len(groups) == 2
     groups, rest = cache.plan(both)  # the same two for MERGE_AFTER steps: one group now
     assert [ids for _, ids in groups] == [[0, 1]] and rest == [] and cache.merges == 1 and len(cache) == 1
+
+
+def test_no_merge_for_generations_about_to_end() -> None:
+    """A merged group lasts no longer than its members: none is captured for one whose generation ends within
+    MERGE_AFTER steps; the split groups keep replaying."""
+    cache = StepGraphCache(_Counting(), torch.device("cpu"), capture=False)
+    first, both = _candidates(1), _candidates(1, 2)
+    ending = [both[0], Candidate(both[1].key, both[1].member, steps_left=StepGraphCache.MERGE_AFTER - 1)]
+    cache.plan(first)
+    cache.plan(first)  # group {1}
+    cache.plan(both)
+    cache.plan(both)  # group {2}
+    for _ in range(2 * StepGraphCache.MERGE_AFTER):
+        groups, rest = cache.plan(ending)
+        assert len(groups) == 2 and rest == []
+    assert cache.merges == 0
+    groups, _ = cache.plan(both)  # the same two, now expected to last: merged
+    assert [ids for _, ids in groups] == [[0, 1]] and cache.merges == 1
 
 
 def test_a_generation_whose_key_changed_leaves_its_group() -> None:

@@ -42,6 +42,11 @@ StepTurn = Callable[[], AbstractContextManager[object]]
 """Held around each model step (a scheduler's turn on the model, shared with prefills)."""
 
 
+RESERVE_AHEAD = 256
+"""Own-token room a generation running in a captured step gets ahead of its steps (within its capacity): its
+buffer, and so its captured group, changes at most every this many tokens (128 KiB a token for Llama-3.1-8B)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """Bounds of one worker's decode steps."""
@@ -353,8 +358,12 @@ class DecodeEngine:
             key = p.graph_key()
             if key is None:
                 continue
-            g.own.reserve(g.own.length + 1)  # a captured step cannot grow the buffer: room first, then its key
-            candidates.append(Candidate((id(g), g.own.buffer_key, key), StaticMember(own=g.own, prefix=p)))
+            steps_left = max(1, g.max_new - g.stats.new_tokens)
+            # A captured step cannot grow the buffer: room first, then its key. Room for the steps ahead (up to
+            # RESERVE_AHEAD) at once: each growth changes the key and drops the generation's captured group.
+            g.own.reserve(min(g.own.capacity, g.own.length + min(steps_left, RESERVE_AHEAD)))
+            candidates.append(Candidate((id(g), g.own.buffer_key, key), StaticMember(own=g.own, prefix=p),
+                                        steps_left=steps_left))
             at.append(j)
         plans, _ = self._graphs.plan(candidates)
         groups = [(static, [feeds[at[i]][0] for i in idx]) for static, idx in plans]

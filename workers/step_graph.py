@@ -116,6 +116,8 @@ class Candidate:
 
     key: MemberKey
     member: StaticMember
+    steps_left: int | None = None
+    """The most steps its generation may still take (None: unknown); a group lasts no longer than its members."""
 
 
 @dataclass(eq=False)
@@ -147,8 +149,12 @@ class StepGraphCache:
     MAX_FAILURES = 3
     """Failed captures after which nothing is captured any more (one group's failure, e.g. its method's,
     must not take the graphs from every other group; a capture that cannot work must not be retried forever)."""
-    MERGE_AFTER = 16
-    """Steps the same generations run split over several groups before one capture merges them."""
+    MERGE_AFTER = 4
+    """Steps the same generations run split over several groups before one capture merges them. Each group's
+    replay reads every weight of the model again, so a batch split over g groups pays about g - 1 extra
+    weight passes per step; merging costs one capture. Generations arriving a step or two apart (a burst of
+    requests opening one after another) then share one forward a few steps later, not after a dozen split
+    steps; a merge waits for members expected to last at least this many more steps."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, *, capture: bool):
         self.model, self.device, self.capture = model, device, capture
@@ -195,7 +201,8 @@ class StepGraphCache:
                 used.append(made)
                 rest = [i for i in rest if i not in warm]
         elif (not rest and len(used) > 1 and self._same_steps >= self.MERGE_AFTER
-              and all_keys not in self._failed_keys):
+              and all_keys not in self._failed_keys
+              and all(c.steps_left is None or c.steps_left >= self.MERGE_AFTER for c in candidates)):
             merged = self._capture(candidates, keep=used, replacing=len(used))
             if merged is not None:
                 self._groups = [g for g in self._groups if g not in used]
