@@ -15,17 +15,23 @@ import torch
 
 from workers.attention import PrefixAttention, merge_attention
 from workers.kernels.dense_attention import dense_attention
-from workers.methods.sparse import gathered_attention
+from workers.kernels.sparse_attention import sparse_decode_attention, sparse_decode_attention_torch
 from workers.own_kv import OwnKV
 
 
-def own_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_valid: torch.Tensor, scale: float
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One row q ``[1, Hq, D]`` over the first ``n_valid`` (``[1, Hkv]`` device tensor) rows of k, v
-    ``[Hkv, S, D]`` -> float32 out ``[1, Hq, D]``, lse ``[1, Hq]``."""
-    idx = torch.arange(k.shape[1], device=k.device).expand(1, k.shape[0], -1)
-    return gathered_attention(q, k, v, scale=scale, idx=idx, n_valid=n_valid, bias=None, pseudo_logits=None,
-                              pseudo_values=None)
+def own_and_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_valid: torch.Tensor, scale: float,
+                             o_pre: torch.Tensor, lse_pre: torch.Tensor) -> torch.Tensor:
+    """One row q ``[1, Hq, D]`` over the first ``n_valid`` (``[1, Hkv]``) rows of its own k, v ``[Hkv, S, D]`` and
+    its prefix's attention (o_pre ``[1, Hq, D]`` float32, lse_pre ``[1, Hq]``) -> out ``[1, Hq, D]`` in q's dtype.
+
+    The prefix's partial softmax enters as one pseudo-entry of logit ``lse_pre`` and value ``o_pre``: one softmax
+    over the own tokens and that entry is exactly the merge of the two partial softmaxes (``merge_attention``),
+    in one kernel launch instead of a launch and about ten elementwise kernels."""
+    hq, d = q.shape[1], q.shape[2]
+    op = sparse_decode_attention if q.is_cuda else sparse_decode_attention_torch
+    out, _ = op(q.to(k.dtype), k[None], v[None], scale=scale, idx=None, n_valid=n_valid, bias=None,
+                pseudo_logits=lse_pre.reshape(1, hq, 1).float(), pseudo_values=o_pre.reshape(1, hq, 1, d))
+    return out.to(q.dtype)
 
 
 @dataclass(frozen=True)
@@ -70,15 +76,17 @@ class StepBatch:
             try:
                 own_k, own_v = s.own.write(layer, k[0, :, s.start:s.end], v[0, :, s.start:s.end])
                 qs = q[:, :, s.start:s.end]
+                o_pre, lse_pre = s.prefix.attend(layer, qs, scale)
                 if s.end - s.start == 1 and q.is_cuda:  # the kernel a captured step uses: the same tokens eager
                     # and replayed (on the CPU, where nothing is captured, the fused dense kernel is faster)
                     k_all, v_all = s.own.buffer(layer)
                     n_valid = torch.full((1, k_all.shape[0]), s.own.length + 1, device=q.device)
-                    o1, l1 = own_attention(qs[0, :, 0][None], k_all, v_all, n_valid, scale)
-                    o_own, lse_own = o1.reshape(qs.shape).float(), l1.reshape(qs.shape[:3])
-                else:
-                    o_own, lse_own = dense_attention(qs, own_k[None], own_v[None], scale, q_offset=s.own.length)
-                o_pre, lse_pre = s.prefix.attend(layer, qs, scale)
+                    hq, d = q.shape[1], q.shape[3]
+                    o = own_and_prefix_attention(qs[0, :, 0][None], k_all, v_all, n_valid, scale,
+                                                 o_pre.reshape(1, hq, d), lse_pre.reshape(1, hq))
+                    out[:, :, s.start] = o
+                    continue
+                o_own, lse_own = dense_attention(qs, own_k[None], own_v[None], scale, q_offset=s.own.length)
             except Exception as e:  # noqa: BLE001 - re-raised with the segment's owner attached
                 raise SegmentFailed(s.key, e) from e
             out[:, :, s.start:s.end] = merge_attention(o_own, lse_own, o_pre, lse_pre)[0].to(q.dtype)

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from workers.attention import STEP_KWARG, GraphablePrefix, merge_attention
+from workers.attention import STEP_KWARG, GraphablePrefix
 from workers.capture import graph_capture
 from workers.own_kv import OwnKV
-from workers.step_batch import own_attention
+from workers.step_batch import own_and_prefix_attention
 
 log = logging.getLogger(__name__)
 
@@ -45,22 +45,24 @@ class StaticStepBatch:
     def __init__(self, members: list[StaticMember], lengths: torch.Tensor):
         self.members, self.lengths = members, lengths
         self.reads: list[list[torch.Tensor]] = [[] for _ in members]
+        self._n_valid: torch.Tensor | None = None
+        """``[B, Hkv]`` each member's own tokens this step, its new one included (made at the first layer)."""
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q ``[1, Hq, B, D]``, k, v ``[1, Hkv, B, D]`` -> out ``[1, Hq, B, D]`` (q's dtype)."""
         out = torch.empty_like(q)
-        hq, hkv = q.shape[1], k.shape[1]
+        hq, hkv, d = q.shape[1], k.shape[1], q.shape[3]
+        if self._n_valid is None:  # once per step (the first layer), for every layer: the kernel wants it dense
+            self._n_valid = (self.lengths + 1)[:, None].expand(-1, hkv).contiguous()
         for i, m in enumerate(self.members):
             at = self.lengths[i:i + 1]
             own_k, own_v = m.own.write_at(layer, k[0, :, i:i + 1], v[0, :, i:i + 1], at)
             qs = q[:, :, i:i + 1]
-            n_valid = (at + 1).expand(1, hkv).contiguous()  # the kernel wants it dense
-            o_own, lse_own = own_attention(qs[0, :, 0][None], own_k, own_v, n_valid, scale)
             o_pre, lse_pre, n_read = m.prefix.graph_attend(layer, qs, scale)
             if n_read is not None:
                 self.reads[i].append(n_read.reshape(()))
-            o_own4, lse_own3 = o_own.reshape(1, hq, 1, -1), lse_own.reshape(1, hq, 1)
-            out[:, :, i:i + 1] = merge_attention(o_own4, lse_own3, o_pre, lse_pre)[0].to(q.dtype)
+            out[:, :, i] = own_and_prefix_attention(qs[0, :, 0][None], own_k, own_v, self._n_valid[i:i + 1], scale,
+                                                    o_pre.reshape(1, hq, d), lse_pre.reshape(1, hq))
         return out
 
 
