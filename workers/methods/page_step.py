@@ -10,7 +10,9 @@ picked page outside the mid region (a boundary page's anchors, or past the prefi
 on the budget only, so for one row selection, the fetch of the picked and anchor pages
 (``LayerKV.step_pages``: the device-planned cache when the prefix is warm) and the kernel run
 without a device -> host copy; rows of the first forward fetch the same entries together.
-Resident and offloaded decoding attend the same entries in the same order.
+Resident and offloaded decoding attend the same entries in the same order. A single row's entries
+come from one kernel launch (``workers.kernels.page_entries``, bit-equal to ``entry_tokens``,
+``entry_bias`` and ``entry_rows`` here, which serve the rows of a first forward).
 """
 
 from __future__ import annotations

@@ -23,10 +23,11 @@ import torch
 
 from store.errors import InvalidInput
 from workers.budget import plan_budget
+from workers.kernels.page_entries import page_entries
 from workers.kernels.sparse_attention import sparse_decode_attention, sparse_decode_attention_torch
 from workers.methods.base import Method, ReadReport, mid_range
 from workers.methods.layer_kv import StepKV
-from workers.methods.page_step import PagePlan, entry_bias, entry_rows, entry_tokens, page_plan, step_pages
+from workers.methods.page_step import PagePlan, entry_bias, entry_tokens, page_plan, step_pages
 from workers.methods.phi import PhiCompletion
 from workers.methods.phi_maps import FeatureMap
 from workers.methods.reads import KV_ONCE, ReadCounter, mark_tokens
@@ -102,6 +103,8 @@ class SparsePrefixAttention:
         self.k, self.counter = k, counter
         self._ctx: dict[int, tuple[LayerContext, torch.Tensor | None]] = {}
         self._plans: dict[int, PagePlan] = {}
+        self._counts: dict[int, torch.Tensor] = {}
+        """Per layer with a plan: ``[1, Hkv]`` picked tokens per head of a single row (made once, not per step)."""
         self._step = -1
         self._graph_heads = 0
         """Query heads of the captured step (``graph_attend`` ran at its capture)."""
@@ -134,8 +137,9 @@ class SparsePrefixAttention:
             ctx = LayerContext(kv, lo, max(lo, hi))
             if self.k is not None and self.selector.page_size == kv.page_size:
                 # Whole pages under a fixed budget: fixed-shape steps (see page_step).
-                self._plans[layer] = page_plan(anchors=ctx.anchors, lo=ctx.lo, hi=ctx.hi, page_size=kv.page_size,
-                                               k=self.k, n_heads=kv.n_heads)
+                plan = self._plans[layer] = page_plan(anchors=ctx.anchors, lo=ctx.lo, hi=ctx.hi,
+                                                      page_size=kv.page_size, k=self.k, n_heads=kv.n_heads)
+                self._counts[layer] = torch.full((1, kv.n_heads), plan.n_pages * plan.page_size, device=ctx.device)
             self.selector.prepare(layer, ctx)
             if self.completion is not None:
                 self.completion.prepare(layer, ctx)
@@ -288,25 +292,31 @@ class SparsePrefixAttention:
         with self._timed("select"):
             picked = self.selector.select_pages(layer, ctx, qg, scale, plan.n_pages)
         n_picked = plan.n_pages * plan.page_size
-        tokens = entry_tokens(plan, picked)
-        bias, in_mid = entry_bias(plan, tokens)
-        counts = torch.full((t, hkv), n_picked, device=q.device)
         # Out-of-mid ids become duplicates of their page's mid tokens: read counting sees distinct tokens
         # (for a single row, exactly the picked mid tokens: pages are distinct).
-        sel = Selection(tokens=tokens[..., :n_picked].clamp(ctx.lo, max(ctx.lo, ctx.hi - 1)), counts=counts,
-                        n_distinct=in_mid.sum() if t == 1 else None)
-        if t == 1:
+        in_mid: torch.Tensor | None
+        if t == 1:  # a decode step: its entries in one launch (page_entries), no device -> host copy
             k, v, first = ctx.kv.step_pages(step_pages(plan, picked[0]), self._step)
-            step = StepKV(k=k, v=v, rows=entry_rows(plan, first)[None], extra_base=0, extra_stride=0)
+            ent = page_entries(picked[0], first, plan.anchor_slot, plan.anchor_offset, page_size=plan.page_size,
+                               lo=plan.lo, hi=plan.hi, pool_rows=k.shape[1])
+            step = StepKV(k=k, v=v, rows=ent.rows, extra_base=0, extra_stride=0)
+            rows, bias, in_mid = ent.rows, ent.bias, None
+            counts = self._counts[layer]
+            sel = Selection(tokens=ent.tokens, counts=counts, n_distinct=ent.n_distinct)
         else:  # the query's first forward: the same entries per row, fetched together
+            tokens = entry_tokens(plan, picked)
+            bias, in_mid = entry_bias(plan, tokens)
+            counts = torch.full((t, hkv), n_picked, device=q.device)
+            sel = Selection(tokens=tokens[..., :n_picked].clamp(ctx.lo, max(ctx.lo, ctx.hi - 1)), counts=counts)
             n_all = torch.full((t, hkv), plan.n_entries, device=q.device)
             step = ctx.kv.step(tokens.clamp_max(ctx.n_tokens - 1), n_all, self._step, overflow=True)
+            rows = step.rows.clamp(0, step.k.shape[1] - 1)  # a masked entry past the prefix still reads a real row
         k, v = step.k, step.v
-        rows = step.rows.clamp(0, k.shape[1] - 1)  # a masked entry past the prefix still reads a real row
         pl = pv = None
         if self.completion is not None:
+            valid = in_mid if in_mid is not None else bias[..., :n_picked] == 0  # bias -inf: outside the mid region
             k_sel, v_sel = step.gather(rows[..., :n_picked])
-            log_z, mean = self.completion.term(layer, ctx, qg, scale, k_sel, v_sel, counts, valid=in_mid)
+            log_z, mean = self.completion.term(layer, ctx, qg, scale, k_sel, v_sel, counts, valid=valid)
             pl, pv = log_z.reshape(t, hq, 1).contiguous(), mean.reshape(t, hq, 1, d).contiguous()
         with self._timed("attend"):  # every entry is valid (out-of-mid ones are dropped by their bias)
             out, lse = gathered_attention(q, k, v, scale=scale, idx=rows, n_valid=None, bias=bias,
