@@ -7,21 +7,61 @@ can read them directly. Where registration is unavailable, torch's pinned alloca
 
 from __future__ import annotations
 
+import logging
 import mmap
+import threading
 
 import torch
+
+log = logging.getLogger(__name__)
 
 ALIGN = 4096
 REGISTER_PORTABLE, REGISTER_MAPPED = 1, 2  # cudaHostRegisterPortable, cudaHostRegisterMapped
 
 
+_DEFERRED: list[tuple[int, mmap.mmap]] = []
+"""Registered mappings whose unregistering failed or had to wait (a CUDA graph capture was running: a synchronizing
+call there fails, and would break the capture): kept mapped until unregistered, so that no later mapping at the
+same address is refused as already registered."""
+_DEFERRED_LOCK = threading.Lock()
+
+
+def _code(err: object) -> int:
+    return int(getattr(err, "value", err))  # type: ignore[call-overload]
+
+
+def _capturing() -> bool:
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except RuntimeError:
+        return False
+
+
+def _unregister(ptr: int) -> bool:
+    """Unregister a mapping now, unless a capture is running; True when done."""
+    if _capturing():
+        return False
+    try:
+        return _code(torch.cuda.cudart().cudaHostUnregister(ptr)) == 0
+    except (AttributeError, RuntimeError, AssertionError):
+        return False
+
+
+def _retry_deferred() -> None:
+    with _DEFERRED_LOCK:
+        _DEFERRED[:] = [(ptr, m) for ptr, m in _DEFERRED if not _unregister(ptr)]
+
+
 def _register(t: torch.Tensor) -> bool:
     """Page-lock ``t``'s memory for the GPU; False when this torch/CUDA cannot."""
+    _retry_deferred()
     try:
         cudart = torch.cuda.cudart()
         for flags in (REGISTER_PORTABLE | REGISTER_MAPPED, 0):
-            if int(getattr(err := cudart.cudaHostRegister(t.data_ptr(), t.numel(), flags), "value", err)) == 0:
+            if (code := _code(cudart.cudaHostRegister(t.data_ptr(), t.numel(), flags))) == 0:
                 return True
+            log.warning("cudaHostRegister of %d bytes (flags %d) failed with CUDA error %d; using torch's pinned "
+                        "allocator", t.numel(), flags, code)
     except (AttributeError, RuntimeError, AssertionError):
         return False
     return False
@@ -47,8 +87,11 @@ class HostBuffer:
     def close(self) -> None:
         """Unpin (if registered); the memory stays valid while tensors view it."""
         if self._registered:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
             self._registered = False
+            ptr = self.tensor.data_ptr()
+            if not _unregister(ptr) and self._map is not None:  # e.g. garbage collected during a graph capture
+                with _DEFERRED_LOCK:
+                    _DEFERRED.append((ptr, self._map))
 
     def __del__(self) -> None:
         self.close()
