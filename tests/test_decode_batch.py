@@ -267,3 +267,20 @@ def test_an_infeasible_phi_plan_is_refused_with_the_numbers(worker: Worker, pids
     assert worker.store.leases(pids[0]) == []  # nothing held after the refusal
     "".join(worker.generate(pids[0], QUERIES[0], SamplingParams(max_new_tokens=2), method="topk",
                             decode=DecodeConfig(budget=0.01)))  # selection only: no φ fetch to pay for
+
+
+def test_a_generation_joins_the_engine_when_it_is_asked_for_not_when_first_pulled(worker: Worker) -> None:
+    """A consumer pulling several streams in turn (or one not pulled yet) still has every generation in each step:
+    generations join at ``generate``; one closed without ever being pulled leaves the engine."""
+    pids = [worker.prefill(d).prefix_id for d in DOCS]
+    stats = [GenerationStats() for _ in pids]
+    streams = [worker.generate(pid, q, SamplingParams(max_new_tokens=N_NEW), method="quest",
+                               decode=DecodeConfig(budget=0.25), stats=st)
+               for pid, q, st in zip(pids, QUERIES, stats, strict=True)]
+    assert worker.engine.running() == len(pids)
+    "".join(streams[0])  # only the first is pulled: its steps advance the others too
+    assert stats[0].extra["batch_max"] == len(pids)
+    assert all(st.steps > 0 for st in stats[1:])
+    for s in streams[1:]:
+        s.close()  # never pulled
+    assert worker.engine.running() == 0 and all(worker.store.leases(pid) == [] for pid in pids)

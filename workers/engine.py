@@ -227,6 +227,9 @@ class Worker:
                                    stats if stats is not None else GenerationStats(), tenant)
             gen.meter = DeviceMeter(own=gen.own, source=source, method=attn, device=self.lm.device)
             gen.meter.sample()
+            # Joins the engine now, not at the consumer's first pull: it rides the next step whoever drives it
+            # (a consumer pulling several streams in turn would otherwise add one generation per step).
+            self.engine.start(gen)
         except BaseException:
             held.close()
             raise
@@ -250,7 +253,6 @@ class Worker:
                           full_step_bytes=source.n_tokens * lay.token_kv_bytes() * lay.n_kv_heads * lay.n_layers)
 
     def _run(self, gen: Generation, source: PrefixSource, lease: LeaseHandle) -> Generator[str, None, None]:
-        self.engine.start(gen)
         try:
             while (piece := self.engine.next_piece(gen)) is not None:
                 lease.keepalive()
@@ -288,7 +290,10 @@ class GenerationStream(Iterator[str]):
         try:
             self._pieces.close()
         finally:
-            self._held.close()
+            try:
+                self._engine.close(self._gen)  # also when it was never iterated (its generator never ran)
+            finally:
+                self._held.close()
 
 
 def _finish_stats(gen: Generation, source: PrefixSource) -> None:
