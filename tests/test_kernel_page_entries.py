@@ -2,8 +2,9 @@
 
 The Triton kernel runs in the CPU interpreter (``TRITON_INTERPRET=1``, set by conftest without a GPU) or on
 CUDA. Outputs the launcher allocates are poisoned first, so an entry the kernel does not write fails. The
-page step's functions (``entry_tokens``, ``entry_bias``, ``entry_rows``, then the clamps and the mid count)
-are what ``SparsePrefixAttention._attend_pages`` ran for a single row before the kernel.
+page step's functions (``entry_tokens``, ``entry_bias``, the pool rows of the picked pages and anchors, then
+the clamps and the mid count) are what ``SparsePrefixAttention._attend_pages`` ran for a single row before
+the kernel.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch
 
 import workers.kernels.page_entries.ops as pe_ops
 from workers.kernels.page_entries import PageEntries, PageEntriesConfig, page_entries, page_entries_ref
-from workers.methods.page_step import PagePlan, entry_bias, entry_rows, entry_tokens, page_plan
+from workers.methods.layer_kv import page_tokens
+from workers.methods.page_step import PagePlan, entry_bias, entry_tokens, page_plan
 from workers.pages import page_span
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -80,7 +82,10 @@ def _page_step(plan: PagePlan, picked: torch.Tensor, first_rows: torch.Tensor, p
     n_picked = plan.n_pages * plan.page_size
     tokens = entry_tokens(plan, picked[None])
     bias, in_mid = entry_bias(plan, tokens)
-    return PageEntries(rows=entry_rows(plan, first_rows)[None].clamp(0, pool_rows - 1), bias=bias,
+    n = plan.n_pages
+    anchor = first_rows[:, n:].index_select(-1, plan.anchor_slot) + plan.anchor_offset
+    rows = torch.cat([page_tokens(first_rows[:, :n], plan.page_size), anchor], dim=-1)
+    return PageEntries(rows=rows[None].clamp(0, pool_rows - 1), bias=bias,
                        tokens=tokens[..., :n_picked].clamp(plan.lo, max(plan.lo, plan.hi - 1)),
                        n_distinct=in_mid.sum())
 

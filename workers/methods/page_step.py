@@ -11,8 +11,8 @@ on the budget only, so for one row selection, the fetch of the picked and anchor
 (``LayerKV.step_pages``: the device-planned cache when the prefix is warm) and the kernel run
 without a device -> host copy; rows of the first forward fetch the same entries together.
 Resident and offloaded decoding attend the same entries in the same order. A single row's entries
-come from one kernel launch (``workers.kernels.page_entries``, bit-equal to ``entry_tokens``,
-``entry_bias`` and ``entry_rows`` here, which serve the rows of a first forward).
+come from one kernel launch (``workers.kernels.page_entries``, bit-equal to ``entry_tokens`` and
+``entry_bias`` here, which serve the rows of a first forward; their pool rows come from ``LayerKV.step``).
 """
 
 from __future__ import annotations
@@ -70,13 +70,6 @@ def page_plan(*, anchors: torch.Tensor, lo: int, hi: int, page_size: int, k: int
 def step_pages(plan: PagePlan, picked: torch.Tensor) -> torch.Tensor:
     """Picked pages ``[Hkv, n]`` -> the pages one row fetches: picked, then the anchor pages."""
     return torch.cat([picked, plan.anchor_pages], dim=1)
-
-
-def entry_rows(plan: PagePlan, first_rows: torch.Tensor) -> torch.Tensor:
-    """First pool rows of ``step_pages`` ``[..., Hkv, n + na]`` -> the rows of the entries ``[..., Hkv, n_entries]``."""
-    n = plan.n_pages
-    anchor = first_rows[..., n:].index_select(-1, plan.anchor_slot) + plan.anchor_offset
-    return torch.cat([page_tokens(first_rows[..., :n], plan.page_size), anchor], dim=-1)
 
 
 def entry_tokens(plan: PagePlan, picked: torch.Tensor) -> torch.Tensor:
