@@ -9,7 +9,8 @@ steps):
 - ``full, resident``: exact attention over each prefix's K/V read once into device memory (dense);
 - ``quest, host warm, device-planned``: Quest at ``--budget``, pages fetched per step from the pinned
   host tier (the prefix warmed when the generation opens), fetches planned on the device; each layer's
-  select + fetch + attend replayed from a CUDA graph, and the same eager;
+  select + fetch + attend replayed from a CUDA graph, and the same eager; ``one stream``: the whole-step
+  graph with every generation's attention on the step's stream (``EngineConfig.member_streams=1``);
 - ``quest, SSD cold``: the same with nothing warm: pages from the page files per step.
 
 Printed: per-generation ms per token (median step after the query's forward), decode tokens per
@@ -70,6 +71,8 @@ class EngineRow(Row):
     whole_step: str = "auto"
     """``EngineConfig.whole_step``: a stable batch's whole decode step in one CUDA graph (``off``: per-layer
     graphs of the prefix steps only)."""
+    member_streams: int = EngineConfig().member_streams
+    """``EngineConfig.member_streams``: side streams a whole step spreads its generations' attention over."""
 
 
 def rows(gpu_cache_bytes: int, host_bytes: int) -> list[EngineRow]:
@@ -80,6 +83,8 @@ def rows(gpu_cache_bytes: int, host_bytes: int) -> list[EngineRow]:
         EngineRow("full, resident (dense, flash), whole-step CUDA graph", "full", None, key="dense"),
         EngineRow("full, resident (dense, flash), eager", "full", None, key="dense-eager", graphs=False),
         EngineRow("quest, host warm, device-planned, whole-step CUDA graph", "quest", warm, key="graphs"),
+        EngineRow("quest, host warm, device-planned, whole-step CUDA graph, one stream", "quest", warm,
+                  key="graphs-1stream", member_streams=1),
         EngineRow("quest, host warm, device-planned, per-layer graphs", "quest", warm, key="layer-graphs",
                   whole_step="off"),
         EngineRow("quest, host warm, device-planned, eager", "quest", warm, key="eager", graphs=False),
@@ -90,7 +95,8 @@ def rows(gpu_cache_bytes: int, host_bytes: int) -> list[EngineRow]:
 
 def row_worker(store: KVStore, lm: LoadedModel, row: EngineRow) -> Worker:
     """A fresh worker with the row's offload and engine configuration."""
-    engine = EngineConfig(cuda_graphs=row.graphs, whole_step=row.whole_step)  # type: ignore[arg-type]
+    engine = EngineConfig(cuda_graphs=row.graphs, whole_step=row.whole_step,  # type: ignore[arg-type]
+                          member_streams=row.member_streams)
     return Worker(store, lm, progress=False, offload=row.offload, engine=engine)
 
 

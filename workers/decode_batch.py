@@ -69,7 +69,13 @@ class EngineConfig:
     device, not for a model with a decaying memory); ``eager`` runs the same static-input step uncaptured
     (tests it on the CPU); ``off`` never."""
 
+    member_streams: int = 8
+    """CUDA streams a whole step spreads its generations' attention over (1: all on the step's stream). Each
+    generation's select + fetch + attend is a chain of small kernels; side by side they overlap."""
+
     def __post_init__(self) -> None:
+        if not 1 <= self.member_streams <= 64:
+            raise ValueError("member_streams must be in [1, 64]")
         if self.max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         if not 1.0 <= self.tenant_share <= 1e6:
@@ -140,7 +146,7 @@ class DecodeEngine:
         """Whether the model continues a decaying memory (its step also gets the segments' states)."""
         c = self.config
         on_cuda = c.whole_step == "auto" and c.cuda_graphs and lm.device.type == "cuda"
-        self._graphs = (StepGraphCache(lm.model, lm.device, capture=on_cuda)
+        self._graphs = (StepGraphCache(lm.model, lm.device, capture=on_cuda, streams=c.member_streams)
                         if (on_cuda or c.whole_step == "eager") and not self._memory else None)
         """Whole decode steps of stable batches (``workers.step_graph``); touched by the stepping thread, or
         under the lock while no step runs."""

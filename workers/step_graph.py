@@ -17,6 +17,7 @@ the CPU tests check its tokens and counts against the ordinary packed step.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -39,11 +40,31 @@ class StaticMember:
     prefix: GraphablePrefix
 
 
-class StaticStepBatch:
-    """The ``StepAttention`` of a static step: member i's token is packed position i."""
+_STREAMS: dict[torch.device, list[torch.cuda.Stream]] = {}
+"""Side streams per CUDA device, made once and kept: a captured graph's branches were recorded on them."""
 
-    def __init__(self, members: list[StaticMember], lengths: torch.Tensor):
+
+def member_streams(device: torch.device, n: int) -> list[torch.cuda.Stream]:
+    """``n`` side streams of ``device`` (the same ones every call) for members' attention to run side by side."""
+    pool = _STREAMS.setdefault(device, [])
+    while len(pool) < n:
+        pool.append(torch.cuda.Stream(device))
+    return pool[:n]
+
+
+class StaticStepBatch:
+    """The ``StepAttention`` of a static step: member i's token is packed position i.
+
+    On CUDA the members' attention (own K/V write, the method's select + fetch + attend, own tokens) runs on
+    up to ``streams`` side streams, member i on stream i mod streams, forked from and joined back into the
+    step's stream at every layer. Each member's work is a chain of small kernels that fill a fraction of the
+    GPU; in a captured step the branches become parallel graph nodes, so the members' chains overlap instead
+    of running one after another. Members share no written state (each has its own K/V buffer, page cache
+    and outputs; the page bounds and the host tier are only read), so the order between them is free."""
+
+    def __init__(self, members: list[StaticMember], lengths: torch.Tensor, streams: int = 1):
         self.members, self.lengths = members, lengths
+        self.streams = streams
         self.reads: list[list[torch.Tensor]] = [[] for _ in members]
         self._n_valid: torch.Tensor | None = None
         """``[B, Hkv]`` each member's own tokens this step, its new one included (made at the first layer)."""
@@ -54,23 +75,32 @@ class StaticStepBatch:
         hq, hkv, d = q.shape[1], k.shape[1], q.shape[3]
         if self._n_valid is None:  # once per step (the first layer), for every layer: the kernel wants it dense
             self._n_valid = (self.lengths + 1)[:, None].expand(-1, hkv).contiguous()
+        n_streams = min(self.streams, len(self.members)) if q.is_cuda else 1
+        side = member_streams(q.device, n_streams) if n_streams > 1 else []
+        main = torch.cuda.current_stream(q.device) if side else None
+        for st in side:
+            st.wait_stream(main)
         for i, m in enumerate(self.members):
-            at = self.lengths[i:i + 1]
-            own_k, own_v = m.own.write_at(layer, k[0, :, i:i + 1], v[0, :, i:i + 1], at)
-            qs = q[:, :, i:i + 1]
-            o_pre, lse_pre, n_read = m.prefix.graph_attend(layer, qs, scale)
-            if n_read is not None:
-                self.reads[i].append(n_read.reshape(()))
-            out[:, :, i] = own_and_prefix_attention(qs[0, :, 0][None], own_k, own_v, self._n_valid[i:i + 1], scale,
-                                                    o_pre.reshape(1, hq, d), lse_pre.reshape(1, hq))
+            with torch.cuda.stream(side[i % n_streams]) if side else contextlib.nullcontext():
+                at = self.lengths[i:i + 1]
+                own_k, own_v = m.own.write_at(layer, k[0, :, i:i + 1], v[0, :, i:i + 1], at)
+                qs = q[:, :, i:i + 1]
+                o_pre, lse_pre, n_read = m.prefix.graph_attend(layer, qs, scale)
+                if n_read is not None:
+                    self.reads[i].append(n_read.reshape(()))
+                out[:, :, i] = own_and_prefix_attention(qs[0, :, 0][None], own_k, own_v, self._n_valid[i:i + 1],
+                                                        scale, o_pre.reshape(1, hq, d), lse_pre.reshape(1, hq))
+        for st in side:  # the step's later kernels (and the next layer's fork) wait for every member
+            main.wait_stream(st)
         return out
 
 
 class StaticStep:
     """One batch's decode step over static inputs; captured in a CUDA graph unless ``capture`` is False."""
 
-    def __init__(self, model: torch.nn.Module, members: list[StaticMember], device: torch.device, *, capture: bool):
-        self.model, self.members, self.device = model, members, device
+    def __init__(self, model: torch.nn.Module, members: list[StaticMember], device: torch.device, *, capture: bool,
+                 streams: int = 1):
+        self.model, self.members, self.device, self.streams = model, members, device, streams
         n = len(members)
         self.inputs = torch.zeros((3, n), dtype=torch.long, device=device)
         """Rows: token ids, positions, own lengths (where each member's token goes in its own K/V)."""
@@ -84,7 +114,7 @@ class StaticStep:
                 self._forward()
 
     def _forward(self) -> None:
-        batch = StaticStepBatch(self.members, self.inputs[2])
+        batch = StaticStepBatch(self.members, self.inputs[2], self.streams)
         hooks: dict[str, Any] = {STEP_KWARG: batch}
         out = self.model(input_ids=self.inputs[0:1], position_ids=self.inputs[1:2], use_cache=False,
                          logits_to_keep=0, **hooks)
@@ -158,8 +188,8 @@ class StepGraphCache:
     requests opening one after another) then share one forward a few steps later, not after a dozen split
     steps; a merge waits for members expected to last at least this many more steps."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, *, capture: bool):
-        self.model, self.device, self.capture = model, device, capture
+    def __init__(self, model: torch.nn.Module, device: torch.device, *, capture: bool, streams: int = 1):
+        self.model, self.device, self.capture, self.streams = model, device, capture, streams
         self._groups: list[_Group] = []
         """Kept groups, least recently used first."""
         self._warm: set[MemberKey] = set()
@@ -233,7 +263,8 @@ class StepGraphCache:
                 return None
             self._groups.remove(victim)
         try:
-            made = StaticStep(self.model, [c.member for c in candidates], self.device, capture=self.capture)
+            made = StaticStep(self.model, [c.member for c in candidates], self.device, capture=self.capture,
+                              streams=self.streams)
         except Exception:  # noqa: BLE001 - a capture that fails leaves its generations eager, not broken
             self.failures += 1
             self._failed_keys.add(keyset)
