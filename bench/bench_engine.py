@@ -154,7 +154,8 @@ def measure(store: KVStore, lm: LoadedModel, pids: list[str], row: EngineRow, bu
     return out
 
 
-def profile_row(store: KVStore, lm: LoadedModel, pids: list[str], row: EngineRow, budget: float, n: int) -> None:
+def profile_row(store: KVStore, lm: LoadedModel, pids: list[str], row: EngineRow, budget: float, n: int,
+                trace: Path | None = None) -> None:
     """Print the GPU kernels of the steady decode steps of generations over ``pids`` run together (after each
     one's query forward, first eager step and capture), by total time per step."""
     from torch.profiler import ProfilerActivity, profile
@@ -177,6 +178,8 @@ def profile_row(store: KVStore, lm: LoadedModel, pids: list[str], row: EngineRow
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     steps = max(1, stats[0].steps - first)
+    if trace is not None:  # the timeline (chrome://tracing, Perfetto): where a step's kernels overlap or wait
+        prof.export_chrome_trace(str(trace))
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     events.sort(key=lambda e: -e.device_time_total)
     total = sum(e.self_device_time_total for e in events)
@@ -206,6 +209,7 @@ def main() -> None:
     p.add_argument("--profile", default="", help="comma-separated rows to profile after measuring: GPU kernel time "
                                                  "per step by kernel (one more batch-1 generation under the profiler)")
     p.add_argument("--profile-batch", type=int, default=1, help="generations run together under the profiler")
+    p.add_argument("--trace", type=Path, help="write the profiled steps' timeline here (Chrome trace JSON)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     if args.quick:
@@ -240,7 +244,7 @@ def run(args: argparse.Namespace, spec: TinyLlamaSpec, work: Path) -> None:
               f"{r['bn']['tokens_per_s']:.1f} tokens/s; whole-step replays {r['b1']['whole_step_replays']}/"
               f"{r['bn']['whole_step_replays']}", flush=True)
         if row.key in args.profile.split(","):
-            profile_row(store, lm, pids[:args.profile_batch], row, args.budget, args.tokens)
+            profile_row(store, lm, pids[:args.profile_batch], row, args.budget, args.tokens, args.trace)
         if args.json:  # after every row: a run stopped at its time limit keeps what it measured
             args.json.write_text(json.dumps({"ctx": args.ctx, "layers": spec.n_layers, "batch": args.batch,
                                              "budget": args.budget, "prefill_s": prefill_s, "rows": results}))

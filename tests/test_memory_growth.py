@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from workers.engine import Worker
+from workers.model import load_model
 from workers.requests import DecodeConfig, SamplingParams
 
 DOC = "The lighthouse keeper counts the ships that pass the cape each night and writes them down. " * 12
@@ -33,11 +34,14 @@ def _serve(worker: Worker, pid: str, n: int) -> None:
                                 decode=decode))
 
 
-@pytest.mark.slow
-def test_a_thousand_generations_leave_nothing_behind(worker: Worker) -> None:
+def _check_no_growth(worker: Worker) -> None:
     pid = worker.prefill(DOC).prefix_id
     _serve(worker, pid, 50)  # warm: caches of summaries and CRC tables, the host tier, first-use allocations
     tensors = _live_tensors()
+    cuda = worker.lm.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        device_before = torch.cuda.memory_allocated(worker.lm.device)
     tracemalloc.start()
     try:
         before = tracemalloc.take_snapshot()
@@ -51,3 +55,19 @@ def test_a_thousand_generations_leave_nothing_behind(worker: Worker) -> None:
     # A leak of even 1 KiB per generation would be 1 MB here; what remains is interpreter noise (caches of code
     # objects, interned strings).
     assert grown < 256 << 10, f"host memory grew by {grown} bytes over 1000 generations"
+    if cuda:  # the allocator's live bytes, not its reserve: a leaked tensor of any size shows here
+        torch.cuda.synchronize()
+        device_grown = torch.cuda.memory_allocated(worker.lm.device) - device_before
+        assert device_grown <= 1 << 20, f"device memory grew by {device_grown} bytes over 1000 generations"
+
+
+@pytest.mark.slow
+def test_a_thousand_generations_leave_nothing_behind(worker: Worker) -> None:
+    _check_no_growth(worker)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_thousand_generations_leave_nothing_behind_on_cuda(store, tiny_model_dir) -> None:  # noqa: ANN001
+    lm = load_model(str(tiny_model_dir), device="cuda", dtype="bfloat16", page_size=16, progress=False)
+    _check_no_growth(Worker(store, lm, chunk_size=40, progress=False))

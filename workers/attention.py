@@ -65,8 +65,9 @@ class GraphablePrefix(Protocol):
         as a 0-dim tensor or None when the method counts no per-step reads)."""
         ...
 
-    def account_step(self, reads: list[torch.Tensor] | None) -> None:
-        """Host bookkeeping of one captured step that ran, given each layer's tokens read (``graph_attend``'s)."""
+    def account_step(self, reads: torch.Tensor | None) -> None:
+        """Host bookkeeping of one captured step that ran, given each layer's tokens read (``graph_attend``'s,
+        ``[n_layers]`` on the device; None when it returned none)."""
         ...
 
 

@@ -33,7 +33,7 @@ from workers.model import LoadedModel
 from workers.own_kv import OwnKV
 from workers.ratplus import MEMORY_KWARG, has_decaying_memory
 from workers.requests import GenerationStats
-from workers.sampling import Sampler
+from workers.sampling import Sampler, sample_rows
 from workers.step_batch import Segment, SegmentFailed, StepBatch
 from workers.step_graph import Candidate, StaticMember, StaticStep, StepGraphCache
 from workers.textstream import TextStream
@@ -290,7 +290,7 @@ class DecodeEngine:
                     logits.update(zip(gens, rows, strict=True))
                     graphed.update(gens)
                 sampled = [g for g, n in feeds if n == len(g.pending)]
-                tokens = [g.sampler(logits[g]) for g in sampled]  # syncs: the step is done
+                tokens = sample_rows([g.sampler for g in sampled], [logits[g] for g in sampled])  # syncs: step done
         except SegmentFailed as e:  # one generation's method failed: fail it alone, the others retry
             with self._lock:
                 g = e.key

@@ -30,3 +30,16 @@ class Sampler:
             keep[0] = True  # the top token always stays, also when top_p is under float32's smallest value
             probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
         return int(torch.multinomial(probs, 1, generator=self.gen))
+
+
+def sample_rows(samplers: list[Sampler], rows: list[torch.Tensor]) -> list[int]:
+    """One token id per (sampler, logits row ``[vocab]``); the greedy rows in one argmax and one sync."""
+    out = [0] * len(samplers)
+    greedy = [i for i, s in enumerate(samplers) if s.params.temperature == 0]
+    if greedy:  # argmax picks the first maximum of each row, as one row's argmax does
+        for i, t in zip(greedy, torch.stack([rows[i] for i in greedy]).argmax(-1).tolist(), strict=True):
+            out[i] = t
+    for i, s in enumerate(samplers):
+        if s.params.temperature != 0:
+            out[i] = s(rows[i])
+    return out

@@ -106,7 +106,11 @@ class StaticStep:
         """Rows: token ids, positions, own lengths (where each member's token goes in its own K/V)."""
         self._host = torch.zeros((3, n), dtype=torch.long, pin_memory=device.type == "cuda")
         self.logits = torch.empty(0)
-        self.reads: list[torch.Tensor | None] = []
+        self.reads: torch.Tensor | None = None
+        """``[B, n_layers]`` tokens each member read per layer (static: cloned after each run), or None when no
+        member's method counts reads."""
+        self._counts: list[bool] = []
+        """Whether member i's method returned read counts."""
         self.graph: torch.cuda.CUDAGraph | None = None
         if capture:
             self.graph = torch.cuda.CUDAGraph()
@@ -119,7 +123,15 @@ class StaticStep:
         out = self.model(input_ids=self.inputs[0:1], position_ids=self.inputs[1:2], use_cache=False,
                          logits_to_keep=0, **hooks)
         self.logits = out.logits[0].float()
-        self.reads = [torch.stack(r) if r else None for r in batch.reads]
+        self._counts = [bool(r) for r in batch.reads]
+        n_layers = max((len(r) for r in batch.reads), default=0)
+        zeros = None
+        rows = []
+        for r in batch.reads:  # one [B, n_layers] buffer: one clone per run, not one per member
+            if not r:
+                zeros = zeros if zeros is not None else torch.zeros(n_layers, dtype=torch.long, device=self.device)
+            rows.append(torch.stack([x.long() for x in r]) if r else zeros)
+        self.reads = torch.stack(rows) if n_layers else None
 
     def run(self, ids: list[int], positions: list[int], lengths: list[int]) -> torch.Tensor:
         """The step's logits ``[B, vocab]`` (static: read them before the next run); then each member's
@@ -132,8 +144,9 @@ class StaticStep:
             self.graph.replay()
         else:
             self._forward()
-        for m, r in zip(self.members, self.reads, strict=True):
-            m.prefix.account_step(None if r is None else list(r.clone().unbind()))
+        reads = self.reads.clone() if self.reads is not None else None
+        for i, (m, counts) in enumerate(zip(self.members, self._counts, strict=True)):
+            m.prefix.account_step(reads[i] if counts and reads is not None else None)
         return self.logits
 
 

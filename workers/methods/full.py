@@ -45,12 +45,10 @@ class FullPrefixAttention:
         out, lse = dense_attention(q, k[None], v[None], scale)
         return out, lse, None
 
-    def account_step(self, reads: list[torch.Tensor] | None) -> None:
+    def account_step(self, reads: torch.Tensor | None) -> None:
         """Every layer's prefix tokens, as ``attend`` counts them."""
         self.counter.start_step()
-        for layer in range(self.source.layout.n_layers):
-            k, _ = self._kv[layer]
-            self.counter.add_layer(k.shape[0] * k.shape[1])
+        self.counter.add_layer(sum(k.shape[0] * k.shape[1] for k, _ in self._kv.values()))
 
     def read_report(self) -> ReadReport:
         """All prefix tokens of every layer and KV head, each step."""

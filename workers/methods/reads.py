@@ -27,6 +27,9 @@ import torch
 
 from workers.methods.base import ReadReport
 
+Count = torch.Tensor | int
+"""A count as a python int or a device tensor (summed over its elements when read)."""
+
 KV_ONCE = "selector"
 """``add_once`` name of prefix K/V held resident by a selector (the rest of the one-time reads are summaries)."""
 
@@ -36,10 +39,12 @@ class ReadCounter:
 
     def __init__(self, *, n_layers: int, n_kv_heads: int, token_bytes: int):
         self.n_layers, self.n_kv_heads, self.token_bytes = n_layers, n_kv_heads, token_bytes
-        self._tokens: list[list[torch.Tensor]] = []
-        self._pseudo: list[list[torch.Tensor]] = []
-        self._keys: list[list[torch.Tensor]] = []
-        self._index: list[list[torch.Tensor]] = []
+        # Each entry: a python int or a device tensor (one layer's count, or a captured step's counts of every
+        # layer); summed at ``report``, so a step costs no sync and no host tensor per layer.
+        self._tokens: list[list[Count]] = []
+        self._pseudo: list[list[Count]] = []
+        self._keys: list[list[Count]] = []
+        self._index: list[list[Count]] = []
         self.once_bytes: dict[str, int] = {}
         self.once_token_equiv: dict[str, float] = {}
         self.info: dict[str, float] = {}
@@ -61,17 +66,17 @@ class ReadCounter:
         self._keys.append([])
         self._index.append([])
 
-    def add_layer(self, n_tokens: torch.Tensor | int, n_pseudo: torch.Tensor | int = 0,
-                  n_keys: torch.Tensor | int = 0, index_bytes: torch.Tensor | int = 0) -> None:
+    def add_layer(self, n_tokens: Count, n_pseudo: Count = 0, n_keys: Count = 0, index_bytes: Count = 0) -> None:
         """Exact tokens (K and V, summed over KV heads), pseudo-entries (per row, summed), key-only reads of
         selection (summed over KV heads) and summary bytes scanned or attended per step
-        (``Selection.index_bytes``) of one layer."""
+        (``Selection.index_bytes``) of one layer; a tensor of several elements counts their sum (a captured
+        step's layers at once)."""
         if not self._tokens:
             self.start_step()
-        self._tokens[-1].append(torch.as_tensor(n_tokens))
-        self._pseudo[-1].append(torch.as_tensor(n_pseudo))
-        self._keys[-1].append(torch.as_tensor(n_keys))
-        self._index[-1].append(torch.as_tensor(index_bytes))
+        self._tokens[-1].append(n_tokens)
+        self._pseudo[-1].append(n_pseudo)
+        self._keys[-1].append(n_keys)
+        self._index[-1].append(index_bytes)
 
     def add_once(self, name: str, n_bytes: int, token_equiv: float = 0.0) -> None:
         """A one-time read (summary artifact, resident selector keys) in bytes and token equivalents
@@ -82,10 +87,10 @@ class ReadCounter:
 
     def report(self) -> ReadReport:
         """Everything counted so far."""
-        per_step = [int(sum(int(t) for t in step)) for step in self._tokens]
-        pseudo = [int(sum(int(t) for t in step)) for step in self._pseudo]
-        keys = [int(sum(int(t) for t in step)) for step in self._keys]
-        index = sum(int(t) for step in self._index for t in step)
+        per_step = [sum(_total(t) for t in step) for step in self._tokens]
+        pseudo = [sum(_total(t) for t in step) for step in self._pseudo]
+        keys = [sum(_total(t) for t in step) for step in self._keys]
+        index = sum(_total(t) for step in self._index for t in step)
         units = max(1, self.n_layers * self.n_kv_heads)
         steps = max(1, len(per_step))
         extra: dict[str, float] = {
@@ -104,6 +109,11 @@ class ReadCounter:
         return ReadReport(tokens_per_step=per_step, step_bytes=step_bytes,
                           once_bytes=sum(self.once_bytes.values()), once_kv_bytes=self.once_bytes.get(KV_ONCE, 0),
                           extra=extra)
+
+
+def _total(count: Count) -> int:
+    """A count's value (a tensor's elements summed; syncs once for a device tensor)."""
+    return int(count.sum()) if isinstance(count, torch.Tensor) else int(count)
 
 
 def mark_tokens(hits: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor) -> None:

@@ -237,15 +237,15 @@ class SparsePrefixAttention:
         n_read = sel.n_distinct + ctx.anchors.numel() * ctx.kv.n_heads
         return o.reshape(1, hq, 1, d), s.reshape(1, hq, 1), n_read
 
-    def account_step(self, reads: list[torch.Tensor] | None) -> None:
+    def account_step(self, reads: torch.Tensor | None) -> None:
         """What ``attend`` counts on the host for a decode step, for a step that ran captured."""
-        assert reads is not None and len(reads) == len(self._ctx)
+        assert reads is not None and reads.numel() == len(self._ctx)
         self.counter.start_step()
         self._step += 1
-        phi_rows = self._graph_heads if self.completion is not None else 0
-        for layer, n_read in enumerate(reads):
-            self._ctx[layer][0].kv.at_step = self._step
-            self.counter.add_layer(n_read, phi_rows)
+        for ctx, _ in self._ctx.values():
+            ctx.kv.at_step = self._step
+        # one entry for every layer: the counts stay on the device, summed when the report is read
+        self.counter.add_layer(reads, len(self._ctx) * (self._graph_heads if self.completion is not None else 0))
 
     def _attend_rows(self, layer: int, ctx: LayerContext, ebias: torch.Tensor | None, q: torch.Tensor,
                      scale: float) -> tuple[Selection, torch.Tensor, torch.Tensor]:
