@@ -160,3 +160,25 @@ def test_topk_total_reads_stay_within_2_5x_the_budget_at_16k(method: str) -> Non
     assert report.once_bytes > 0 and (report.extra["selection_keys_per_step"] > 0) == (method == "topk-token")
     assert (report.step_bytes + report.once_bytes) / full <= 2.5 * budget
     assert report.step_bytes / full <= 1.6 * budget  # per step: n(f) plus the shortlist's extra keys
+
+
+@pytest.mark.parametrize(("bits", "lo", "hi"), [(4, 4, 1000), (8, 0, 1024), (4, 70, 300)])
+def test_cpu_decoded_index_scores_as_the_codes_do(bits: int, lo: int, hi: int) -> None:
+    """On the CPU the selector scores on keys decoded once from the index; its logits equal the codes' own
+    (``index_logits``) up to float32 rounding (atol 1e-4 on logits of magnitude ~10), and a cap too small for a
+    layer leaves that layer scoring from its codes."""
+    k, dirs = structured_keys(2, 1024, 64, seed=3)
+    art = {f"0.{n}": t for n, t in KeyIndexSummarizer(KeyIndexConfig(bits=bits)).summarize(0, k, k).items()}
+    q = _queries(dirs, 3, 4, seed=4)
+    ctx = _resident_ctx(k, lo, hi)
+    want = index_logits(q, art["0.codes"], art["0.lo"], art["0.step"], bits, 64, lo, hi) * 0.125
+    sel = IndexedTopKSelector(art)
+    assert sel.decoded is not None
+    got = sel.approx_logits(0, ctx, q, 0.125)
+    assert sel.decoded.nbytes == 2 * 1024 * 64 * 4 and 0 in sel.decoded.keys
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    capped = IndexedTopKSelector(art)
+    assert capped.decoded is not None
+    capped.decoded.max_bytes = 2 * 1024 * 64 * 4 - 1
+    torch.testing.assert_close(capped.approx_logits(0, ctx, q, 0.125), want, atol=1e-4, rtol=1e-5)
+    assert capped.decoded.nbytes == 0 and not capped.decoded.keys

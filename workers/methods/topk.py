@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from workers.kernels.unit_topk import top_units
 from workers.methods.base import Summarizer
-from workers.methods.key_index import KeyIndexSummarizer, index_logits
+from workers.methods.key_index import DecodedIndex, KeyIndexSummarizer, decoded_logits, index_logits
 from workers.methods.phi import PhiSummarizer
 from workers.methods.selector import LayerContext, Selection, Selector, group_mass, top_tokens
 from workers.methods.source import PrefixSource
@@ -77,6 +77,8 @@ class IndexedTopKSelector(Selector):
             raise ValueError(f"shortlist must be >= 1, got {shortlist}")
         self.index, self.shortlist, self.page_size = index, shortlist, page_size
         self.bits, self.block = (int(x) for x in index["0.meta"][:2])
+        # On the CPU the per-step unpacking of the codes dominates scoring: hold the keys decoded (bounded).
+        self.decoded = DecodedIndex() if index["0.codes"].device.type == "cpu" else None
 
     def select_pages(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, n: int) -> torch.Tensor:
         """The ``n`` pages overlapping the mid region whose mid tokens hold the most group mass on the index
@@ -92,9 +94,11 @@ class IndexedTopKSelector(Selector):
 
     def approx_logits(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float) -> torch.Tensor:
         """Logits ``[T, Hkv, G, n_mid]`` (float32) of every mid token on the index."""
-        logits = index_logits(q, self.index[f"{layer}.codes"], self.index[f"{layer}.lo"], self.index[f"{layer}.step"],
-                              self.bits, self.block, ctx.lo, ctx.hi)
-        return logits.mul_(scale)
+        codes, lo, step = self.index[f"{layer}.codes"], self.index[f"{layer}.lo"], self.index[f"{layer}.step"]
+        keys = None if self.decoded is None else self.decoded.get(layer, codes, lo, step, self.bits, self.block)
+        if keys is not None:
+            return decoded_logits(q, keys, ctx.lo, ctx.hi).mul_(scale)
+        return index_logits(q, codes, lo, step, self.bits, self.block, ctx.lo, ctx.hi).mul_(scale)
 
     def select(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, k: int | None) -> Selection:
         """The shortlist's best ``k`` by exact group mass (normalized by the index's log-sum-exp over the whole
