@@ -265,3 +265,19 @@ def test_cuda_query_time_cache_reads_a_hot_prefix_from_the_host_tier(tiny_model_
     assert first.token_ids == again.token_ids == ref.token_ids
     assert again.extra["offload_ssd_pages"] == 0 and again.extra["offload_host_pages"] == layer_pages
     store.close()
+
+
+def test_full_reads_whole_layers_through_the_tiers(stored, resident, lm) -> None:
+    """``full`` reads every layer at open through the worker's tiers: the first question reads each page from the
+    page files (and fills the host tier), the next one over the same prefix reads them all from the host tier;
+    tokens and reads are the resident path's."""
+    store, pid = stored
+    w = Worker(store, lm, progress=False, offload=_tiers(lm, 10_000))
+    lay = lm.layout
+    pages = lay.n_layers * lay.n_kv_heads * -(-store.manifest(pid).n_tokens // lay.page_size)
+    first, second = _run(w, pid, "full", None), _run(w, pid, "full", None)
+    for st in (first, second):
+        assert st.token_ids == resident("full", None).token_ids
+        assert st.bytes_fetched == st.bytes_full
+    assert (first.extra["offload_ssd_pages"], first.extra["offload_host_pages"]) == (pages, 0)
+    assert (second.extra["offload_ssd_pages"], second.extra["offload_host_pages"]) == (0, pages)

@@ -218,8 +218,9 @@ class Worker:
             if impl.fetches_pages and self.offload is not None:
                 source.fetcher = PageFetcher(self.store, m, self.lm.device, self.offload, self.host_tier(),
                                              summaries=self.summaries)
-                fast = FastOpen(source.fetcher, self.offload)  # warms the host tier (in the background)
-                source.device_cache, source.switch = fast.device_cache, fast.poll
+                if impl.fast_open:
+                    fast = FastOpen(source.fetcher, self.offload)  # warms the host tier (in the background)
+                    source.device_cache, source.switch = fast.device_cache, fast.poll
             attn = impl.open(source, decode)
             if self.engine.config.cuda_graphs and isinstance(attn, UsesCudaGraphs):
                 attn.use_cuda_graphs()

@@ -79,6 +79,10 @@ class Method(abc.ABC):
     fetches_pages: ClassVar[bool] = False
     """Whether it reads the prefix through ``PrefixSource.layer`` (so a page fetcher serves it per step) or
     ``PrefixSource.whole_layer`` (the tiers serve its whole-layer reads): the worker then opens a fetcher."""
+    fast_open: ClassVar[bool] = True
+    """With ``fetches_pages``: whether the worker also opens ``FastOpen`` for it (the host tier warmed in the
+    background, a device-planned page cache once warm). False for a method that reads every layer whole when
+    it opens (``full``): its own reads fill the host tier, and it would never use a page cache."""
 
     @abc.abstractmethod
     def open(self, source: PrefixSource, config: DecodeConfig) -> PrefixAttention:

@@ -9,6 +9,7 @@ from workers.kernels.dense_attention import dense_attention
 from workers.methods.base import Method, ReadReport
 from workers.methods.reads import ReadCounter
 from workers.methods.source import PrefixSource
+from workers.methods.sparse import offload_counters
 from workers.requests import DecodeConfig
 
 
@@ -25,7 +26,7 @@ class FullPrefixAttention:
     def attend(self, layer: int, q: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact attention of q ``[B, Hq, L, D]`` over the layer's prefix (a fused kernel: flash on CUDA)."""
         if layer not in self._kv:
-            self._kv[layer] = self.source.layer_kv(layer)
+            self._kv[layer] = self.source.whole_layer(layer)
         if layer == 0:
             self.counter.start_step()
         k, v = self._kv[layer]
@@ -51,18 +52,26 @@ class FullPrefixAttention:
         self.counter.add_layer(sum(k.shape[0] * k.shape[1] for k, _ in self._kv.values()))
 
     def read_report(self) -> ReadReport:
-        """All prefix tokens of every layer and KV head, each step."""
-        return self.counter.report()
+        """All prefix tokens of every layer and KV head, each step (the ``offload_*`` counters say which tiers
+        the whole-layer reads at open came from)."""
+        report = self.counter.report()
+        if (fetcher := self.source.fetcher) is not None:
+            report.extra.update(offload_counters(fetcher, None, len(report.tokens_per_step)))
+        return report
 
 
 class FullAttention(Method):
     """Every prefix token, exactly."""
 
     name = "full"
+    # Its whole-layer reads at open go through the worker's tiers: a question over a hot prefix copies from the
+    # pinned host tier instead of reading and CRC-checking every page file again; cold pages read fill the tier.
+    fetches_pages = True
+    fast_open = False
 
     def open(self, source: PrefixSource, config: DecodeConfig) -> PrefixAttention:
         """State for one generation, every layer's K/V read (the opener pays, not a shared decode step)."""
         attn = FullPrefixAttention(source)
         for layer in range(source.layout.n_layers):
-            attn._kv[layer] = source.layer_kv(layer)
+            attn._kv[layer] = source.whole_layer(layer, step=0)
         return attn
