@@ -79,6 +79,7 @@ class StaticStepBatch:
         side = member_streams(q.device, n_streams) if n_streams > 1 else []
         main = torch.cuda.current_stream(q.device) if side else None
         for st in side:
+            assert main is not None
             st.wait_stream(main)
         for i, m in enumerate(self.members):
             with torch.cuda.stream(side[i % n_streams]) if side else contextlib.nullcontext():
@@ -91,6 +92,7 @@ class StaticStepBatch:
                 out[:, :, i] = own_and_prefix_attention(qs[0, :, 0][None], own_k, own_v, self._n_valid[i:i + 1],
                                                         scale, o_pre.reshape(1, hq, d), lse_pre.reshape(1, hq))
         for st in side:  # the step's later kernels (and the next layer's fork) wait for every member
+            assert main is not None
             main.wait_stream(st)
         return out
 
@@ -125,12 +127,15 @@ class StaticStep:
         self.logits = out.logits[0].float()
         self._counts = [bool(r) for r in batch.reads]
         n_layers = max((len(r) for r in batch.reads), default=0)
-        zeros = None
-        rows = []
+        zeros: torch.Tensor | None = None
+        rows: list[torch.Tensor] = []
         for r in batch.reads:  # one [B, n_layers] buffer: one clone per run, not one per member
-            if not r:
-                zeros = zeros if zeros is not None else torch.zeros(n_layers, dtype=torch.long, device=self.device)
-            rows.append(torch.stack([x.long() for x in r]) if r else zeros)
+            if r:
+                rows.append(torch.stack([x.long() for x in r]))
+                continue
+            if zeros is None:
+                zeros = torch.zeros(n_layers, dtype=torch.long, device=self.device)
+            rows.append(zeros)
         self.reads = torch.stack(rows) if n_layers else None
 
     def run(self, ids: list[int], positions: list[int], lengths: list[int]) -> torch.Tensor:
