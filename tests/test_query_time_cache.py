@@ -14,7 +14,15 @@ import torch
 from tests.test_methods import DOC, planted, random_kv, rel_l1
 from workers.attention import ObservesQuery, dense_attention
 from workers.engine import Worker
-from workers.methods.keep_set import KeepConfig, QueryTimeAttention, keep_ids, pooled_scores, prefix_attention_mass
+from workers.kernels.dense_attention import dense_attention_ref
+from workers.methods.keep_set import (
+    KeepConfig,
+    QueryTimeAttention,
+    keep_ids,
+    pooled_scores,
+    prefix_attention_and_mass,
+    prefix_attention_mass,
+)
 from workers.methods.memory import MemorySource
 from workers.methods.registry import get_method
 from workers.own_kv import OwnKV
@@ -50,6 +58,28 @@ def test_prefix_attention_mass_sums_rows_of_a_softmax() -> None:
     torch.testing.assert_close(mass.sum(-1), torch.full((4,), 3.0))
     ref = torch.softmax(q[1] @ k[0].T * 0.3, -1).sum(0)  # head 1 is in KV head 0's group of 2
     torch.testing.assert_close(mass[1], ref)
+
+
+@pytest.mark.parametrize(("hkv", "g", "rows", "n", "mass_from"), [(2, 4, 9, 300, 0), (2, 2, 5, 17, 3), (1, 1, 1, 1, 0),
+                                                              (4, 2, 12, 64, 11)])
+def test_prefix_attention_and_mass_equal_the_two_separate_passes(hkv: int, g: int, rows: int, n: int,
+                                                                 mass_from: int) -> None:
+    """One score matrix gives what ``dense_attention_ref`` and ``prefix_attention_mass`` give apart (fp32, atol 1e-5),
+    and gradients flow through the mass (LookaheadKV's training uses it)."""
+    gen = torch.Generator().manual_seed(n)
+    q = torch.randn(1, hkv * g, rows, 16, generator=gen, requires_grad=True)
+    k, v = torch.randn(hkv, n, 16, generator=gen), torch.randn(hkv, n, 16, generator=gen)
+    out, lse, mass = prefix_attention_and_mass(q, k, v, 0.25, mass_from)
+    want_out, want_lse = dense_attention_ref(q, k[None], v[None], 0.25)
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mass, prefix_attention_mass(q[0, :, mass_from:], k, 0.25), atol=1e-5, rtol=1e-5)
+    w = torch.randn(mass.shape, generator=gen)
+    (grad,) = torch.autograd.grad((mass * w).sum() + out.sum(), q)
+    q2 = q.detach().clone().requires_grad_(True)
+    (want_grad,) = torch.autograd.grad((prefix_attention_mass(q2[0, :, mass_from:], k, 0.25) * w).sum()
+                                       + dense_attention_ref(q2, k[None], v[None], 0.25)[0].sum(), q2)
+    torch.testing.assert_close(grad, want_grad, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize(("n", "g", "budget"), [(203, 2, 203), (150, 4, 10_000), (17, 1, 64)])

@@ -63,6 +63,23 @@ def prefix_attention_mass(q: torch.Tensor, k: torch.Tensor, scale: float) -> tor
     return probs.sum(1)
 
 
+def prefix_attention_and_mass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mass_from: int = 0
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact attention of q ``[1, Hq, L, D]`` over a non-empty prefix k, v ``[Hkv, N, D]`` and the attention mass of
+    rows ``mass_from`` on, from one score matrix: (out ``[1, Hq, L, D]``, lse ``[1, Hq, L]``) as
+    ``dense_attention_ref`` gives them (fp32) and mass ``[Hq, N]`` as ``prefix_attention_mass`` (differentiable)."""
+    b, hq, n_rows, d = q.shape
+    hkv, n = k.shape[0], k.shape[1]
+    if b != 1 or n == 0:
+        raise ValueError(f"need one batch row and a non-empty prefix, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    scores = torch.matmul(q.float().reshape(hkv, -1, d), k.float().transpose(-1, -2)) * scale  # [Hkv, G * L, N]
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    probs = torch.exp(scores - lse)
+    out = torch.matmul(probs, v.float()).reshape(1, hq, n_rows, d)
+    mass = probs.reshape(hq, n_rows, n)[:, mass_from:].sum(1)
+    return out, lse.reshape(1, hq, n_rows), mass
+
+
 def pooled_scores(mass: torch.Tensor, n_kv_heads: int, kernel: int = POOL_KERNEL) -> torch.Tensor:
     """Per-query-head scores ``[Hq, N]`` -> per-KV-head ``[Hkv, N]``: max-pool over positions, mean over the group."""
     hq, n = mass.shape

@@ -20,7 +20,7 @@ from workers.attention import STEP_KWARG, PrefixAttention, merge_attention
 from workers.kernels.dense_attention import dense_attention_ref
 from workers.lookahead_adapter import LOOKAHEAD_WEIGHTS, LookaheadAdapter
 from workers.methods.base import Method
-from workers.methods.keep_set import QueryTimeAttention, pooled_scores, prefix_attention_mass
+from workers.methods.keep_set import QueryTimeAttention, pooled_scores, prefix_attention_and_mass
 from workers.methods.snapkv import keep_config
 from workers.methods.source import PrefixSource
 from workers.own_kv import OwnKV
@@ -50,8 +50,8 @@ class LookaheadPass:
         values = torch.cat([own_v.to(v.dtype), v[0]], 1)[None]
         o_own, lse_own = dense_attention_ref(q, keys, values, scale, q_offset=own_k.shape[1])
         pk, pv = self.prefix_kv(layer)
-        o_pre, lse_pre = dense_attention_ref(q, pk[None], pv[None], scale)
-        self.mass[layer] = prefix_attention_mass(q[0, :, self.score_from:], pk, scale)
+        # One score matrix over the prefix serves the attention and the mass (it was computed twice).
+        o_pre, lse_pre, self.mass[layer] = prefix_attention_and_mass(q, pk, pv, scale, self.score_from)
         return merge_attention(o_own, lse_own, o_pre, lse_pre)[0].to(q.dtype)
 
 
