@@ -47,7 +47,7 @@ def shifted_sums(m: torch.Tensor, log_phi_k: torch.Tensor, v: torch.Tensor) -> t
     ``v [..., n, D]``; returns ``[..., F]`` and ``[..., F, D]``.
     """
     w = torch.exp(log_phi_k - m.unsqueeze(-2))
-    return w.sum(-2), torch.einsum("...nf,...nd->...fd", w, v.to(w.dtype))
+    return w.sum(-2), torch.matmul(w.transpose(-1, -2), v.to(w.dtype))
 
 
 def stable_cache(log_phi_k: torch.Tensor, v: torch.Tensor) -> StableCache:
@@ -97,7 +97,7 @@ def evaluate(log_phi_q: torch.Tensor, m: torch.Tensor, u_r: torch.Tensor,
     """
     a = log_phi_q + (m + torch.log(u_r)).unsqueeze(-2)
     w = torch.softmax(a, dim=-1)
-    return torch.logsumexp(a, dim=-1), torch.einsum("...gf,...fd->...gd", w, t_r / u_r.unsqueeze(-1))
+    return torch.logsumexp(a, dim=-1), torch.matmul(w, t_r / u_r.unsqueeze(-1))
 
 
 class PhiSummarizer(Summarizer):
