@@ -39,9 +39,7 @@ from workers.methods.selector import (
     Ranked,
     Selection,
     Selector,
-    choose_units,
     group_mass,
-    mask_to_index,
     rank_units,
 )
 from workers.methods.source import PrefixSource
@@ -121,6 +119,9 @@ class _Clusters:
     vbar: torch.Tensor  # [Hkv, C, D] float32
     perm: torch.Tensor  # [Hkv, n_mid] mid token ids in cluster order (this request's mid region only)
     offsets: torch.Tensor  # [Hkv, C + 1] long, cluster c is perm[offsets[c]:offsets[c + 1]]
+    # Per-generation constants of the step (made once in ``prepare``, not per step):
+    starts: torch.Tensor  # [Hkv, C] long, cluster c of head h is perm.view(-1)[starts[h, c]:][:sizes[h, c]]
+    nonempty: torch.Tensor  # [Hkv, C] bool, sizes > 0
 
 
 def shared_top_p(mass: torch.Tensor, sizes: torch.Tensor, order: torch.Tensor, limit: torch.Tensor, budget: int,
@@ -133,38 +134,50 @@ def shared_top_p(mass: torch.Tensor, sizes: torch.Tensor, order: torch.Tensor, l
     ``budget``, so heads whose mass is concentrated take few tokens and diffuse heads more. Returns each
     row's prefix length ``[R]``; a larger budget never shortens one, and no budget at all gives ``limit``.
     """
-    r, u = mass.shape
     m = mass.gather(1, order).double()
-    before = (m.cumsum(-1) - m) / m.sum(-1, keepdim=True).clamp_min(1e-300)
-    eligible = torch.arange(u, device=mass.device) < limit[:, None]
+    return _shared_top_p(m, m.cumsum(-1), m.sum(-1, keepdim=True).clamp_min(1e-300), sizes.gather(1, order), limit,
+                         budget, groups)
+
+
+def _shared_top_p(m: torch.Tensor, csum: torch.Tensor, total: torch.Tensor, ranked_sizes: torch.Tensor,
+                  limit: torch.Tensor, budget: int, groups: int) -> torch.Tensor:
+    """``shared_top_p`` from the ranked masses ``m [R, U]`` (float64), their prefix sums, the rows' totals
+    ``[R, 1]`` and the ranked unit sizes. Only the first ``max(limit)`` ranks can be taken, so only they are
+    sorted: the finite entries, and so the answer, are those of the whole rows (a stable sort keeps their order)."""
+    r = m.shape[0]
+    w = int(limit.max()) if r else 0
+    before = (csum[:, :w] - m[:, :w]) / total
+    eligible = torch.arange(w, device=m.device) < limit[:, None]
     entry = torch.where(eligible, before, torch.inf).reshape(groups, -1)
     by_entry = torch.sort(entry, dim=-1, stable=True).indices  # stable: a row's units stay in rank order
-    cost = sizes.gather(1, order).reshape(groups, -1).gather(1, by_entry).cumsum(-1)
+    cost = ranked_sizes[:, :w].reshape(groups, -1).gather(1, by_entry).cumsum(-1)
     take = (cost <= budget) & entry.gather(1, by_entry).isfinite()
-    return torch.zeros_like(take).scatter_(1, by_entry, take).reshape(r, u).sum(-1)
+    return torch.zeros_like(take).scatter_(1, by_entry, take).reshape(r, w).sum(-1)
 
 
-def cluster_tokens(cl: _Clusters, heads: torch.Tensor, exact: torch.Tensor, pad: int
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids of the clusters ``exact [R, C]`` (row r on KV head ``heads[r]``), read from the
-    cluster-ordered ``perm`` (no per-token scan): (``[R, max count]`` ascending ids, padded with ``pad``;
-    ``[R]`` counts)."""
-    r_idx, c_idx = exact.nonzero(as_tuple=True)
-    h_idx = heads[r_idx]
-    lens = cl.sizes[h_idx, c_idx]
-    counts = torch.zeros(exact.shape[0], dtype=torch.long, device=exact.device).index_add_(0, r_idx, lens)
-    width = int(counts.max()) if counts.numel() else 0
-    total = int(lens.sum())
-    seg = torch.repeat_interleave(torch.arange(lens.numel(), device=exact.device), lens, output_size=total)
-    within = torch.arange(total, device=exact.device) - (lens.cumsum(0) - lens)[seg]
-    ids = cl.perm[h_idx[seg], cl.offsets[h_idx, c_idx][seg] + within]
-    row = r_idx[seg]
-    col = torch.arange(total, device=exact.device) - (counts.cumsum(0) - counts)[row]
+def cluster_tokens(perm: torch.Tensor, ranked_sizes: torch.Tensor, starts: torch.Tensor, order: torch.Tensor,
+                   n: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Token ids of each row's first ``n [R]`` clusters of ``order [R, C]``, read from the cluster-ordered
+    ``perm [Hkv, n_mid]`` (no per-token scan; ``ranked_sizes [R, C]``: the sizes in rank order, ``starts [R, C]``:
+    each cluster's first position in ``perm.view(-1)``, by cluster id): (``[R, max count]`` ascending ids, padded with
+    ``pad``; ``[R]`` counts; their sum)."""
+    r = order.shape[0]
+    w = int(n.max()) if r else 0
+    dev = order.device
+    lens = torch.where(torch.arange(w, device=dev) < n[:, None], ranked_sizes[:, :w], 0)  # [R, w]
+    counts = lens.sum(-1)
+    width, total = torch.stack([counts.max(), counts.sum()]).tolist() if r else (0, 0)
+    lf = lens.reshape(-1)
+    # Each cluster's tokens are a run of perm (source) and of its row of the padded output (dest).
+    rel = (lf.cumsum(0) - lf).unsqueeze(-1)
+    row_base = (torch.arange(r, device=dev) * width)[:, None] + lens.cumsum(-1) - lens
+    base = torch.stack([starts.gather(1, order[:, :w]).reshape(-1), row_base.reshape(-1)], -1) - rel
+    at = torch.repeat_interleave(base, lf, dim=0, output_size=total) + torch.arange(total, device=dev)[:, None]
     big = torch.iinfo(torch.long).max
-    out = torch.full((exact.shape[0], width), big, dtype=torch.long, device=exact.device)
-    out[row, col] = ids.long()
-    out = torch.sort(out, dim=-1).values
-    return torch.where(out == big, pad, out), counts
+    out = torch.full((r * width,), big, dtype=torch.long, device=dev)
+    out[at[:, 1]] = perm.view(-1)[at[:, 0]].long()
+    out = torch.sort(out.view(r, width), dim=-1).values
+    return torch.where(out == big, pad, out), counts, total
 
 
 class DoublePSelector(Selector):
@@ -198,8 +211,10 @@ class DoublePSelector(Selector):
             perm = perm[(perm >= ctx.lo) & (perm < ctx.hi)].view(h, ctx.n_mid)  # same tokens leave every head
         offsets = torch.cat([sizes.new_zeros(h, 1), sizes.cumsum(1)], dim=1)
         vbar = vsum / sizes.clamp_min(1).unsqueeze(-1)
+        n_mid = perm.shape[1]
+        starts = offsets[:, :-1] + torch.arange(h, device=offsets.device)[:, None] * n_mid
         self._layers[layer] = _Clusters(a["centroids"].float(), sizes.float().log(), sizes, vbar,
-                                        perm.to(torch.int32), offsets)
+                                        perm.to(torch.int32).contiguous(), offsets, starts=starts, nonempty=sizes > 0)
 
     def extra_entries(self, layer: int) -> ExtraEntries | None:
         """Centroids with bias ``log s`` and value ``V̄`` (only without φ completion)."""
@@ -214,32 +229,43 @@ class DoublePSelector(Selector):
         fit ``k`` per KV head on average)."""
         cl = self._layers[layer]
         t, hkv = q.shape[0], q.shape[1]
+        r = t * hkv
         n_clusters = cl.centroids.shape[1]
-        logits = torch.einsum("thgd,hcd->thgc", q.float(), cl.centroids) * scale + cl.log_sizes[:, None]
-        mass = group_mass(logits).reshape(t * hkv, -1)
+        # the einsum "thgd,hcd->thgc" as one batched matmul (the same product), scaled and biased in place
+        logits = torch.matmul(q.float(), cl.centroids.transpose(1, 2)).mul_(scale).add_(cl.log_sizes[:, None])
+        mass = group_mass(logits).reshape(r, -1)
         order = rank_units(mass)
-        sizes = cl.sizes.expand(t, -1, -1).reshape(t * hkv, -1)
+        # rows are (query token, KV head), heads fastest
+        sizes, starts = (cl.sizes, cl.starts) if t == 1 else (cl.sizes.repeat(t, 1), cl.starts.repeat(t, 1))
+        ranked_sizes = sizes.gather(1, order)
         if k is not None and k >= ctx.n_mid:
             # A budget that covers the mid region reads it all exactly, as for every method (the paper's
             # thresholds only decide what to leave out; here nothing has to be).
-            stage1 = n_exact = torch.full((t * hkv,), n_clusters, dtype=torch.long, device=q.device)
+            stage1 = n_exact = torch.full((r,), n_clusters, dtype=torch.long, device=q.device)
         else:
-            stage1 = choose_units(mass, p=self.p1, order=order).n_chosen
-            n_exact = torch.minimum(choose_units(mass, p=self.p2, order=order).n_chosen, stage1)
+            # choose_units(mass, p=p1) and (p=p2) on one ranking: its cumulative mass is computed once
+            m = mass.gather(1, order).double()
+            csum = m.cumsum(-1)
+            total = m.sum(-1, keepdim=True).clamp_min(1e-300)
+            cum = csum / total
+            stage1 = ((cum < self.p1).sum(-1) + 1).clamp_max(n_clusters)
+            n_exact = torch.minimum(((cum < self.p2).sum(-1) + 1).clamp_max(n_clusters), stage1)
             if k is not None:
-                n_exact = shared_top_p(mass, sizes, order, n_exact, budget=k * hkv, groups=t)
-        heads = torch.arange(hkv, device=q.device).repeat(t)
-        ids, counts = cluster_tokens(cl, heads, Ranked(order, n_exact).mask(), pad=ctx.lo)
+                n_exact = _shared_top_p(m, csum, total, ranked_sizes, n_exact, budget=k * hkv, groups=t)
+        ids, counts, n_ids = cluster_tokens(cl.perm, ranked_sizes, starts, order, n_exact, pad=ctx.lo)
         # Read per step: every centroid and its log-size (stage 1), the exact clusters' offsets and token ids.
         index_bytes = hkv * n_clusters * (cl.centroids.shape[-1] * cl.centroids.element_size() + 4) + (
-            n_exact.sum() * 2 * cl.offsets.element_size() + counts.sum() * cl.perm.element_size())
+            int(n_exact.sum()) * 2 * cl.offsets.element_size() + n_ids * cl.perm.element_size())
         sel = Selection(tokens=ids.reshape(t, hkv, -1), counts=counts.reshape(t, hkv), index_bytes=index_bytes)
         if not self.centroid_fallback:
             return sel
-        approx = Ranked(order, stage1).mask(start=n_exact) & (sizes > 0)
-        cids, ccounts = mask_to_index(approx)
+        nonempty = cl.nonempty if t == 1 else cl.nonempty.repeat(t, 1)
+        approx = Ranked(order, stage1).mask(start=n_exact) & nonempty
+        ccounts = approx.sum(-1)
+        width, n_approx = torch.stack([ccounts.max(), ccounts.sum()]).tolist()
+        cids = torch.sort((~approx).to(torch.uint8), dim=-1, stable=True).indices[:, :width]  # mask_to_index
         # The approximated clusters enter the attention as one K and one V row each (model dtype).
-        index_bytes = index_bytes + ccounts.sum() * 2 * cl.centroids.shape[-1] * ctx.kv.dtype.itemsize
+        index_bytes = index_bytes + n_approx * 2 * cl.centroids.shape[-1] * ctx.kv.dtype.itemsize
         return Selection(tokens=sel.tokens, counts=sel.counts, centroids=cids.reshape(t, hkv, -1),
                          n_centroids=ccounts.reshape(t, hkv), index_bytes=index_bytes)
 

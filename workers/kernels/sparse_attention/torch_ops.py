@@ -18,9 +18,12 @@ def _gather_rows(buf: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     b, h, n = idx.shape
     s, d = buf.shape[2], buf.shape[3]
     one = buf[0]
-    if (b == 1 or buf.stride(0) == 0) and one.is_contiguous():  # one shared buffer: a single row gather
-        rows = idx + torch.arange(0, h * s, s, device=idx.device).view(1, h, 1)
-        return one.view(h * s, d).index_select(0, rows.view(-1)).view(b, h, n, d)
+    if b == 1 or buf.stride(0) == 0:
+        if one.stride(0) == 0 and one[0].is_contiguous():  # rows shared by every head (a page-cache pool)
+            return one[0].index_select(0, idx.reshape(-1)).view(b, h, n, d)
+        if one.is_contiguous():  # one shared buffer: a single row gather
+            rows = idx + torch.arange(0, h * s, s, device=idx.device).view(1, h, 1)
+            return one.view(h * s, d).index_select(0, rows.view(-1)).view(b, h, n, d)
     bi = torch.arange(b, device=idx.device).view(b, 1, 1)
     hi = torch.arange(h, device=idx.device).view(1, h, 1)
     return buf[bi, hi, idx]
@@ -58,7 +61,8 @@ def sparse_decode_attention_torch(
         safe = idx.long() if valid is None else torch.where(valid, idx.long(), 0)  # padding reads row 0
         kg, vg = _gather_rows(k, safe), _gather_rows(v, safe)
     if valid is not None:  # padding has weight 0, but 0 * a non-finite row would still poison the sum
-        vg = vg.masked_fill(~valid.unsqueeze(-1), 0.0)
+        pad = ~valid.unsqueeze(-1)
+        vg = vg.masked_fill_(pad, 0.0) if idx is not None else vg.masked_fill(pad, 0.0)  # in place on a gathered copy
     qg = q.float().reshape(b, hkv, g, d)
     logits = torch.matmul(qg, kg.float().transpose(-1, -2)).mul_(scale)  # [B, Hkv, G, N]
     if bias is not None:
