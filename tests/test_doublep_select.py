@@ -1,4 +1,4 @@
-"""Double-P's per-step selection equals its earlier, op-by-op form bit for bit.
+"""Double-P's per-step selection equals its earlier, op-by-op form bit for bit (and its CPU sorts torch's).
 
 ``DoublePSelector.select`` computes the two top-p prefixes from one cumulative mass, sorts only the ranks a
 budget can take, expands the exact clusters from their rank-ordered prefix and reads per-generation constants
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.methods.doublep import ClusterSummarizer, DoublePSelector
+from workers.methods.doublep import ClusterSummarizer, DoublePSelector, _rank, _sort_rows, _valid_first
 from workers.methods.layer_kv import ResidentKV
 from workers.methods.memory import MemorySource
 from workers.methods.selector import (
@@ -25,6 +25,7 @@ from workers.methods.selector import (
     mask_to_index,
     rank_units,
 )
+from workers.methods.sparse import _append
 
 SINK, TAIL = 4, 16
 
@@ -128,3 +129,47 @@ def test_select_equals_the_earlier_op_by_op_selection(seed: int, t: int, narrow:
             q = torch.randn(t, hkv, g, d, generator=gen) * (0.5 + 2 * step)  # flat to sharp attention
             for budget in (None, 8, 40, 150, ctx.n_mid):
                 _assert_same(sel.select(0, ctx, q, scale, budget), _select_reference(sel, 0, ctx, q, scale, budget))
+
+
+def _compact_reference(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sparse path's earlier join of (ids, valid, bias) parts: concatenated, valid entries first (a sort)."""
+    idx = torch.cat([p[0] for p in parts], dim=-1)
+    valid = torch.cat([p[1] for p in parts], dim=-1)
+    bias = torch.cat([p[2] if p[2] is not None else torch.zeros(p[0].shape) for p in parts], -1)
+    order = torch.sort((~valid).to(torch.uint8), dim=-1, stable=True).indices
+    return idx.gather(-1, order), valid.sum(-1), bias.gather(-1, order).contiguous()
+
+
+@pytest.mark.parametrize("t,w1,w2", [(1, 9, 5), (3, 4, 11), (2, 7, 0), (1, 0, 6)])
+def test_append_puts_the_same_valid_entries_in_the_same_order_as_the_sorting_join(t: int, w1: int, w2: int) -> None:
+    """The centroid entries joined after a step's token rows (``sparse._append``) == the sort-based join."""
+    gen = torch.Generator().manual_seed(t * 100 + w1 * 10 + w2)
+    hkv = 2
+    ids, more = torch.randint(0, 1000, (t, hkv, w1), generator=gen), torch.randint(0, 1000, (t, hkv, w2), generator=gen)
+    n, n_more = torch.randint(0, w1 + 1, (t, hkv), generator=gen), torch.randint(0, w2 + 1, (t, hkv), generator=gen)
+    n.view(-1)[0], n_more.view(-1)[-1] = w1, w2  # full rows too
+    more_bias = torch.randn(t, hkv, w2, generator=gen)
+    got_ids, got_n, got_bias = _append(ids, n, more, n_more, more_bias)
+    prefix = [torch.arange(w) < c.unsqueeze(-1) for w, c in ((w1, n), (w2, n_more))]
+    want_ids, want_n, want_bias = _compact_reference([(ids, prefix[0], None), (more, prefix[1], more_bias)])
+    assert got_ids.shape == want_ids.shape and got_bias.shape == want_bias.shape
+    assert got_n.dtype == want_n.dtype and torch.equal(got_n, want_n)
+    valid = torch.arange(w1 + w2) < want_n.unsqueeze(-1)
+    assert torch.equal(got_ids[valid], want_ids[valid]) and torch.equal(got_bias[valid], want_bias[valid])
+
+
+@pytest.mark.parametrize("u", [1, 7, 507, 5000])
+def test_cpu_ranking_and_sorts_equal_the_torch_ops(u: int) -> None:
+    """The CPU's numpy sorts (int64 keys for the ranking, in-place value sort, stable mask order) == torch's."""
+    gen = torch.Generator().manual_seed(u)
+    mass = torch.softmax(torch.randn(3, 4, u, generator=gen) * 4, -1).mean(1)
+    mass[0, : u // 3] = 0.0  # ties at zero
+    mass[1, ::2] = mass[1, 0]  # ties at a positive mass
+    mass[2, -1] = torch.finfo(torch.float32).tiny / 4  # a subnormal
+    assert torch.equal(_rank(mass), rank_units(mass))
+    ids = torch.randint(0, 50, (3, u), generator=gen)
+    assert torch.equal(_sort_rows(ids.clone()), torch.sort(ids, dim=-1).values)
+    mask = torch.rand(3, u, generator=gen) < 0.4
+    width = int(mask.sum(-1).max())
+    assert torch.equal(_valid_first(mask, width), mask_to_index(mask)[0])
