@@ -118,3 +118,25 @@ def test_rows_shared_by_heads_equal_a_copied_buffer(b: int) -> None:
     assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1])
     ref_out, _ = sparse_decode_attention_ref(q, kb.contiguous(), vb.contiguous(), scale=0.2, **kw)
     torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("b", [1, 3])
+def test_padding_masked_past_the_shortest_row(b: int) -> None:
+    """Every row has some valid entries (the CPU path masks only from the shortest row's count on): padding ids
+    still point at poisoned (NaN) rows and get a NaN bias, and none of it reaches the answer."""
+    gen = torch.Generator().manual_seed(40 + b)
+    hkv, g, d, s, n = 2, 4, 32, 300, 97
+    q = torch.randn(b, hkv * g, d, generator=gen)
+    k, v = torch.randn(b, hkv, s, d, generator=gen), torch.randn(b, hkv, s, d, generator=gen)
+    idx = torch.stack([torch.randperm(s, generator=gen)[:n] for _ in range(b * hkv)]).view(b, hkv, n)
+    nv = torch.randint(n // 2, n + 1, (b, hkv), generator=gen)
+    nv.view(-1)[0] = n // 2
+    pad = torch.arange(n) >= nv.unsqueeze(-1)
+    sel = torch.zeros(b, hkv, s, dtype=torch.bool).scatter_(2, idx, ~pad)  # rows only padding points at: NaN
+    k, v = (x.masked_fill(~sel.unsqueeze(-1), float("nan")) for x in (k, v))
+    bias = torch.randn(b, hkv, n, generator=gen).masked_fill(pad, float("nan"))
+    kw = {"idx": idx, "n_valid": nv, "bias": bias}
+    out, lse = sparse_decode_attention_torch(q, k, v, scale=0.2, **kw)
+    ref_out, ref_lse = sparse_decode_attention_ref(q, k, v, scale=0.2, **kw)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-6)

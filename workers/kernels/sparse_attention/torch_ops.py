@@ -53,22 +53,28 @@ def sparse_decode_attention_torch(
     g = hq // hkv
     n = idx.shape[-1] if idx is not None else k.shape[2]
     valid = None
+    tail = 0  # entries before it are valid in every row: the masking below only touches the rest
     if n_valid is not None:
-        valid = torch.arange(n, device=q.device) < n_valid.clamp(0, n).unsqueeze(-1)  # [B, Hkv, N]
+        counts = n_valid.clamp(0, n)
+        valid = torch.arange(n, device=q.device) < counts.unsqueeze(-1)  # [B, Hkv, N]
+        if q.device.type == "cpu" and counts.numel():
+            tail = int(counts.min())
     if idx is None:
         kg, vg = k, v
     else:
         safe = idx.long() if valid is None else torch.where(valid, idx.long(), 0)  # padding reads row 0
         kg, vg = _gather_rows(k, safe), _gather_rows(v, safe)
     if valid is not None:  # padding has weight 0, but 0 * a non-finite row would still poison the sum
-        pad = ~valid.unsqueeze(-1)
-        vg = vg.masked_fill_(pad, 0.0) if idx is not None else vg.masked_fill(pad, 0.0)  # in place on a gathered copy
+        if idx is not None:  # in place on the gathered copy
+            vg[..., tail:, :].masked_fill_(~valid[..., tail:].unsqueeze(-1), 0.0)
+        else:
+            vg = vg.masked_fill(~valid.unsqueeze(-1), 0.0)
     qg = q.float().reshape(b, hkv, g, d)
     logits = torch.matmul(qg, kg.float().transpose(-1, -2)).mul_(scale)  # [B, Hkv, G, N]
     if bias is not None:
         logits.add_(bias.float().unsqueeze(2))
     if valid is not None:
-        logits.masked_fill_(~valid.unsqueeze(2), float("-inf"))
+        logits[..., tail:].masked_fill_(~valid[..., tail:].unsqueeze(2), float("-inf"))
     pl = pseudo_logits.float().reshape(b, hkv, g, -1) if pseudo_logits is not None else None
     lse = torch.logsumexp(logits if pl is None else torch.cat([logits, pl], dim=-1), dim=-1)  # [B, Hkv, G]
     safe_lse = lse.nan_to_num(neginf=0.0).unsqueeze(-1)  # nothing attended: every weight is exp(-inf) = 0
