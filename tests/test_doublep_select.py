@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from workers.methods import doublep
 from workers.methods.doublep import ClusterSummarizer, DoublePSelector, _rank, _sort_rows, _valid_first
 from workers.methods.layer_kv import ResidentKV
 from workers.methods.memory import MemorySource
@@ -108,7 +109,11 @@ def _assert_same(got: Selection, want: Selection) -> None:
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("t", [1, 3])
 @pytest.mark.parametrize("narrow", [False, True])
-def test_select_equals_the_earlier_op_by_op_selection(seed: int, t: int, narrow: bool) -> None:
+@pytest.mark.parametrize("host", [True, False])
+def test_select_equals_the_earlier_op_by_op_selection(seed: int, t: int, narrow: bool, host: bool,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both paths: the CPU's numpy bookkeeping (``HOST_BOOKKEEPING``) and the torch ops other devices run."""
+    monkeypatch.setattr(doublep, "HOST_BOOKKEEPING", host)
     gen = torch.Generator().manual_seed(seed)
     hkv, g, d, n = 2, 4, 16, 900 + 37 * seed
     topic = torch.randint(n // 40, (n,), generator=gen).sort().values  # topics of nearby keys: uneven mass

@@ -208,6 +208,50 @@ def cluster_tokens(perm: torch.Tensor, ranked_sizes: torch.Tensor, starts: torch
     return torch.where(out == big, pad, out), counts, total
 
 
+HOST_BOOKKEEPING = True
+"""On the CPU, the integer bookkeeping after the ranking (top-p prefix lengths, the budgeted stage 2, the exact
+clusters' token ids, the approximated clusters) runs in numpy: the same arithmetic (elementwise IEEE float64, stable
+sorts, integer sums; the masses' totals stay torch's sum), at about a third of torch's per-op cost on these small
+arrays. False: the torch ops on every device (the tests compare both with the earlier selection)."""
+
+
+def _shared_top_p_host(m: np.ndarray, csum: np.ndarray, total: np.ndarray, ranked_sizes: np.ndarray,
+                       limit: np.ndarray, budget: int, groups: int) -> np.ndarray:
+    """``_shared_top_p`` in numpy."""
+    r = m.shape[0]
+    w = int(limit.max()) if r else 0
+    before = (csum[:, :w] - m[:, :w]) / total
+    entry = np.where(np.arange(w) < limit[:, None], before, np.inf).reshape(groups, -1)
+    by_entry = np.argsort(entry, axis=-1, kind="stable")
+    cost = np.take_along_axis(ranked_sizes[:, :w].reshape(groups, -1), by_entry, 1).cumsum(-1)
+    take = (cost <= budget) & (np.take_along_axis(entry, by_entry, 1) < np.inf)
+    out = np.zeros_like(take)
+    np.put_along_axis(out, by_entry, take, 1)
+    return out.reshape(r, w).sum(-1)
+
+
+def _cluster_tokens_host(perm: np.ndarray, ranked_sizes: np.ndarray, starts: np.ndarray, order: np.ndarray,
+                         n: np.ndarray, pad: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """``cluster_tokens`` in numpy (``perm`` flattened)."""
+    r = order.shape[0]
+    w = int(n.max()) if r else 0
+    lens = np.where(np.arange(w) < n[:, None], ranked_sizes[:, :w], 0)
+    counts = lens.sum(-1)
+    width, total = (int(counts.max()), int(counts.sum())) if r else (0, 0)
+    lf = lens.reshape(-1)
+    rel = np.cumsum(lf) - lf
+    src = np.take_along_axis(starts, order[:, :w], 1).reshape(-1) - rel
+    dst = ((np.arange(r) * width)[:, None] + np.cumsum(lens, -1) - lens).reshape(-1) - rel
+    step = np.arange(total)
+    big = np.iinfo(np.int64).max
+    out = np.full(r * width, big, dtype=np.int64)
+    out[np.repeat(dst, lf) + step] = perm[np.repeat(src, lf) + step]
+    out = out.reshape(r, width)
+    out.sort(axis=-1)
+    out[out == big] = pad
+    return out, counts, total
+
+
 class DoublePSelector(Selector):
     """Double-P's two top-p stages over clusters; optionally centroid pseudo-entries for the approximated ones."""
 
@@ -265,18 +309,22 @@ class DoublePSelector(Selector):
         logits = logits.view(hkv, t, g, n_clusters).transpose(0, 1).mul_(scale).add_(cl.log_sizes[:, None])
         mass = group_mass(logits).reshape(r, -1)
         order = _rank(mass)
-        # rows are (query token, KV head), heads fastest
-        sizes, starts = (cl.sizes, cl.starts) if t == 1 else (cl.sizes.repeat(t, 1), cl.starts.repeat(t, 1))
-        ranked_sizes = sizes.gather(1, order)
-        if k is not None and k >= ctx.n_mid:
-            # A budget that covers the mid region reads it all exactly, as for every method (the paper's
-            # thresholds only decide what to leave out; here nothing has to be).
-            stage1 = n_exact = torch.full((r,), n_clusters, dtype=torch.long, device=q.device)
-        else:
-            # choose_units(mass, p=p1) and (p=p2) on one ranking: its cumulative mass is computed once
+        # A budget that covers the mid region reads it all exactly, as for every method (the paper's
+        # thresholds only decide what to leave out; here nothing has to be).
+        covered = k is not None and k >= ctx.n_mid
+        m = csum = total = None
+        if not covered:  # choose_units(mass, p=p1) and (p=p2) on one ranking: its cumulative mass is made once
             m = mass.gather(1, order).double()
             csum = m.cumsum(-1)
             total = m.sum(-1, keepdim=True).clamp_min(1e-300)
+        if HOST_BOOKKEEPING and q.device.type == "cpu":
+            return self._select_host(cl, ctx, t, order, m, csum, total, None if k is None else k * hkv)
+        # rows are (query token, KV head), heads fastest
+        sizes, starts = (cl.sizes, cl.starts) if t == 1 else (cl.sizes.repeat(t, 1), cl.starts.repeat(t, 1))
+        ranked_sizes = sizes.gather(1, order)
+        if m is None or csum is None or total is None:
+            stage1 = n_exact = torch.full((r,), n_clusters, dtype=torch.long, device=q.device)
+        else:
             cum = csum / total
             stage1 = ((cum < self.p1).sum(-1) + 1).clamp_max(n_clusters)
             n_exact = torch.minimum(((cum < self.p2).sum(-1) + 1).clamp_max(n_clusters), stage1)
@@ -298,6 +346,40 @@ class DoublePSelector(Selector):
         index_bytes = index_bytes + n_approx * 2 * cl.centroids.shape[-1] * ctx.kv.dtype.itemsize
         return Selection(tokens=sel.tokens, counts=sel.counts, centroids=cids.reshape(t, hkv, -1),
                          n_centroids=ccounts.reshape(t, hkv), index_bytes=index_bytes)
+
+    def _select_host(self, cl: _Clusters, ctx: LayerContext, t: int, order: torch.Tensor, m: torch.Tensor | None,
+                     csum: torch.Tensor | None, total: torch.Tensor | None, budget: int | None) -> Selection:
+        """``select`` after the ranking, in numpy (CPU tensors; ``m`` None: every cluster exact)."""
+        hkv, n_clusters, d = cl.centroids.shape
+        o = order.numpy()
+        sizes, starts, nonempty = cl.sizes.numpy(), cl.starts.numpy(), cl.nonempty.numpy()
+        if t > 1:
+            sizes, starts, nonempty = np.tile(sizes, (t, 1)), np.tile(starts, (t, 1)), np.tile(nonempty, (t, 1))
+        ranked_sizes = np.take_along_axis(sizes, o, 1)
+        if m is None or csum is None or total is None:
+            stage1 = n_exact = np.full(o.shape[0], n_clusters, dtype=np.int64)
+        else:
+            mn, cs, tot = m.numpy(), csum.numpy(), total.numpy()
+            cum = cs / tot
+            stage1 = np.minimum((cum < self.p1).sum(-1) + 1, n_clusters)
+            n_exact = np.minimum(np.minimum((cum < self.p2).sum(-1) + 1, n_clusters), stage1)
+            if budget is not None:
+                n_exact = _shared_top_p_host(mn, cs, tot, ranked_sizes, n_exact, budget, t)
+        ids, counts, n_ids = _cluster_tokens_host(cl.perm.view(-1).numpy(), ranked_sizes, starts, o, n_exact, ctx.lo)
+        index_bytes = hkv * n_clusters * (d * cl.centroids.element_size() + 4) + (
+            int(n_exact.sum()) * 2 * cl.offsets.element_size() + n_ids * cl.perm.element_size())
+        tokens, n_tok = torch.from_numpy(ids).view(t, hkv, -1), torch.from_numpy(counts).view(t, hkv)
+        if not self.centroid_fallback:
+            return Selection(tokens=tokens, counts=n_tok, index_bytes=index_bytes)
+        rank = np.arange(n_clusters)
+        approx = np.zeros(o.shape, dtype=bool)
+        np.put_along_axis(approx, o, (rank >= n_exact[:, None]) & (rank < stage1[:, None]), 1)
+        approx &= nonempty
+        ccounts = approx.sum(-1)
+        cids = np.argsort(~approx, axis=-1, kind="stable")[:, :int(ccounts.max())]  # mask_to_index
+        index_bytes += int(ccounts.sum()) * 2 * d * ctx.kv.dtype.itemsize
+        return Selection(tokens=tokens, counts=n_tok, centroids=torch.from_numpy(cids).view(t, hkv, -1),
+                         n_centroids=torch.from_numpy(ccounts).view(t, hkv), index_bytes=index_bytes)
 
 
 @dataclass(kw_only=True)
