@@ -162,10 +162,13 @@ def _rank(mass: torch.Tensor) -> torch.Tensor:
     stable sort does): the same ranking, several times faster than torch's stable sort at thousands of clusters."""
     if mass.device.type != "cpu" or mass.dtype != torch.float32:
         return rank_units(mass)
-    bits = mass.contiguous().numpy().view(np.int32).astype(np.int64)
-    key = ((0x7FFFFFFF - bits) << 32) | np.arange(mass.shape[-1], dtype=np.int64)
+    key = mass.contiguous().numpy().view(np.int32).astype(np.int64)
+    np.subtract(0x7FFFFFFF, key, out=key)
+    key <<= 32
+    key |= np.arange(mass.shape[-1], dtype=np.int64)
     key.sort(axis=-1)
-    return torch.from_numpy(key & 0xFFFFFFFF)
+    key &= 0xFFFFFFFF
+    return torch.from_numpy(key)
 
 
 def _sort_rows(x: torch.Tensor) -> torch.Tensor:
@@ -223,10 +226,11 @@ def _shared_top_p_host(m: np.ndarray, csum: np.ndarray, total: np.ndarray, ranke
     before = (csum[:, :w] - m[:, :w]) / total
     entry = np.where(np.arange(w) < limit[:, None], before, np.inf).reshape(groups, -1)
     by_entry = np.argsort(entry, axis=-1, kind="stable")
-    cost = np.take_along_axis(ranked_sizes[:, :w].reshape(groups, -1), by_entry, 1).cumsum(-1)
-    take = (cost <= budget) & (np.take_along_axis(entry, by_entry, 1) < np.inf)
-    out = np.zeros_like(take)
-    np.put_along_axis(out, by_entry, take, 1)
+    g = np.arange(groups)[:, None]  # row indices: plain fancy indexing (take_along_axis builds them in Python)
+    cost = ranked_sizes[:, :w].reshape(groups, -1)[g, by_entry].cumsum(-1)
+    take = (cost <= budget) & (entry[g, by_entry] < np.inf)
+    out = np.zeros(take.shape, dtype=bool)
+    out[g, by_entry] = take
     return out.reshape(r, w).sum(-1)
 
 
@@ -240,7 +244,7 @@ def _cluster_tokens_host(perm: np.ndarray, ranked_sizes: np.ndarray, starts: np.
     width, total = (int(counts.max()), int(counts.sum())) if r else (0, 0)
     lf = lens.reshape(-1)
     rel = np.cumsum(lf) - lf
-    src = np.take_along_axis(starts, order[:, :w], 1).reshape(-1) - rel
+    src = starts[np.arange(r)[:, None], order[:, :w]].reshape(-1) - rel
     dst = ((np.arange(r) * width)[:, None] + np.cumsum(lens, -1) - lens).reshape(-1) - rel
     step = np.arange(total)
     big = np.iinfo(np.int64).max
@@ -355,7 +359,8 @@ class DoublePSelector(Selector):
         sizes, starts, nonempty = cl.sizes.numpy(), cl.starts.numpy(), cl.nonempty.numpy()
         if t > 1:
             sizes, starts, nonempty = np.tile(sizes, (t, 1)), np.tile(starts, (t, 1)), np.tile(nonempty, (t, 1))
-        ranked_sizes = np.take_along_axis(sizes, o, 1)
+        rows = np.arange(o.shape[0])[:, None]
+        ranked_sizes = sizes[rows, o]
         if m is None or csum is None or total is None:
             stage1 = n_exact = np.full(o.shape[0], n_clusters, dtype=np.int64)
         else:
@@ -373,7 +378,7 @@ class DoublePSelector(Selector):
             return Selection(tokens=tokens, counts=n_tok, index_bytes=index_bytes)
         rank = np.arange(n_clusters)
         approx = np.zeros(o.shape, dtype=bool)
-        np.put_along_axis(approx, o, (rank >= n_exact[:, None]) & (rank < stage1[:, None]), 1)
+        approx[rows, o] = (rank >= n_exact[:, None]) & (rank < stage1[:, None])
         approx &= nonempty
         ccounts = approx.sum(-1)
         cids = np.argsort(~approx, axis=-1, kind="stable")[:, :int(ccounts.max())]  # mask_to_index
