@@ -101,3 +101,42 @@ def test_nothing_attended_is_zero_and_neg_inf() -> None:
     idx = torch.zeros(2, 2, 5, dtype=torch.long)
     out, lse = sparse_decode_attention_torch(q, k, v, scale=0.25, idx=idx, n_valid=torch.zeros(2, 2))
     assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("b", [1, 3])
+def test_rows_shared_by_heads_equal_a_copied_buffer(b: int) -> None:
+    """A page-cache pool (``[Hkv, S, D]`` with a zero head stride, broadcast over rows) gives bit for bit what the
+    same rows copied out per head give: its one-pool row gather is not the per-head path's result by accident."""
+    q, _, _, kw = make_case(21 + b, b=b, hkv=2, g=4, d=32, s=200, n=40, dtype=torch.float32, mode="all")
+    gen = torch.Generator().manual_seed(22)
+    kp, vp = (torch.randn(200, 32, generator=gen) for _ in range(2))
+    kb, vb = (p.expand(b, 2, -1, -1) for p in (kp, vp))
+    assert kb.stride()[:2] == (0, 0)
+    kw["idx"] = torch.where(kw["idx"] < 200, kw["idx"], 10**9)  # padding stays poisoned
+    out, lse = sparse_decode_attention_torch(q, kb, vb, scale=0.2, **kw)
+    ref = sparse_decode_attention_torch(q, kb.contiguous(), vb.contiguous(), scale=0.2, **kw)
+    assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1])
+    ref_out, _ = sparse_decode_attention_ref(q, kb.contiguous(), vb.contiguous(), scale=0.2, **kw)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("b", [1, 3])
+def test_padding_masked_past_the_shortest_row(b: int) -> None:
+    """Every row has some valid entries (the CPU path masks only from the shortest row's count on): padding ids
+    still point at poisoned (NaN) rows and get a NaN bias, and none of it reaches the answer."""
+    gen = torch.Generator().manual_seed(40 + b)
+    hkv, g, d, s, n = 2, 4, 32, 300, 97
+    q = torch.randn(b, hkv * g, d, generator=gen)
+    k, v = torch.randn(b, hkv, s, d, generator=gen), torch.randn(b, hkv, s, d, generator=gen)
+    idx = torch.stack([torch.randperm(s, generator=gen)[:n] for _ in range(b * hkv)]).view(b, hkv, n)
+    nv = torch.randint(n // 2, n + 1, (b, hkv), generator=gen)
+    nv.view(-1)[0] = n // 2
+    pad = torch.arange(n) >= nv.unsqueeze(-1)
+    sel = torch.zeros(b, hkv, s, dtype=torch.bool).scatter_(2, idx, ~pad)  # rows only padding points at: NaN
+    k, v = (x.masked_fill(~sel.unsqueeze(-1), float("nan")) for x in (k, v))
+    bias = torch.randn(b, hkv, n, generator=gen).masked_fill(pad, float("nan"))
+    kw = {"idx": idx, "n_valid": nv, "bias": bias}
+    out, lse = sparse_decode_attention_torch(q, k, v, scale=0.2, **kw)
+    ref_out, ref_lse = sparse_decode_attention_ref(q, k, v, scale=0.2, **kw)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-6)

@@ -60,14 +60,15 @@ def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sca
     return out.float(), lse.float()
 
 
-def _compact(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Concatenate (ids, valid, bias) parts along the last axis, valid entries first."""
-    idx = torch.cat([p[0] for p in parts], dim=-1)
-    valid = torch.cat([p[1] for p in parts], dim=-1)
-    bias = torch.cat([p[2] if p[2] is not None else torch.zeros(p[0].shape, device=idx.device) for p in parts], -1)
-    order = torch.sort((~valid).to(torch.uint8), dim=-1, stable=True).indices
-    return idx.gather(-1, order), valid.sum(-1), bias.gather(-1, order).contiguous()
+def _append(ids: torch.Tensor, n: torch.Tensor, more: torch.Tensor, n_more: torch.Tensor, more_bias: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two parts ``[..., W]`` whose valid entries come first (``n``, ``n_more`` of them) as one, valid entries first:
+    the first part's, then the second's (bias 0, then ``more_bias``), moved by one scatter; past ``n + n_more``,
+    entries and bias are unspecified. Returns (ids, counts, bias)."""
+    at = n.unsqueeze(-1) + torch.arange(more.shape[-1], device=more.device)  # at most the first part's width
+    idx = torch.cat([ids, more], dim=-1).scatter_(-1, at, more)
+    bias = torch.cat([more_bias.new_zeros(ids.shape), more_bias], dim=-1).scatter_(-1, at, more_bias)
+    return idx, n + n_more, bias
 
 
 def offload_counters(fetcher: PageFetcher, device_cache: DevicePageCache | None, steps: int) -> dict[str, float]:
@@ -88,10 +89,6 @@ def offload_counters(fetcher: PageFetcher, device_cache: DevicePageCache | None,
             "offload_pages_requested"] else 0.0
     x["offload_steps"] = float(steps)
     return x
-
-
-def _prefix(ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    return torch.arange(ids.shape[-1], device=ids.device) < counts.unsqueeze(-1)
 
 
 class SparsePrefixAttention:
@@ -258,10 +255,9 @@ class SparsePrefixAttention:
         with self._timed("select"):
             sel = self.selector.select(layer, ctx, qg, scale, self.k)
         anchors = ctx.anchors.expand(t, hkv, -1)
-        parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = [
-            (anchors, torch.ones_like(anchors, dtype=torch.bool), None),
-            (sel.tokens, _prefix(sel.tokens, sel.counts), None)]
-        tok, n_tok, _ = _compact(parts)
+        # every anchor is valid and the selection's valid ids come first: the concatenation is compact already
+        tok = torch.cat([anchors, sel.tokens], dim=-1)
+        n_tok = sel.counts.long() + anchors.shape[-1]
         # A step whose pages exceed the GPU page cache (e.g. the query's first forward, many rows) still
         # gets them, in a one-off pool of at most one layer's pages.
         step = ctx.kv.step(tok, n_tok, self._step, overflow=True)
@@ -269,9 +265,7 @@ class SparsePrefixAttention:
         bias = None
         if sel.centroids is not None and sel.n_centroids is not None and ebias is not None:
             cb = ebias.unsqueeze(0).expand(t, -1, -1).gather(2, sel.centroids)
-            rows, n_tok, bias = _compact([(rows, _prefix(rows, n_tok), None),
-                                          (step.extra_rows(sel.centroids), _prefix(sel.centroids, sel.n_centroids),
-                                           cb)])
+            rows, n_tok, bias = _append(rows, n_tok, step.extra_rows(sel.centroids), sel.n_centroids, cb)
         pl = pv = None
         if self.completion is not None:
             n_anchor = anchors.shape[-1]

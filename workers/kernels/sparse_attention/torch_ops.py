@@ -18,9 +18,12 @@ def _gather_rows(buf: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     b, h, n = idx.shape
     s, d = buf.shape[2], buf.shape[3]
     one = buf[0]
-    if (b == 1 or buf.stride(0) == 0) and one.is_contiguous():  # one shared buffer: a single row gather
-        rows = idx + torch.arange(0, h * s, s, device=idx.device).view(1, h, 1)
-        return one.view(h * s, d).index_select(0, rows.view(-1)).view(b, h, n, d)
+    if b == 1 or buf.stride(0) == 0:
+        if one.stride(0) == 0 and one[0].is_contiguous():  # rows shared by every head (a page-cache pool)
+            return one[0].index_select(0, idx.reshape(-1)).view(b, h, n, d)
+        if one.is_contiguous():  # one shared buffer: a single row gather
+            rows = idx + torch.arange(0, h * s, s, device=idx.device).view(1, h, 1)
+            return one.view(h * s, d).index_select(0, rows.view(-1)).view(b, h, n, d)
     bi = torch.arange(b, device=idx.device).view(b, 1, 1)
     hi = torch.arange(h, device=idx.device).view(1, h, 1)
     return buf[bi, hi, idx]
@@ -50,21 +53,28 @@ def sparse_decode_attention_torch(
     g = hq // hkv
     n = idx.shape[-1] if idx is not None else k.shape[2]
     valid = None
+    tail = 0  # entries before it are valid in every row: the masking below only touches the rest
     if n_valid is not None:
-        valid = torch.arange(n, device=q.device) < n_valid.clamp(0, n).unsqueeze(-1)  # [B, Hkv, N]
+        counts = n_valid.clamp(0, n)
+        valid = torch.arange(n, device=q.device) < counts.unsqueeze(-1)  # [B, Hkv, N]
+        if q.device.type == "cpu" and counts.numel():
+            tail = int(counts.min())
     if idx is None:
         kg, vg = k, v
     else:
         safe = idx.long() if valid is None else torch.where(valid, idx.long(), 0)  # padding reads row 0
         kg, vg = _gather_rows(k, safe), _gather_rows(v, safe)
     if valid is not None:  # padding has weight 0, but 0 * a non-finite row would still poison the sum
-        vg = vg.masked_fill(~valid.unsqueeze(-1), 0.0)
+        if idx is not None:  # in place on the gathered copy
+            vg[..., tail:, :].masked_fill_(~valid[..., tail:].unsqueeze(-1), 0.0)
+        else:
+            vg = vg.masked_fill(~valid.unsqueeze(-1), 0.0)
     qg = q.float().reshape(b, hkv, g, d)
     logits = torch.matmul(qg, kg.float().transpose(-1, -2)).mul_(scale)  # [B, Hkv, G, N]
     if bias is not None:
         logits.add_(bias.float().unsqueeze(2))
     if valid is not None:
-        logits.masked_fill_(~valid.unsqueeze(2), float("-inf"))
+        logits[..., tail:].masked_fill_(~valid[..., tail:].unsqueeze(2), float("-inf"))
     pl = pseudo_logits.float().reshape(b, hkv, g, -1) if pseudo_logits is not None else None
     lse = torch.logsumexp(logits if pl is None else torch.cat([logits, pl], dim=-1), dim=-1)  # [B, Hkv, G]
     safe_lse = lse.nan_to_num(neginf=0.0).unsqueeze(-1)  # nothing attended: every weight is exp(-inf) = 0
