@@ -125,26 +125,18 @@ class _Clusters:
     nonempty: torch.Tensor  # [Hkv, C] bool, sizes > 0
 
 
-def shared_top_p(mass: torch.Tensor, sizes: torch.Tensor, order: torch.Tensor, limit: torch.Tensor, budget: int,
-                 groups: int) -> torch.Tensor:
+def shared_top_p(m: torch.Tensor, csum: torch.Tensor, total: torch.Tensor, ranked_sizes: torch.Tensor,
+                 limit: torch.Tensor, budget: int, groups: int) -> torch.Tensor:
     """Stage 2 under a token budget: one top-p threshold shared by the rows of each group.
 
-    ``mass [R, U]`` (rows: ``groups`` blocks of KV heads), ``order`` its ranking, ``limit [R]`` the top-``p2``
-    prefix lengths. A row's top-p prefix at threshold ``p`` holds the units whose mass ranked before them
-    is below ``p``; this raises ``p`` (at most to ``p2``: ``limit``) while the group's exact tokens fit
-    ``budget``, so heads whose mass is concentrated take few tokens and diffuse heads more. Returns each
-    row's prefix length ``[R]``; a larger budget never shortens one, and no budget at all gives ``limit``.
-    """
-    m = mass.gather(1, order).double()
-    return _shared_top_p(m, m.cumsum(-1), m.sum(-1, keepdim=True).clamp_min(1e-300), sizes.gather(1, order), limit,
-                         budget, groups)
-
-
-def _shared_top_p(m: torch.Tensor, csum: torch.Tensor, total: torch.Tensor, ranked_sizes: torch.Tensor,
-                  limit: torch.Tensor, budget: int, groups: int) -> torch.Tensor:
-    """``shared_top_p`` from the ranked masses ``m [R, U]`` (float64), their prefix sums, the rows' totals
-    ``[R, 1]`` and the ranked unit sizes. Only the first ``max(limit)`` ranks can be taken, so only they are
-    sorted: the finite entries, and so the answer, are those of the whole rows (a stable sort keeps their order)."""
+    ``m [R, U]``: each row's masses in rank order (float64; rows: ``groups`` blocks of KV heads), ``csum`` their
+    prefix sums, ``total [R, 1]`` the rows' totals, ``ranked_sizes`` the units' sizes in rank order, ``limit [R]``
+    the top-``p2`` prefix lengths. A row's top-p prefix at threshold ``p`` holds the units whose mass ranked before
+    them is below ``p``; this raises ``p`` (at most to ``p2``: ``limit``) while the group's exact tokens fit
+    ``budget``, so heads whose mass is concentrated take few tokens and diffuse heads more. Returns each row's
+    prefix length ``[R]``; a larger budget never shortens one, and no budget at all gives ``limit``. Only the
+    first ``max(limit)`` ranks can be taken, so only they are sorted (a stable sort keeps the finite entries'
+    order, so the answer is the whole rows')."""
     r = m.shape[0]
     w = int(limit.max()) if r else 0
     before = (csum[:, :w] - m[:, :w]) / total
@@ -220,7 +212,7 @@ arrays. False: the torch ops on every device (the tests compare both with the ea
 
 def _shared_top_p_host(m: np.ndarray, csum: np.ndarray, total: np.ndarray, ranked_sizes: np.ndarray,
                        limit: np.ndarray, budget: int, groups: int) -> np.ndarray:
-    """``_shared_top_p`` in numpy."""
+    """``shared_top_p`` in numpy."""
     r = m.shape[0]
     w = int(limit.max()) if r else 0
     before = (csum[:, :w] - m[:, :w]) / total
@@ -333,7 +325,7 @@ class DoublePSelector(Selector):
             stage1 = ((cum < self.p1).sum(-1) + 1).clamp_max(n_clusters)
             n_exact = torch.minimum(((cum < self.p2).sum(-1) + 1).clamp_max(n_clusters), stage1)
             if k is not None:
-                n_exact = _shared_top_p(m, csum, total, ranked_sizes, n_exact, budget=k * hkv, groups=t)
+                n_exact = shared_top_p(m, csum, total, ranked_sizes, n_exact, budget=k * hkv, groups=t)
         ids, counts, n_ids = cluster_tokens(cl.perm, ranked_sizes, starts, order, n_exact, pad=ctx.lo)
         # Read per step: every centroid and its log-size (stage 1), the exact clusters' offsets and token ids.
         index_bytes = hkv * n_clusters * (cl.centroids.shape[-1] * cl.centroids.element_size() + 4) + (
