@@ -19,7 +19,13 @@ import pytest
 import torch
 
 import workers.kernels.quest_scores.ops as qs_ops
-from workers.kernels.quest_scores import QuestScoresConfig, quest_upper_bounds, quest_upper_bounds_ref
+from workers.kernels.quest_scores import (
+    QuestScoresConfig,
+    member_offsets,
+    quest_upper_bounds,
+    quest_upper_bounds_members,
+    quest_upper_bounds_ref,
+)
 from workers.methods.quest import QuestSelector
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -194,3 +200,60 @@ def test_invalid_calls_say_how_to_fix_them() -> None:
         QuestScoresConfig(block_u=48)
     with pytest.raises(ValueError, match="num_warps"):
         QuestScoresConfig(num_warps=3)
+
+
+def _members(m: int, hkv: int, g: int, d: int, u: int, dtype: torch.dtype, page_range: bool = False
+             ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One query token per member and each member's own bounds (separate allocations; ``page_range``: a page
+    range of a larger stack, as ``StackedBounds.get`` hands out)."""
+    qs, kbs = [], []
+    for i in range(m):
+        q, kb = _case(1, hkv, g, d, u + (5 if page_range else 0), dtype, seed=i * 7 + u)
+        qs.append(q)
+        kbs.append(kb[..., 3:3 + u] if page_range else kb)
+    return torch.cat(qs), kbs
+
+
+@needs_triton
+@pytest.mark.usefixtures("poisoned_empty")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("u", [1, 17, 300])
+@pytest.mark.parametrize("m,hkv,g,d", [(1, 2, 4, 64), (3, 2, 5, 64), (4, 8, 4, 128), (2, 1, 20, 32)])
+@pytest.mark.parametrize("page_range", [False, True], ids=["whole", "range"])
+def test_members_equal_each_members_own_launch(m: int, hkv: int, g: int, d: int, u: int, dtype: torch.dtype,
+                                               page_range: bool) -> None:
+    """Several members' rows in one launch give each member's one-member result exactly (the same kernel
+    arithmetic over its own bounds), and match the reference within the stated tolerance."""
+    q, kbs = _members(m, hkv, g, d, u, dtype, page_range)
+    config = QuestScoresConfig(max_rows=16)  # G = 20 then takes two row blocks per member
+    out = quest_upper_bounds_members(q, kbs, SCALE, use_triton=True, config=config)
+    assert out.shape == (m, hkv, g, u)
+    for i, kb in enumerate(kbs):
+        alone = quest_upper_bounds(q[i:i + 1], kb, SCALE, use_triton=True, config=config)
+        assert torch.equal(out[i:i + 1], alone), f"member {i} differs from its own launch"
+        _assert_close(out[i:i + 1], quest_upper_bounds_ref(q[i:i + 1], kb, SCALE), *TOL[dtype])
+    ref = quest_upper_bounds_members(q, kbs, SCALE, use_triton=False)
+    _assert_close(out, ref, *TOL[dtype])
+
+
+@needs_triton
+def test_members_take_a_table_made_beforehand() -> None:
+    """The offsets table made once (as a captured step makes it before capturing) gives the same scores; a
+    table that points elsewhere gives other scores (the kernel does read it)."""
+    q, kbs = _members(3, 2, 4, 64, 17, torch.float32)
+    table = member_offsets(kbs)
+    got = quest_upper_bounds_members(q, kbs, SCALE, offsets=table, use_triton=True)
+    assert torch.equal(got, quest_upper_bounds_members(q, kbs, SCALE, use_triton=True))
+    swapped = quest_upper_bounds_members(q, kbs, SCALE, offsets=table.flip(0), use_triton=True)
+    assert not torch.equal(swapped[0], got[0])
+    assert torch.equal(swapped[0], quest_upper_bounds(q[:1], kbs[2], SCALE, use_triton=True)[0])
+
+
+def test_members_refuse_mismatched_bounds() -> None:
+    q, kbs = _members(2, 2, 4, 64, 17, torch.float32)
+    with pytest.raises(ValueError, match="share shape"):
+        quest_upper_bounds_members(q, [kbs[0], kbs[1][..., :16]], SCALE, use_triton=False)
+    with pytest.raises(ValueError, match="one member per bounds"):
+        quest_upper_bounds_members(q, kbs[:1], SCALE, use_triton=False)
+    with pytest.raises(ValueError, match="offsets"):
+        quest_upper_bounds_members(q, kbs, SCALE, offsets=torch.zeros(3, dtype=torch.int64), use_triton=False)

@@ -272,6 +272,22 @@ def test_strided_page_cache_view():
     check(q, k, v, {"idx": idx}, torch.float32, num_splits=2)
 
 
+@pytest.mark.parametrize("mode", ["pseudo", "all", "dense"])
+def test_output_written_into_a_given_strided_out(mode):
+    """``out=``: the kernel writes a column of a packed [1, Hq, T, D] output in place (what a captured step's
+    members do), equal to the returned tensor of a call without it, and touches nothing else of it."""
+    q, k, v, kw = make_case(5, B=1, Hkv=2, G=4, D=64, S=40, N=33, dtype=torch.bfloat16, mode=mode)
+    (qd, kd, vd), kwd = to_dev(q, k, v, kw=kw)
+    want, want_lse = sparse_decode_attention(qd, kd, vd, scale=0.125, **kwd)
+    packed = torch.full((1, 8, 3, 64), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    got, lse = sparse_decode_attention(qd, kd, vd, scale=0.125, out=packed[:, :, 1], **kwd)
+    assert got.data_ptr() == packed[:, :, 1].data_ptr()
+    assert torch.equal(packed[:, :, 1], want) and torch.equal(lse, want_lse)
+    assert (packed[:, :, 0] == 7).all() and (packed[:, :, 2] == 7).all()
+    with pytest.raises(ValueError, match="out must be"):
+        sparse_decode_attention(qd, kd, vd, scale=0.125, out=packed[:, :, 1].float(), **kwd)
+
+
 def test_merge_of_disjoint_parts_equals_union():
     """Kernel over a partition (exact part A, exact part B + pseudo, an empty part) merged == union."""
     q, k, v, kw = make_case(23, B=2, Hkv=2, G=4, D=64, S=500, N=400, dtype=torch.float32, mode="idx+bias+pseudo")

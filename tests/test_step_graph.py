@@ -17,7 +17,7 @@ from workers.engine import DEFAULT_OFFLOAD, Worker
 from workers.model import LoadedModel, load_model
 from workers.own_kv import OwnKV
 from workers.requests import DecodeConfig, GenerationStats, SamplingParams
-from workers.step_graph import Candidate, StaticMember, StepGraphCache
+from workers.step_graph import Candidate, StaticMember, StaticStep, StepGraphCache
 
 DOCS = [
     "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike " * 9 + "The code is 4411.",
@@ -56,6 +56,33 @@ def test_static_steps_give_the_packed_steps_tokens_and_reads(store: KVStore, end
         assert w.extra["graph_steps"] == 0 and g.extra["graph_steps"] >= 5
         assert g.bytes_fetched == w.bytes_fetched and g.prefix_tokens_per_step == w.prefix_tokens_per_step
     assert len(graphs) == 0  # the finished generations' steps are not kept
+
+
+@pytest.mark.parametrize("method,together", [("quest", True), ("quest+phi", True), ("topk", False)])
+def test_members_over_one_prefix_pick_pages_together_with_their_own_tokens(store: KVStore, endless_lm: LoadedModel,
+                                                                           method: str, together: bool) -> None:
+    """Generations of one prefix length (here one document) score and rank their pages in one launch per layer
+    when the method ranks by Quest's bounds (``PagesTogether``); the tokens and reads stay the packed step's.
+    Top-K ranks pages on its index: it picks alone."""
+    off, static = _worker(store, endless_lm, "off"), _worker(store, endless_lm, "eager")
+    pid = off.prefill(DOCS[0]).prefix_id
+    want = _run(off, [pid, pid], method, n_new=10)
+    grouped: list[set[int]] = []
+    real = StaticStep.__init__
+
+    def spy(self: StaticStep, *args: Any, **kwargs: Any) -> None:
+        real(self, *args, **kwargs)
+        grouped.append(self._batch.together.members(0))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(StaticStep, "__init__", spy)
+        got = _run(static, [pid, pid], method, n_new=10)
+    assert grouped, "no static step was made"
+    assert any(g == {0, 1} for g in grouped) == together, grouped
+    for w, g in zip(want, got, strict=True):
+        assert g.token_ids == w.token_ids and len(g.token_ids) == 10
+        assert g.extra["graph_steps"] >= 5
+        assert g.bytes_fetched == w.bytes_fetched and g.prefix_tokens_per_step == w.prefix_tokens_per_step
 
 
 @pytest.mark.parametrize("ahead", [decode_batch.RESERVE_AHEAD, 8])

@@ -37,6 +37,11 @@ class OwnKV:
         memory continues from before its first own token (None: zeros)."""
 
     @property
+    def n_layers(self) -> int:
+        """Layers it holds K/V of."""
+        return self._buf.shape[0]
+
+    @property
     def nbytes(self) -> int:
         """Bytes the buffer holds now."""
         return self._buf.numel() * self._buf.element_size()
@@ -65,16 +70,6 @@ class OwnKV:
     def buffer_key(self) -> tuple[int, int]:
         """Address and size of the buffer (a captured step is valid while they hold)."""
         return self._buf.data_ptr(), self._buf.shape[3]
-
-    def write_at(self, layer: int, k: torch.Tensor, v: torch.Tensor, at: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Place one token's K, V ``[kv_heads, 1, head_dim]`` at the position held in ``at`` (a one-element
-        device tensor, so a captured step writes where each replay says); returns the whole buffer's K, V
-        ``[kv_heads, size, head_dim]`` (rows past the token are not attended by the caller)."""
-        buf = self._buf[layer]
-        buf[0].index_copy_(1, at, k)
-        buf[1].index_copy_(1, at, v)
-        return buf[0], buf[1]
 
     def buffer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole buffer's K, V of one layer (views ``[kv_heads, size, head_dim]``, rows past the written

@@ -20,18 +20,27 @@ from workers.own_kv import OwnKV
 
 
 def own_and_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_valid: torch.Tensor, scale: float,
-                             o_pre: torch.Tensor, lse_pre: torch.Tensor) -> torch.Tensor:
+                             o_pre: torch.Tensor, lse_pre: torch.Tensor, out: torch.Tensor | None = None
+                             ) -> torch.Tensor:
     """One row q ``[1, Hq, D]`` over the first ``n_valid`` (``[1, Hkv]``) rows of its own k, v ``[Hkv, S, D]`` and
-    its prefix's attention (o_pre ``[1, Hq, D]`` float32, lse_pre ``[1, Hq]``) -> out ``[1, Hq, D]`` in q's dtype.
+    its prefix's attention (o_pre ``[1, Hq, D]`` float32, lse_pre ``[1, Hq]``) -> out ``[1, Hq, D]`` in q's dtype
+    (written into ``out`` when given: on CUDA by the kernel itself, no copy).
 
     The prefix's partial softmax enters as one pseudo-entry of logit ``lse_pre`` and value ``o_pre``: one softmax
     over the own tokens and that entry is exactly the merge of the two partial softmaxes (``merge_attention``),
     in one kernel launch instead of a launch and about ten elementwise kernels."""
     hq, d = q.shape[1], q.shape[2]
+    pl, pv = lse_pre.reshape(1, hq, 1).float(), o_pre.reshape(1, hq, 1, d)
+    if q.is_cuda and k.dtype == q.dtype:
+        res, _ = sparse_decode_attention(q, k[None], v[None], scale=scale, idx=None, n_valid=n_valid, bias=None,
+                                         pseudo_logits=pl, pseudo_values=pv, out=out)
+        return res
     op = sparse_decode_attention if q.is_cuda else sparse_decode_attention_torch
-    out, _ = op(q.to(k.dtype), k[None], v[None], scale=scale, idx=None, n_valid=n_valid, bias=None,
-                pseudo_logits=lse_pre.reshape(1, hq, 1).float(), pseudo_values=o_pre.reshape(1, hq, 1, d))
-    return out.to(q.dtype)
+    res, _ = op(q.to(k.dtype), k[None], v[None], scale=scale, idx=None, n_valid=n_valid, bias=None,
+                pseudo_logits=pl, pseudo_values=pv)
+    if out is None:
+        return res.to(q.dtype)
+    return out.copy_(res)
 
 
 @dataclass(frozen=True)

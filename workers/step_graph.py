@@ -6,8 +6,8 @@ cost far more than they run. For generations that feed one token and whose metho
 (``GraphablePrefix``), the engine captures the model's whole forward over a group of them once and
 replays it while the group lasts (``StepGraphCache`` says which groups serve a step): inputs (token
 ids, positions, each generation's own length) live in a static device buffer that one host -> device
-copy fills per step; each generation's own K/V is written where that buffer says
-(``OwnKV.write_at``) and attended up to it; the methods' read counts stay on the device until
+copy fills per step; each generation's own K/V is written where that buffer says (all members' rows in one
+launch, ``write_own_rows``) and attended up to it; the methods' read counts stay on the device until
 ``account_step`` takes them after the replay.
 Sampling stays outside the graph (it reads the static logits).
 
@@ -26,6 +26,8 @@ import torch
 
 from workers.attention import STEP_KWARG, GraphablePrefix
 from workers.capture import graph_capture
+from workers.kernels.own_rows import own_rows_table, write_own_rows
+from workers.methods.pages_together import PagesTogether, PicksPagesTogether
 from workers.own_kv import OwnKV
 from workers.step_batch import own_and_prefix_attention
 
@@ -55,12 +57,16 @@ def member_streams(device: torch.device, n: int) -> list[torch.cuda.Stream]:
 class StaticStepBatch:
     """The ``StepAttention`` of a static step: member i's token is packed position i.
 
-    On CUDA the members' attention (own K/V write, the method's select + fetch + attend, own tokens) runs on
-    up to ``streams`` side streams, member i on stream i mod streams, forked from and joined back into the
-    step's stream at every layer. Each member's work is a chain of small kernels that fill a fraction of the
-    GPU; in a captured step the branches become parallel graph nodes, so the members' chains overlap instead
-    of running one after another. Members share no written state (each has its own K/V buffer, page cache
-    and outputs; the page bounds and the host tier are only read), so the order between them is free."""
+    Made before the step is captured (it copies small tables of the members' buffers to the device). At every
+    layer, on the step's stream, every member's new K/V row goes into its own buffer in one launch
+    (``write_own_rows``), and members whose page selections have the same shape pick their pages together
+    (``PagesTogether``: one scoring and one top-k launch per group). Then each member's fetch + attend + own-token
+    attention runs on up to ``streams`` side streams on CUDA (member i on stream i mod streams), forked from and
+    joined back into the step's stream, writing its column of the output in place. Each member's work is a chain
+    of small kernels that fill a fraction of the GPU; in a captured step the branches become parallel graph
+    nodes, so the members' chains overlap instead of running one after another. Members share no written state
+    (each has its own K/V buffer, page cache and outputs; the page bounds and the host tier are only read), so
+    the order between them is free."""
 
     def __init__(self, members: list[StaticMember], lengths: torch.Tensor, streams: int = 1):
         self.members, self.lengths = members, lengths
@@ -68,13 +74,25 @@ class StaticStepBatch:
         self.reads: list[list[torch.Tensor]] = [[] for _ in members]
         self._n_valid: torch.Tensor | None = None
         """``[B, Hkv]`` each member's own tokens this step, its new one included (made at the first layer)."""
+        n_layers = members[0].own.n_layers if members else 0
+        self._own = [own_rows_table([m.own.buffer(layer)[0] for m in members],
+                                    [m.own.buffer(layer)[1] for m in members]) for layer in range(n_layers)]
+        self.together = PagesTogether([m.prefix.graph_page_scoring if isinstance(m.prefix, PicksPagesTogether)
+                                       else None for m in members], n_layers)
+
+    def reset(self) -> None:
+        """Before a forward: no reads collected yet."""
+        self.reads = [[] for _ in self.members]
+        self._n_valid = None
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q ``[1, Hq, B, D]``, k, v ``[1, Hkv, B, D]`` -> out ``[1, Hq, B, D]`` (q's dtype)."""
         out = torch.empty_like(q)
-        hq, hkv, d = q.shape[1], k.shape[1], q.shape[3]
+        hkv = k.shape[1]
         if self._n_valid is None:  # once per step (the first layer), for every layer: the kernel wants it dense
             self._n_valid = (self.lengths + 1)[:, None].expand(-1, hkv).contiguous()
+        write_own_rows(k[0].transpose(0, 1), v[0].transpose(0, 1), self.lengths, self._own[layer])
+        picked = self.together.pick(layer, q, scale)
         n_streams = min(self.streams, len(self.members)) if q.is_cuda else 1
         side = member_streams(q.device, n_streams) if n_streams > 1 else []
         main = torch.cuda.current_stream(q.device) if side else None
@@ -83,14 +101,18 @@ class StaticStepBatch:
             st.wait_stream(main)
         for i, m in enumerate(self.members):
             with torch.cuda.stream(side[i % n_streams]) if side else contextlib.nullcontext():
-                at = self.lengths[i:i + 1]
-                own_k, own_v = m.own.write_at(layer, k[0, :, i:i + 1], v[0, :, i:i + 1], at)
+                own_k, own_v = m.own.buffer(layer)
                 qs = q[:, :, i:i + 1]
-                o_pre, lse_pre, n_read = m.prefix.graph_attend(layer, qs, scale)
+                if i in picked:
+                    assert isinstance(m.prefix, PicksPagesTogether)
+                    o_pre, lse_pre, n_read = m.prefix.graph_attend_pages(layer, qs, scale, picked[i])
+                else:
+                    o_pre, lse_pre, n_read = m.prefix.graph_attend(layer, qs, scale)
                 if n_read is not None:
                     self.reads[i].append(n_read.reshape(()))
-                out[:, :, i] = own_and_prefix_attention(qs[0, :, 0][None], own_k, own_v, self._n_valid[i:i + 1],
-                                                        scale, o_pre.reshape(1, hq, d), lse_pre.reshape(1, hq))
+                own_and_prefix_attention(qs[0, :, 0][None], own_k, own_v, self._n_valid[i:i + 1], scale,
+                                         o_pre.reshape(1, q.shape[1], q.shape[3]), lse_pre.reshape(1, q.shape[1]),
+                                         out=out[:, :, i])
         for st in side:  # the step's later kernels (and the next layer's fork) wait for every member
             assert main is not None
             main.wait_stream(st)
@@ -114,13 +136,15 @@ class StaticStep:
         self._counts: list[bool] = []
         """Whether member i's method returned read counts."""
         self.graph: torch.cuda.CUDAGraph | None = None
+        self._batch = StaticStepBatch(members, self.inputs[2], streams)
         if capture:
             self.graph = torch.cuda.CUDAGraph()
             with graph_capture(self.graph, device):  # records only: run() replays
                 self._forward()
 
     def _forward(self) -> None:
-        batch = StaticStepBatch(self.members, self.inputs[2], self.streams)
+        batch = self._batch
+        batch.reset()
         hooks: dict[str, Any] = {STEP_KWARG: batch}
         out = self.model(input_ids=self.inputs[0:1], position_ids=self.inputs[1:2], use_cache=False,
                          logits_to_keep=0, **hooks)

@@ -17,6 +17,7 @@ import torch
 from workers.kernels.quest_scores import quest_upper_bounds
 from workers.kernels.unit_topk import group_top_units
 from workers.methods.base import Summarizer
+from workers.methods.pages_together import PageBounds
 from workers.methods.phi import PhiSummarizer
 from workers.methods.selector import (
     LayerContext,
@@ -126,6 +127,13 @@ class QuestSelector(Selector):
         ub = self.upper_bounds(layer, q, scale, p0, p1)
         t, hkv, g, u = ub.shape
         return group_top_units(ub.reshape(t * hkv, g, u), n).view(t, hkv, -1) + p0
+
+    def page_bounds(self, layer: int, ctx: LayerContext) -> PageBounds | None:
+        """The stacked bounds ``select_pages`` scores (None for a subclass scoring pages another way: MoBA)."""
+        if type(self).upper_bounds is not QuestSelector.upper_bounds:
+            return None
+        p0, p1 = page_span(ctx.lo, ctx.hi, self.page)
+        return PageBounds(bounds=self._bounds_t(layer, p0, p1), p0=p0)
 
     def select(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, k: int | None) -> Selection:
         """Pages overlapping the mid region, ranked by upper-bound mass; their mid tokens are attended."""

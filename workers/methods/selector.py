@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.methods.layer_kv import LayerKV
+from workers.methods.pages_together import PageBounds
 
 
 @dataclass(frozen=True, eq=False)
@@ -109,6 +110,11 @@ class Selector(abc.ABC):
         """Grouped queries ``[T, Hkv, G, D]`` -> the ``n`` best whole pages per row ``[T, Hkv, n]`` overlapping
         the mid region (fixed shape, no device sync). Only where ``page_size`` is set."""
         raise NotImplementedError(f"{type(self).__name__} does not select whole pages")
+
+    def page_bounds(self, layer: int, ctx: LayerContext) -> PageBounds | None:
+        """The Quest page bounds ``select_pages`` scores for ``layer``, when it ranks pages by exactly those (then
+        a captured step's like members score and rank together, ``workers.methods.pages_together``); else None."""
+        return None
 
     @abc.abstractmethod
     def select(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, k: int | None) -> Selection:

@@ -28,6 +28,7 @@ from workers.kernels.sparse_attention import sparse_decode_attention, sparse_dec
 from workers.methods.base import Method, ReadReport, mid_range
 from workers.methods.layer_kv import StepKV
 from workers.methods.page_step import PagePlan, entry_bias, entry_tokens, page_plan, step_pages
+from workers.methods.pages_together import PageScoring
 from workers.methods.phi import PhiCompletion
 from workers.methods.phi_maps import FeatureMap
 from workers.methods.reads import KV_ONCE, ReadCounter, mark_tokens
@@ -225,14 +226,33 @@ class SparsePrefixAttention:
     def graph_attend(self, layer: int, q: torch.Tensor, scale: float
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The fixed-shape page step of one query row (device work only; ``account_step`` counts it)."""
+        return self._graph_step(layer, q, scale, None)
+
+    def graph_page_scoring(self, layer: int) -> PageScoring | None:
+        """What this layer's page selection scores, when it can run with other members' (``pages_together``)."""
+        ctx, ebias = self._ctx[layer]
+        plan = self._plans.get(layer)
+        scored = self.selector.page_bounds(layer, ctx) if plan is not None and ebias is None else None
+        if plan is None or scored is None:
+            return None
+        return PageScoring(scored=scored, n_pages=plan.n_pages, anchor_pages=plan.anchor_pages)
+
+    def graph_attend_pages(self, layer: int, q: torch.Tensor, scale: float, pages: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``graph_attend`` over pages picked together with other members' (``[Hkv, n + na]``)."""
+        return self._graph_step(layer, q, scale, pages)
+
+    def _graph_step(self, layer: int, q: torch.Tensor, scale: float, pages: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         ctx, _ = self._ctx[layer]
         plan = self._plans[layer]
         b, hq, l, d = q.shape
         self._graph_heads = hq
-        sel, o, s = self._attend_pages(layer, ctx, plan, q.reshape(1, hq, d), scale)
+        sel, o, s = self._attend_pages(layer, ctx, plan, q.reshape(1, hq, d), scale, pages)
         assert sel.n_distinct is not None
-        n_read = sel.n_distinct + ctx.anchors.numel() * ctx.kv.n_heads
-        return o.reshape(1, hq, 1, d), s.reshape(1, hq, 1), n_read
+        # the picked mid tokens only: the anchors' fixed count is added on the host (account_step), not by a
+        # kernel per layer and member inside the captured step
+        return o.reshape(1, hq, 1, d), s.reshape(1, hq, 1), sel.n_distinct
 
     def account_step(self, reads: torch.Tensor | None) -> None:
         """What ``attend`` counts on the host for a decode step, for a step that ran captured."""
@@ -243,6 +263,7 @@ class SparsePrefixAttention:
             ctx.kv.at_step = self._step
         # one entry for every layer: the counts stay on the device, summed when the report is read
         self.counter.add_layer(reads, len(self._ctx) * (self._graph_heads if self.completion is not None else 0))
+        self.counter.add_layer(sum(ctx.anchors.numel() * ctx.kv.n_heads for ctx, _ in self._ctx.values()))
 
     def _attend_rows(self, layer: int, ctx: LayerContext, ebias: torch.Tensor | None, q: torch.Tensor,
                      scale: float) -> tuple[Selection, torch.Tensor, torch.Tensor]:
@@ -277,20 +298,25 @@ class SparsePrefixAttention:
                                           pseudo_logits=pl, pseudo_values=pv)
         return sel, out, lse
 
-    def _attend_pages(self, layer: int, ctx: LayerContext, plan: PagePlan, q: torch.Tensor, scale: float
-                      ) -> tuple[Selection, torch.Tensor, torch.Tensor]:
-        """Rows over whole pages (``page_step``): fixed shapes; a single row needs no device -> host copy."""
+    def _attend_pages(self, layer: int, ctx: LayerContext, plan: PagePlan, q: torch.Tensor, scale: float,
+                      pages: torch.Tensor | None = None) -> tuple[Selection, torch.Tensor, torch.Tensor]:
+        """Rows over whole pages (``page_step``): fixed shapes; a single row needs no device -> host copy.
+        ``pages``: a single row's pages picked already (``[Hkv, n + na]``, picked then anchor pages)."""
         t, hq, d = q.shape
         hkv = ctx.kv.n_heads
         qg = q.view(t, hkv, hq // hkv, d)
-        with self._timed("select"):
-            picked = self.selector.select_pages(layer, ctx, qg, scale, plan.n_pages)
+        if pages is None:
+            with self._timed("select"):
+                picked = self.selector.select_pages(layer, ctx, qg, scale, plan.n_pages)
+        else:
+            picked = pages[None, :, :plan.n_pages]
         n_picked = plan.n_pages * plan.page_size
         # Out-of-mid ids become duplicates of their page's mid tokens: read counting sees distinct tokens
         # (for a single row, exactly the picked mid tokens: pages are distinct).
         in_mid: torch.Tensor | None
         if t == 1:  # a decode step: its entries in one launch (page_entries), no device -> host copy
-            k, v, first = ctx.kv.step_pages(step_pages(plan, picked[0]), self._step)
+            fetched = step_pages(plan, picked[0]) if pages is None else pages
+            k, v, first = ctx.kv.step_pages(fetched, self._step)
             ent = page_entries(picked[0], first, plan.anchor_slot, plan.anchor_offset, page_size=plan.page_size,
                                lo=plan.lo, hi=plan.hi, pool_rows=k.shape[1])
             step = StepKV(k=k, v=v, rows=ent.rows, extra_base=0, extra_stride=0)

@@ -10,6 +10,7 @@ torch reference serves (CPU decoding in the tests' interpreter would be slow; th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,8 @@ import torch
 from ..launch import check_tuning, interpreting, next_pow2, triton_available
 from .reference import quest_upper_bounds_ref
 
-__all__ = ["DEFAULT_QUEST_SCORES", "QuestScoresConfig", "quest_upper_bounds"]
+__all__ = ["DEFAULT_QUEST_SCORES", "QuestScoresConfig", "member_offsets", "quest_upper_bounds",
+           "quest_upper_bounds_members"]
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _BOUNDS = (torch.bfloat16, torch.float16, torch.float32)
@@ -109,18 +111,80 @@ def quest_upper_bounds(q: torch.Tensor, kb: torch.Tensor, scale: float, *, use_t
     return out
 
 
-def _launch(q: torch.Tensor, kb: torch.Tensor, scale: float, out: torch.Tensor, config: QuestScoresConfig) -> None:
+def member_offsets(kbs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Each member's bounds' distance from the first's, in elements (``quest_upper_bounds_members``' table: make
+    it once, outside a CUDA graph capture, for bounds that stay where they are)."""
+    if not kbs:
+        _fail("need at least one member's bounds")
+    base, size = kbs[0].data_ptr(), kbs[0].element_size()
+    offsets = []
+    for kb in kbs:
+        delta = kb.data_ptr() - base
+        if delta % size:
+            _fail("members' bounds must be aligned to their element size")
+        offsets.append(delta // size)
+    return torch.tensor(offsets, dtype=torch.int64, device=kbs[0].device)
+
+
+def quest_upper_bounds_members(q: torch.Tensor, kbs: Sequence[torch.Tensor], scale: float, *,
+                               offsets: torch.Tensor | None = None, use_triton: bool | None = None,
+                               config: QuestScoresConfig = DEFAULT_QUEST_SCORES) -> torch.Tensor:
+    """``quest_upper_bounds`` of several members at once: member ``m``'s one query token over its own bounds.
+
+    Parameters
+    ----------
+    q : [M, Hkv, G, D], any strides
+        One query token per member.
+    kbs : M tensors [Hkv, 2D, U]
+        Each member's bounds, as ``quest_upper_bounds`` takes them; all of one dtype, shape and strides (members
+        of equal prefix length and page range), on q's device.
+    offsets : [M] int64, optional
+        ``member_offsets(kbs)``, made beforehand (a CUDA graph capture cannot copy it to the device);
+        made here when None.
+
+    Returns
+    -------
+    [M, Hkv, G, U] float32
+        Row ``m`` equals ``quest_upper_bounds(q[m:m + 1], kbs[m], scale)`` (the same kernel arithmetic).
+    """
+    if q.dim() != 4 or len(kbs) != q.shape[0]:
+        _fail(f"q must be [M, Hkv, G, D] with one member per bounds tensor, got {tuple(q.shape)} and {len(kbs)}")
+    for kb in kbs:
+        _validate(q[:1], kb, scale)
+        if (kb.shape, kb.stride(), kb.dtype) != (kbs[0].shape, kbs[0].stride(), kbs[0].dtype):
+            _fail(f"members' bounds must share shape, strides and dtype: {tuple(kbs[0].shape)} {kbs[0].stride()} "
+                  f"{kbs[0].dtype} vs {tuple(kb.shape)} {kb.stride()} {kb.dtype}")
+    if offsets is not None and (offsets.shape != (len(kbs),) or offsets.dtype != torch.int64
+                                or offsets.device != q.device):
+        _fail(f"offsets must be [M={len(kbs)}] int64 on {q.device}, got {offsets.dtype} {tuple(offsets.shape)} "
+              f"on {offsets.device}")
+    if use_triton is None:
+        use_triton = q.is_cuda and triton_available()
+    if not use_triton:
+        return torch.cat([quest_upper_bounds_ref(q[m:m + 1], kb, scale) for m, kb in enumerate(kbs)])
+    m_count, hkv, g, _ = q.shape
+    out = _empty(m_count, hkv, g, kbs[0].shape[2], dtype=torch.float32, device=q.device)
+    if out.numel():
+        table = offsets if offsets is not None else member_offsets(kbs)
+        _launch(q.to(kbs[0].dtype), kbs[0], float(scale), out, config, offsets=table)
+    return out
+
+
+def _launch(q: torch.Tensor, kb: torch.Tensor, scale: float, out: torch.Tensor, config: QuestScoresConfig,
+            offsets: torch.Tensor | None = None) -> None:
     import triton
 
     from .triton import _quest_scores_kernel
 
     t, hkv, g, d = q.shape
-    u, m = kb.shape[2], t * g
+    u = kb.shape[2]
+    members = offsets is not None
+    m = g if members else t * g  # rows sharing one bounds tensor
     block_m = min(config.max_rows, max(_DOT_MIN, next_pow2(m)))
     block_k = min(config.block_k, max(_DOT_MIN, next_pow2(d)))
-    grid = (hkv, triton.cdiv(u, config.block_u), triton.cdiv(m, block_m))
-    _quest_scores_kernel[grid](q, kb, out, m, u, g, hkv, *q.stride(), kb.stride(0), kb.stride(1), scale, D=d,
-                               BLOCK_M=block_m,
-                               BLOCK_U=config.block_u, BLOCK_K=block_k,
-                               INTERPRET=interpreting(), num_warps=config.num_warps,
-                               num_stages=config.num_stages)
+    row_blocks = triton.cdiv(m, block_m)
+    grid = (hkv, triton.cdiv(u, config.block_u), row_blocks * (t if members else 1))
+    _quest_scores_kernel[grid](q, kb, offsets if members else out, out, m, u, g, hkv, row_blocks, *q.stride(),
+                               kb.stride(0), kb.stride(1), scale, D=d, BLOCK_M=block_m, BLOCK_U=config.block_u,
+                               BLOCK_K=block_k, MEMBERS=members, INTERPRET=interpreting(),
+                               num_warps=config.num_warps, num_stages=config.num_stages)

@@ -21,6 +21,12 @@ For float32 bounds the dot runs with ``input_precision="ieee"`` (float32 FMAs, n
 default float32 matmul, so results match the torch path to float32 rounding; there the padded rows do
 cost CUDA-core FMAs (~12 T/s of the H100's ~33 T/s at full bandwidth).
 
+``MEMBERS`` (``quest_upper_bounds_members``): row ``t`` is one query token of its own member, each member with
+its own bounds (same shape and strides) at ``koff[t]`` elements from ``kb``; program ``(h, j, i)`` takes member
+``i // ROW_BLOCKS``'s rows ``g`` in block ``i % ROW_BLOCKS``, so a block never mixes two members' bounds. One
+launch scores the members of a decode step together instead of one launch each (a captured step's node count,
+not the bytes read, is what a batch of small members pays for).
+
 ``INTERPRET`` (the CPU interpreter): its ``tl.dot`` multiplies bf16 bit patterns as integers, so the
 operands are upcast to float32 first (exact: a product of two bf16 values is exact in float32).
 """
@@ -32,17 +38,24 @@ import triton.language as tl
 
 
 @triton.jit
-def _quest_scores_kernel(q, kb, out, M, U, G, H, s_qt, s_qh, s_qg, s_qd, s_kh, s_kr, scale,
+def _quest_scores_kernel(q, kb, koff, out, M, U, G, H, ROW_BLOCKS, s_qt, s_qh, s_qg, s_qd, s_kh, s_kr, scale,
                          D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_K: tl.constexpr,
-                         INTERPRET: tl.constexpr):
+                         MEMBERS: tl.constexpr, INTERPRET: tl.constexpr):
     """Program (h, j, i): logits of query rows block i of KV head h over pages block j."""
     h = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     i = tl.program_id(2)
-    r = i * BLOCK_M + tl.arange(0, BLOCK_M)
-    r_ok = r < M
-    t = (r // G).to(tl.int64)
-    g = r % G
+    if MEMBERS:  # rows of one member only: its own bounds
+        member = i // ROW_BLOCKS
+        g = (i % ROW_BLOCKS) * BLOCK_M + tl.arange(0, BLOCK_M)
+        r_ok = g < G
+        t = tl.zeros([BLOCK_M], dtype=tl.int64) + member
+        kb = kb + tl.load(koff + member)
+    else:
+        r = i * BLOCK_M + tl.arange(0, BLOCK_M)
+        r_ok = r < M
+        t = (r // G).to(tl.int64)
+        g = r % G
     q_rows = q + t * s_qt + h * s_qh + g * s_qg  # [BLOCK_M] row starts (q may be strided)
     u = j * BLOCK_U + tl.arange(0, BLOCK_U)
     u_ok = u < U

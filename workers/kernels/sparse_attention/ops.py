@@ -119,6 +119,7 @@ def sparse_decode_attention(
     pseudo_logits: torch.Tensor | None = None,
     pseudo_values: torch.Tensor | None = None,
     num_splits: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention over a gathered entry set plus pseudo-entries, under one softmax.
 
@@ -152,6 +153,9 @@ def sparse_decode_attention(
         Their values, e.g. ``N_R / Z_R``. Pass both pseudo tensors or neither.
     num_splits : int, optional
         Override the split-K heuristic (``choose_num_splits``); for tests and tuning.
+    out : [B, Hq, D], dtype of q, optional
+        Where to write the output (any strides, e.g. a column of a packed step's output: no copy after);
+        returned as ``out``. Default: a new tensor.
 
     Returns
     -------
@@ -164,7 +168,11 @@ def sparse_decode_attention(
     N = _validate(q, k, v, scale, idx, n_valid, bias, pseudo_logits, pseudo_values)
     B, Hq, D = q.shape
     Hkv = k.shape[1]
-    out = _empty(B, Hq, D, device=q.device, dtype=q.dtype)
+    if out is None:
+        out = _empty(B, Hq, D, device=q.device, dtype=q.dtype)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(2) != 1:
+        _fail(f"out must be {q.dtype} {tuple(q.shape)} on {q.device} with contiguous channels, got {out.dtype} "
+              f"{tuple(out.shape)} strides {out.stride()} on {out.device}")
     lse = _empty(B, Hq, device=q.device, dtype=torch.float32)
     if B == 0:
         return out, lse
