@@ -272,6 +272,37 @@ def test_cuda_graphed_steps_give_the_eager_steps_tokens_and_reads(store: KVStore
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("method", ["quest", "quest+phi"])
+@pytest.mark.parametrize("offload", ["default", "none"])
+def test_cuda_members_picking_pages_together_give_the_eager_steps_tokens_and_reads(store: KVStore, tiny_model_dir,
+                                                                                   method: str, offload: str) -> None:
+    """Two generations over one prefix: in the captured step they score and rank pages in one launch per layer
+    (``PagesTogether``, the Triton kernels), and give the eager steps' tokens and reads."""
+    lm = load_model(str(tiny_model_dir), device="cuda", dtype="bfloat16", page_size=16, progress=False)
+    tiers = None if offload == "none" else DEFAULT_OFFLOAD
+    off = Worker(store, lm, progress=False, offload=tiers, engine=EngineConfig(whole_step="off"))
+    graphed = Worker(store, lm, progress=False, offload=tiers, engine=EngineConfig(whole_step="auto"))
+    pid = off.prefill(DOCS[1]).prefix_id
+    want = _run(off, [pid, pid], method, n_new=12)
+    grouped: list[set[int]] = []
+    real = StaticStep.__init__
+
+    def spy(self: StaticStep, *args: Any, **kwargs: Any) -> None:
+        real(self, *args, **kwargs)
+        grouped.append(self._batch.together.members(0))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(StaticStep, "__init__", spy)
+        got = _run(graphed, [pid, pid], method, n_new=12)
+    graphs = graphed.engine._graphs
+    assert graphs is not None and not graphs.failed and graphs.replays >= 1
+    assert {0, 1} in grouped, grouped
+    for w, g in zip(want, got, strict=True):
+        assert g.token_ids == w.token_ids
+        assert g.bytes_fetched == w.bytes_fetched
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_a_capture_on_another_thread_than_the_eager_steps_replays(store: KVStore, endless_model_dir) -> None:
     """The engine steps on the thread pulling a stream: here the eager steps run on this thread and the capture
     on a fresh one, as when a server's request thread takes the turn. (On the H100 this passed with and
