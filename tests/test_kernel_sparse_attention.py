@@ -1,8 +1,9 @@
 """Sparse decode attention kernel == float64 reference.
 
 Runs the Triton kernels in the CPU interpreter (TRITON_INTERPRET=1, set here before
-triton is imported). On a CUDA machine run with ``TRITON_INTERPRET=0`` to test the
-compiled kernels on the GPU instead.
+triton is imported) where there is no CUDA device, and compiled on the GPU where there is
+one (set ``TRITON_INTERPRET=1`` to force the interpreter there: then run this file alone, as
+the interpreter would also take every other test's CUDA kernels in the same process).
 
 Tolerances (``|kernel - ref| <= atol + rtol * |ref|``, reference in float64 from the
 same rounded inputs):
@@ -21,10 +22,10 @@ import math
 import os
 import sys
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 
 pytest.importorskip("triton")
 
