@@ -19,13 +19,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from workers.kernels.quest_scores import member_offsets, quest_upper_bounds_members
-from workers.kernels.unit_topk import TopConfig, group_top_units
-
-TOGETHER_TOP = TopConfig(split_units=0)
-"""The top-k of a group's rows: one program per row. The split launch (the default) serves one member's few
-rows (8 KV heads) by spreading each row over programs; a group has rows enough to fill the GPU, and there one
-program per row is faster (H200, 64 rows x 4,096 pages, isolated: 20.8 us against 37 us split) in 1 launch
-instead of 7."""
+from workers.kernels.unit_topk import group_top_units
 
 
 @dataclass(frozen=True)
@@ -123,8 +117,10 @@ class PagesTogether:
             hkv = g.anchor_pages.shape[0]
             qg = rows.permute(1, 0, 2).reshape(m, hkv, hq // hkv, d)
             ub = quest_upper_bounds_members(qg, g.bounds, scale, offsets=g.offsets)  # [m, Hkv, G, U]
-            picked = group_top_units(ub.reshape(m * hkv, hq // hkv, -1), g.n_pages, config=TOGETHER_TOP)
-            picked = picked.view(m, hkv, -1) + g.p0
+            # The default split top-k, also for a group's many rows: one program per row measured faster in
+            # isolation (H200, 64 rows x 4,096 pages: 20.8 against 37 us) but slower in the engine's captured
+            # step (48 against 34 us per layer, bench_engine batch 8 at 64k).
+            picked = group_top_units(ub.reshape(m * hkv, hq // hkv, -1), g.n_pages).view(m, hkv, -1) + g.p0
             pages = torch.cat([picked, g.anchor_pages.expand(m, -1, -1)], dim=2)
             out.update(zip(g.members, pages.unbind(0), strict=True))
         return out
