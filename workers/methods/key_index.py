@@ -4,18 +4,25 @@ Prefill stores, per layer and KV head, every key at ``bits`` bits per element: f
 ``block`` consecutive tokens and each channel d, ``lo[d]`` and ``step[d]`` (float16) map code ``c``
 to ``lo + step * c``. Keys are quantized per channel, not per token, because post-RoPE keys have
 a few large channels that would otherwise set every token's scale. The index is read once per
-generation and held on the device; a step scores every mid token on its codes (``index_logits``) without
-touching the exact keys.
+prefix and device, held on the device and shared by the generations over the prefix
+(``shared_key_index``); a step scores every mid token on its codes (``index_logits``) without
+touching the exact keys, or on the CPU on keys decoded once from them (``DecodedIndex``).
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from workers.methods.base import Summarizer
 from workers.pages import page_count
+
+if TYPE_CHECKING:
+    from workers.methods.source import PrefixSource
 
 
 @dataclass(frozen=True)
@@ -91,8 +98,8 @@ codes. It does not change what is read from the store: the index is read once, a
 
 
 class DecodedIndex:
-    """A generation's CPU-side cache of float32 keys decoded from its low-bit index, layer by layer as first
-    scored, within ``max_bytes`` (layers past the cap keep scoring from their codes)."""
+    """A CPU-side cache of float32 keys decoded from a prefix's low-bit index, layer by layer as first scored,
+    within ``max_bytes`` (layers past the cap keep scoring from their codes); safe to share between threads."""
 
     def __init__(self, max_bytes: int = CPU_DECODED_INDEX_BYTES):
         if max_bytes < 0:
@@ -100,19 +107,52 @@ class DecodedIndex:
         self.max_bytes = max_bytes
         self.keys: dict[int, torch.Tensor] = {}
         self.nbytes = 0
+        self._lock = threading.Lock()
 
     def get(self, layer: int, codes: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, bits: int,
             block: int) -> torch.Tensor | None:
         """The layer's decoded keys ``[Hkv, N, D]`` (decoded on first use), or None if they would pass the cap."""
-        keys = self.keys.get(layer)
-        if keys is None:
-            h, n = codes.shape[:2]
-            need = h * n * codes.shape[2] * (8 // bits) * 4
-            if self.nbytes + need > self.max_bytes:
-                return None
-            keys = self.keys[layer] = dequantize_keys(codes, lo, step, bits, block).contiguous()
-            self.nbytes += need
-        return keys
+        with self._lock:  # generations sharing it may step on different threads: decode each layer once
+            keys = self.keys.get(layer)
+            if keys is None:
+                h, n = codes.shape[:2]
+                need = h * n * codes.shape[2] * (8 // bits) * 4
+                if self.nbytes + need > self.max_bytes:
+                    return None
+                keys = self.keys[layer] = dequantize_keys(codes, lo, step, bits, block).contiguous()
+                self.nbytes += need
+            return keys
+
+
+class SharedKeyIndex:
+    """A prefix's key index as the generations over it use it: the artifact (read once) and, on the CPU, its keys
+    decoded once (``DecodedIndex``)."""
+
+    def __init__(self, index: dict[str, torch.Tensor]):
+        self.index = index
+        self.decoded = DecodedIndex() if index["0.codes"].device.type == "cpu" else None
+        self.shared_across_generations = False
+        """Whether ``shared_key_index`` hands it out (its bytes are then no one generation's own)."""
+
+
+_SHARED: weakref.WeakValueDictionary[tuple[str, str, str], SharedKeyIndex] = weakref.WeakValueDictionary()
+"""The key indexes in use, by ``PrefixSource.shared_key``: each lives while a generation holds it."""
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_key_index(source: PrefixSource) -> SharedKeyIndex:
+    """The key index of ``source``'s prefix: the one another generation over it holds (nothing is read then),
+    else read now."""
+    key = source.shared_key(KeyIndexSummarizer.name)
+    if key is None:
+        return SharedKeyIndex(source.artifact(KeyIndexSummarizer.name))
+    with _SHARED_LOCK:  # one read per prefix when generations over it open at once
+        held = _SHARED.get(key)
+        if held is None:
+            held = SharedKeyIndex(source.artifact(KeyIndexSummarizer.name))
+            held.shared_across_generations = True
+            _SHARED[key] = held
+        return held
 
 
 def decoded_logits(q: torch.Tensor, keys: torch.Tensor, start: int, end: int) -> torch.Tensor:

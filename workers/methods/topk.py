@@ -20,7 +20,13 @@ import torch.nn.functional as F
 
 from workers.kernels.unit_topk import top_units
 from workers.methods.base import Summarizer
-from workers.methods.key_index import DecodedIndex, KeyIndexSummarizer, decoded_logits, index_logits
+from workers.methods.key_index import (
+    KeyIndexSummarizer,
+    SharedKeyIndex,
+    decoded_logits,
+    index_logits,
+    shared_key_index,
+)
 from workers.methods.phi import PhiSummarizer
 from workers.methods.selector import LayerContext, Selection, Selector, group_mass, top_tokens
 from workers.methods.source import PrefixSource
@@ -72,13 +78,16 @@ class IndexedTopKSelector(Selector):
     holding the most of the index's estimated mass, so a fetched step moves only the budget's pages.
     """
 
-    def __init__(self, index: dict[str, torch.Tensor], shortlist: int = SHORTLIST, page_size: int | None = None):
+    def __init__(self, index: dict[str, torch.Tensor] | SharedKeyIndex, shortlist: int = SHORTLIST,
+                 page_size: int | None = None):
         if shortlist < 1:
             raise ValueError(f"shortlist must be >= 1, got {shortlist}")
-        self.index, self.shortlist, self.page_size = index, shortlist, page_size
-        self.bits, self.block = (int(x) for x in index["0.meta"][:2])
-        # On the CPU the per-step unpacking of the codes dominates scoring: hold the keys decoded (bounded).
-        self.decoded = DecodedIndex() if index["0.codes"].device.type == "cpu" else None
+        self.shared = index if isinstance(index, SharedKeyIndex) else SharedKeyIndex(index)
+        """The index and its decoded keys (shared by the generations over one stored prefix)."""
+        self.index, self.shortlist, self.page_size = self.shared.index, shortlist, page_size
+        self.bits, self.block = (int(x) for x in self.index["0.meta"][:2])
+        # On the CPU the per-step unpacking of the codes dominates scoring: keys decoded once (bounded).
+        self.decoded = self.shared.decoded
 
     def select_pages(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, n: int) -> torch.Tensor:
         """The ``n`` pages overlapping the mid region whose mid tokens hold the most group mass on the index
@@ -126,7 +135,7 @@ class TopK(SparseMethod):
 
     def selector(self, source: PrefixSource, config: DecodeConfig) -> Selector:
         """A page-granular Top-K selector over the stored key index."""
-        return IndexedTopKSelector(source.artifact(KeyIndexSummarizer.name), page_size=source.layout.page_size)
+        return IndexedTopKSelector(shared_key_index(source), page_size=source.layout.page_size)
 
 
 class TopKToken(TopK):
@@ -136,7 +145,7 @@ class TopKToken(TopK):
 
     def selector(self, source: PrefixSource, config: DecodeConfig) -> Selector:
         """A token-granular Top-K selector over the stored key index."""
-        return IndexedTopKSelector(source.artifact(KeyIndexSummarizer.name))
+        return IndexedTopKSelector(shared_key_index(source))
 
 
 class TopKPhi(TopK):
