@@ -8,7 +8,7 @@ import torch
 
 from store.kvstore import KVStore
 from workers.engine import Worker
-from workers.methods import quest
+from workers.methods import shared_state
 from workers.methods.quest import Quest, QuestBounds
 from workers.methods.source import PrefixSource
 from workers.requests import DecodeConfig
@@ -41,10 +41,10 @@ def test_generations_over_one_prefix_share_its_stacked_bounds(worker: Worker, st
     key = a_src.shared_key(QuestBounds.name)
     del a, t
     gc.collect()
-    assert key in quest._SHARED  # b still holds them
+    assert shared_state.is_held(key)  # b still holds them
     del b
     gc.collect()
-    assert key not in quest._SHARED
+    assert not shared_state.is_held(key)
     d_src = _source(store, pid)
     Quest().selector(d_src, cfg)
     assert d_src.bytes_read == size  # read again: nothing held them

@@ -8,7 +8,7 @@ import torch
 
 from store.kvstore import KVStore
 from workers.engine import Worker
-from workers.methods import key_index
+from workers.methods import shared_state
 from workers.methods.key_index import KeyIndexSummarizer
 from workers.methods.source import PrefixSource
 from workers.methods.topk import TopK, TopKToken
@@ -43,10 +43,10 @@ def test_generations_over_one_prefix_share_the_index_and_its_decoded_keys(worker
     key = a_src.shared_key(KeyIndexSummarizer.name)
     del a, keys, again
     gc.collect()
-    assert key in key_index._SHARED  # b still holds it
+    assert shared_state.is_held(key)  # b still holds it
     del b, decoded
     gc.collect()
-    assert key not in key_index._SHARED
+    assert not shared_state.is_held(key)
     d_src = _source(store, pid)
     TopK().selector(d_src, cfg)
     assert d_src.bytes_read == size  # read again: nothing held it

@@ -12,13 +12,13 @@ touching the exact keys, or on the CPU on keys decoded once from them (``Decoded
 from __future__ import annotations
 
 import threading
-import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from workers.methods.base import Summarizer
+from workers.methods.shared_state import shared_by_prefix
 from workers.pages import page_count
 
 if TYPE_CHECKING:
@@ -135,24 +135,10 @@ class SharedKeyIndex:
         """Whether ``shared_key_index`` hands it out (its bytes are then no one generation's own)."""
 
 
-_SHARED: weakref.WeakValueDictionary[tuple[str, str, str], SharedKeyIndex] = weakref.WeakValueDictionary()
-"""The key indexes in use, by ``PrefixSource.shared_key``: each lives while a generation holds it."""
-_SHARED_LOCK = threading.Lock()
-
-
 def shared_key_index(source: PrefixSource) -> SharedKeyIndex:
     """The key index of ``source``'s prefix: the one another generation over it holds (nothing is read then),
     else read now."""
-    key = source.shared_key(KeyIndexSummarizer.name)
-    if key is None:
-        return SharedKeyIndex(source.artifact(KeyIndexSummarizer.name))
-    with _SHARED_LOCK:  # one read per prefix when generations over it open at once
-        held = _SHARED.get(key)
-        if held is None:
-            held = SharedKeyIndex(source.artifact(KeyIndexSummarizer.name))
-            held.shared_across_generations = True
-            _SHARED[key] = held
-        return held
+    return shared_by_prefix(source, KeyIndexSummarizer.name, SharedKeyIndex)
 
 
 def decoded_logits(q: torch.Tensor, keys: torch.Tensor, start: int, end: int) -> torch.Tensor:

@@ -9,7 +9,6 @@ the budget.
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import ClassVar
 
 import torch
@@ -27,6 +26,7 @@ from workers.methods.selector import (
     group_mass,
     mask_to_index,
 )
+from workers.methods.shared_state import shared_by_prefix
 from workers.methods.source import PrefixSource
 from workers.methods.sparse import SparseMethod
 from workers.pages import page_count, page_of, page_span
@@ -78,24 +78,10 @@ class StackedBounds:
         return full[..., p0:p1]
 
 
-_SHARED: weakref.WeakValueDictionary[tuple[str, str, str], StackedBounds] = weakref.WeakValueDictionary()
-"""The stacked bounds in use, by ``PrefixSource.shared_key``: each lives while a generation holds it."""
-_SHARED_LOCK = threading.Lock()
-
-
 def shared_bounds(source: PrefixSource) -> StackedBounds:
     """The stacked page bounds of ``source``'s prefix: those another generation over it holds (nothing is read
     then), else read now."""
-    key = source.shared_key(QuestBounds.name)
-    if key is None:
-        return StackedBounds(source.artifact(QuestBounds.name))
-    with _SHARED_LOCK:  # one read per prefix when generations over it open at once
-        held = _SHARED.get(key)
-        if held is None:
-            held = StackedBounds(source.artifact(QuestBounds.name))
-            held.shared_across_generations = True
-            _SHARED[key] = held
-        return held
+    return shared_by_prefix(source, QuestBounds.name, StackedBounds)
 
 
 class QuestSelector(Selector):
