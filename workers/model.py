@@ -16,6 +16,7 @@ from workers.fingerprint import model_fingerprint
 from workers.lookahead_adapter import LookaheadAdapter, load_adapter
 from workers.methods.head_scores import HeadScores, load_head_scores
 from workers.methods.phi_maps import FeatureMap, load_feature_map
+from workers.model_ops import use_fused_ops
 from workers.model_source import hub_offline
 from workers.prompt import PromptFormat
 from workers.ratplus import register_rat
@@ -60,8 +61,9 @@ def _head_dim(config) -> int:  # noqa: ANN001 - a transformers config
 
 
 def load_model(name_or_path: str, *, device: str = "cpu", dtype: str = "auto", page_size: int = 16,
-               progress: bool = True) -> LoadedModel:
-    """Load a causal LM and its tokenizer through ``from_pretrained`` and describe its KV layout."""
+               progress: bool = True, fused_ops: bool = True) -> LoadedModel:
+    """Load a causal LM and its tokenizer through ``from_pretrained`` and describe its KV layout; ``fused_ops``
+    runs its RoPE and RMSNorm as one launch each on CUDA (``workers.model_ops``)."""
     register_attention()
     register_rat()  # RAT+ checkpoints (model_type "kvstash_rat") load from our own code, never remote code
     if not progress:
@@ -74,6 +76,8 @@ def load_model(name_or_path: str, *, device: str = "cpu", dtype: str = "auto", p
     model.to(device).eval()  # type: ignore[arg-type]
     # The hook does plain causal SDPA when no prefix is attached, so one setting serves prefill and decode.
     model.set_attn_implementation(KVSTASH_ATTENTION)
+    if fused_ops:
+        use_fused_ops(model)
     cfg = model.config
     layout = KVLayout(
         n_layers=cfg.num_hidden_layers,

@@ -1,0 +1,28 @@
+"""Triton kernel of RMSNorm.
+
+Grid ``(rows,)``: program ``r`` normalizes row ``r`` (``N`` channels, held at once). transformers' module runs
+about seven kernels per call (cast, square, mean, add, rsqrt, multiply, cast, weight multiply), three calls
+per layer at decode, each a launch for a few KB. The arithmetic is the module's: float32 sum of squares
+divided by ``N``, reciprocal square root, the normalized row rounded to the input dtype, then the weight's
+product rounded again. The sum's order differs from torch's reduction, so results may differ from the
+module's in the last bit of the float32 mean.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x, w, out, N, s_x, s_o, eps, BLOCK: tl.constexpr):
+    """Program r: row r of x [rows, N] -> out."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    m = c < N
+    h = tl.load(x + r * s_x + c, mask=m, other=0.0).to(tl.float32)
+    var = tl.sum(h * h, axis=0) / N
+    dt = out.dtype.element_ty
+    y = (h * (1.0 / tl.sqrt(var + eps))).to(dt)
+    wt = tl.load(w + c, mask=m, other=0.0)
+    tl.store(out + r * s_o + c, (wt.to(tl.float32) * y.to(tl.float32)).to(dt), mask=m)
