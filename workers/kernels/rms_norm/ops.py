@@ -1,8 +1,8 @@
 """Public launcher of RMSNorm: validates the call, then runs the Triton kernel or the torch reference.
 
-One launch normalizes every row (``triton.py``) on CUDA for bf16 and fp16 inputs with a weight of the same
-dtype; elsewhere (the CPU, float32 models, or ``use_triton=False``) the torch reference serves, which is
-transformers' own module arithmetic.
+One launch normalizes every row (``triton.py``) of bf16 inputs with a bf16 weight (on CUDA by default);
+elsewhere (the CPU, other dtypes, or ``use_triton=False``) the torch reference serves, which is transformers'
+own module arithmetic.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from .reference import rms_norm_ref
 
 __all__ = ["rms_norm"]
 
-_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+_KERNEL_DTYPES = (torch.bfloat16,)
+"""Dtypes the kernel serves (it rounds the normalized row on bf16's bits)."""
 MAX_WIDTH = 1 << 15
 """Widest row the kernel holds at once (wider rows use the reference)."""
 
@@ -26,8 +27,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, use_triton: b
     if use_triton is None:
         use_triton = x.is_cuda and triton_available() and x.dtype in _KERNEL_DTYPES
     n = x.shape[-1]
-    if (not use_triton or weight.dtype != x.dtype or weight.device != x.device or n > MAX_WIDTH
-            or x.stride(-1) != 1):
+    if (not use_triton or x.dtype not in _KERNEL_DTYPES or weight.dtype != x.dtype or weight.device != x.device
+            or n > MAX_WIDTH or x.stride(-1) != 1):
         return rms_norm_ref(x, weight, eps)
     from .triton import _rms_norm_kernel
 

@@ -1,8 +1,8 @@
 """Public launcher of RoPE: validates the call, then runs the Triton kernel or the torch reference.
 
-One launch rotates every query and key head of every token of a layer (``triton.py``) on CUDA for bf16 and
-fp16; elsewhere (the CPU, float32 models, or ``use_triton=False``) the torch reference serves, which is
-transformers' own formula.
+One launch rotates every query and key head of every token of a layer (``triton.py``) for bf16 tensors (on
+CUDA by default); elsewhere (the CPU, other dtypes, or ``use_triton=False``) the torch reference serves, which
+is transformers' own formula.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from .reference import apply_rope_ref
 
 __all__ = ["apply_rope"]
 
-_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
-"""Dtypes the kernel reproduces bit for bit (float32 products could be fused into FMAs by the compiler)."""
+_KERNEL_DTYPES = (torch.bfloat16,)
+"""Dtypes the kernel reproduces bit for bit (it rounds on bf16's bits; float32 products could be fused into
+FMAs by the compiler)."""
 
 
 def _fail(msg: str) -> None:
@@ -35,7 +36,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     same = {x.dtype for x in (q, k, cos, sin)} == {q.dtype} and {x.device for x in (q, k, cos, sin)} == {q.device}
     if use_triton is None:
         use_triton = q.is_cuda and triton_available() and q.dtype in _KERNEL_DTYPES
-    if not use_triton or not same or any(x.stride(-1) != 1 for x in (q, k, cos, sin)):
+    if not use_triton or not same or q.dtype not in _KERNEL_DTYPES or any(x.stride(-1) != 1 for x in (q, k, cos, sin)):
         return apply_rope_ref(q, k, cos, sin)
     from .triton import _rope_kernel
 

@@ -2,16 +2,26 @@
 
 Grid ``(B * T, Hq + Hkv)``: program ``(r, h)`` rotates row ``h`` (a query head, then the key heads) of token
 ``r``. transformers computes ``q * cos + rotate_half(q) * sin`` as four elementwise kernels plus a
-``torch.cat`` per tensor, each rounding to the model's dtype; at decode that is ~10 launches per layer for
-a few KB. Here each product and the sum are computed in float32 and rounded to the inputs' dtype in the
-same order (the products of two bf16/fp16 values are exact in float32, and torch's elementwise ops compute
-in float32 and round once), so the result is the same bits as transformers' on the GPU.
+``torch.cat`` per tensor, each rounding to bf16; at decode that is ~10 launches per layer for a few KB.
+Here each product and the sum are computed in float32 and rounded to bf16 in the same order (a product of two
+bf16 values is exact in float32, and torch's elementwise ops compute in float32 and round once), so the
+result is the same bits as transformers'. The intermediate roundings are done on the bits (``_round_bf16``):
+a float32 -> bf16 -> float32 round trip through ``.to`` is not kept as written by the compiler (the H200
+gave other bits, 1 ulp in a product, more after the sum cancels).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _round_bf16(x):
+    """float32 -> the nearest bf16 value (ties to even), as float32."""
+    b = x.to(tl.uint32, bitcast=True)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+    return b.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -38,7 +48,7 @@ def _rope_kernel(q, k, cos, sin, qo, ko, T, HQ, s_qb, s_qh, s_qt, s_kb, s_kh, s_
     x1 = tl.load(src + d, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF + d, mask=m, other=0.0).to(tl.float32)
     # rotate_half(x) = [-x2, x1]; each product rounded, then the sum rounded (transformers' order)
-    o1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
-    o2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+    o1 = _round_bf16(_round_bf16(x1 * c1) + _round_bf16(-x2 * s1)).to(dt)
+    o2 = _round_bf16(_round_bf16(x2 * c2) + _round_bf16(x1 * s2)).to(dt)
     tl.store(dst + d, o1, mask=m)
     tl.store(dst + HALF + d, o2, mask=m)
