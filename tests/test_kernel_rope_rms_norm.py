@@ -91,9 +91,9 @@ def test_a_model_routed_through_the_fused_ops_gives_its_own_outputs(tiny_model_d
     arithmetic; on CUDA RoPE is bit-equal and RMSNorm within its tolerance, so greedy tokens agree)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = "bfloat16" if device == "cuda" else "float32"
-    plain = load_model(str(tiny_model_dir), device=device, dtype=dtype, progress=False, fused_ops=False)
+    plain = load_model(str(tiny_model_dir), device=device, dtype=dtype, progress=False)  # transformers' ops
     hf_rope = modeling_llama.apply_rotary_pos_emb
-    fused = load_model(str(tiny_model_dir), device=device, dtype=dtype, progress=False)
+    fused = load_model(str(tiny_model_dir), device=device, dtype=dtype, progress=False, fused_ops=True)
     try:
         assert modeling_llama.apply_rotary_pos_emb is not hf_rope
         norms = [m for m in fused.model.modules() if isinstance(m, modeling_llama.LlamaRMSNorm)]

@@ -6,6 +6,11 @@ they move a few KB each, so their launches, not their bytes, cost: on the H200 a
 RMSNorm modules and transformers' Llama RoPE function through ``workers.kernels.rms_norm`` and
 ``workers.kernels.rope``, which launch once on CUDA for bf16/fp16 and keep transformers' own arithmetic
 everywhere else (RoPE bit for bit on the GPU as well).
+
+Not on by default (``load_model(fused_ops=False)``): the kernels are checked against transformers in the CPU
+interpreter only. Their first GPU run (H200) found RoPE 1 ulp off in a product, from ``.to`` round trips the
+compiler did not keep; the kernels now round on the bits, which the interpreter matches bit for bit, but that
+version has not run on a GPU, nor has its speed been measured (``bench/bench_model_ops.py``).
 """
 
 from __future__ import annotations
