@@ -6,7 +6,8 @@ Sparse methods see a layer through ``LayerKV``. Per step they ask for the tokens
 - ``ResidentKV``: the layer's K/V read once and held (the reference path; rows = token ids);
 - ``FetchedKV``: only the pages holding the step's tokens are made resident, through the worker's
   tiered ``PageFetcher`` (GPU page cache -> pinned host tier -> SSD page files); rows point into
-  the layer's GPU page cache.
+  the layer's GPU page cache. On a CPU device with the prefix whole in the host tier, rows point
+  into the host tier itself (``HostPageView``: nothing is copied).
 
 Both give the same attention inputs for the same tokens, so greedy output does not depend on
 the path; the fetched path only moves less.
@@ -23,6 +24,7 @@ import torch
 from store.errors import InvalidInput
 from workers.offload.device_plan import DevicePageCache
 from workers.offload.fetcher import PageFetcher
+from workers.offload.host_view import HostPageView
 from workers.pages import page_mask
 
 
@@ -40,18 +42,48 @@ class StepKV:
     """Pool row of head ``h``'s extra entry ``m`` is ``extra_base + h * extra_stride + m``."""
     extra_stride: int
     """0 where each head has its own pool rows; the per-head entry count where heads share rows."""
+    extra_k: torch.Tensor | None = None
+    """``[Hkv * M, D]`` the extra entries' K when they are held apart from the pools (a host view's pools are
+    the host tier): row ``r >= extra_base`` is their row ``r - extra_base``; None: rows of the pools."""
+    extra_v: torch.Tensor | None = None
+    """``[Hkv * M, D]`` their V, likewise."""
 
     def extra_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Per-head extra entry ids ``[T, Hkv, m]`` -> pool rows (int64)."""
         heads = torch.arange(ids.shape[-2], device=ids.device).unsqueeze(-1)
         return self.extra_base + heads * self.extra_stride + ids.long()
 
+    def attend_inputs(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """What attention reads for the entries at pool rows ``rows [T, Hkv, n]``: the pools and the rows, or,
+        with the extra entries held apart, the entries themselves ``[T, Hkv, n, D]`` and no rows."""
+        if self.extra_k is None:
+            return self.k, self.v, rows
+        k, v = self.gather(rows)
+        return k, v, None
+
     def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V ``[T, Hkv, n, D]`` at pool rows ``[T, Hkv, n]`` (rows must be valid)."""
+        """K, V ``[T, Hkv, n, D]`` at pool rows ``[T, Hkv, n]`` (rows of entries that are read must be valid;
+        the values of other entries are unspecified)."""
+        if self.extra_k is not None and self.extra_v is not None:
+            return self._gather_apart(rows, self.extra_k, self.extra_v)
         t = rows.shape[0]
         at = rows.clamp_min(0).unsqueeze(-1).expand(-1, -1, -1, self.k.shape[-1])
         return (self.k.unsqueeze(0).expand(t, -1, -1, -1).gather(2, at),
                 self.v.unsqueeze(0).expand(t, -1, -1, -1).gather(2, at))
+
+    def _gather_apart(self, rows: torch.Tensor, extra_k: torch.Tensor, extra_v: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``gather`` from pools shared by every head (zero head stride) and extra entries held apart."""
+        d = self.k.shape[-1]
+        flat = rows.reshape(-1)
+        pool_at = flat.clamp(0, self.extra_base - 1)
+        extra_at = (flat - self.extra_base).clamp(0, extra_k.shape[0] - 1)
+        apart = (flat >= self.extra_base).unsqueeze(-1)
+        out = []
+        for pool, extra in ((self.k[0], extra_k), (self.v[0], extra_v)):
+            out.append(torch.where(apart, extra.index_select(0, extra_at), pool.index_select(0, pool_at))
+                       .view(*rows.shape, d))
+        return out[0], out[1]
 
 
 def page_tokens(first: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -178,12 +210,14 @@ class FetchedKV(LayerKV):
 
     ``read_layer(layer)`` reads a whole layer (K, V ``[Hkv, N, D]`` on the device, counted by its owner):
     the one-time read of the keys a selector holds resident. ``device_cache`` may be a callable asked at
-    each step (None until the prefix is warm).
+    each step (None until the prefix is warm); so is ``host_view`` (a CPU device's warm prefix, attended in the
+    host tier: it serves the steps the device cache does not, of a layer without extra entries).
     """
 
     def __init__(self, fetcher: PageFetcher, layer: int, *,
                  read_layer: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-                 device_cache: DevicePageCache | Callable[[], DevicePageCache | None] | None = None):
+                 device_cache: DevicePageCache | Callable[[], DevicePageCache | None] | None = None,
+                 host_view: Callable[[], HostPageView | None] | None = None):
         lay = fetcher.layout
         super().__init__(n_heads=lay.n_kv_heads, n_tokens=fetcher.n_tokens, head_dim=lay.head_dim,
                          dtype=lay.torch_dtype, device=fetcher.device, page_size=lay.page_size)
@@ -191,7 +225,10 @@ class FetchedKV(LayerKV):
         # A callable is asked at each step: the generation switches to the device-planned cache once warm.
         self._device_cache = device_cache if callable(device_cache) else lambda: device_cache
         self._read_layer = read_layer
+        self._host_view = host_view or (lambda: None)
         self._extra = False
+        self._extra_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+        """The extra entries ``[Hkv * M, D]`` each, for steps the host view serves (its pools are the host tier)."""
 
     def tokens(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Fetch the pages of ``ids`` (counted under step 0) and copy their K/V out of the page cache."""
@@ -220,6 +257,7 @@ class FetchedKV(LayerKV):
         """Store the entries in the layer's GPU page cache, after its page slots."""
         self.fetcher.set_extra_rows(self.layer, k.to(self.dtype), v.to(self.dtype))
         self._extra = True
+        self._extra_kv = (k.to(self.dtype).reshape(-1, self.head_dim), v.to(self.dtype).reshape(-1, self.head_dim))
 
     def graph_key(self, n_pages: int) -> object | None:
         """Capturable once the device-planned cache serves this layer's steps (the prefix is warm)."""
@@ -229,18 +267,26 @@ class FetchedKV(LayerKV):
         return ("device_plan", id(dc))
 
     def step_pages(self, pages: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Through the device-planned cache when it can take them (no host work, no sync), else the fetcher."""
+        """Through the device-planned cache when it can take them (no host work, no sync), else the host view,
+        else the fetcher."""
         dc = self._device_cache()
         if dc is not None and not self._extra and pages.shape[1] <= dc.pages_per_call:
             with self.fetcher.stats.timed("fetch", self.device):
                 res = dc.fetch(self.layer, pages)
             assert res.rows is not None
             return res.k, res.v, res.rows
+        if not self._extra and (view := self._view(dc)) is not None:  # extra rows would not be in its pools
+            with self.fetcher.stats.timed("fetch", self.device):
+                return view.k, view.v, view.page_rows(self.layer, pages, step)
         first = pages * self.page_size  # each page's first token; a fetch of them fetches exactly these pages
         counts = torch.full((1, self.n_heads), first.shape[1], device=first.device)
         res = self.fetcher.fetch_tokens(self.layer, first[None], counts, step=step, overflow=True,
                                         one_off=self._served_by(dc))
         return res.k, res.v, res.token_rows(first)
+
+    def _view(self, dc: DevicePageCache | None) -> HostPageView | None:
+        """The host view when it serves this layer's steps (no device cache)."""
+        return None if dc is not None else self._host_view()
 
     def _served_by(self, dc: DevicePageCache | None) -> bool:
         """Whether the device-planned cache serves this layer's steps (then a larger fetch goes to a one-off pool:
@@ -261,6 +307,14 @@ class FetchedKV(LayerKV):
                     res = dc.fetch(self.layer, pages[:, :n])
                 return StepKV(k=res.k, v=res.v, rows=res.token_rows(tokens), extra_base=res.extra_base,
                               extra_stride=0)
+        if (view := self._view(dc)) is not None:
+            with self.fetcher.stats.timed("fetch", self.device):
+                rows = view.token_rows(self.layer, tokens, counts, step)
+            if self._extra_kv is None:
+                return StepKV(k=view.k, v=view.v, rows=rows, extra_base=view.k.shape[1], extra_stride=0)
+            ek, ev = self._extra_kv
+            return StepKV(k=view.k, v=view.v, rows=rows, extra_base=view.k.shape[1],
+                          extra_stride=ek.shape[0] // self.n_heads, extra_k=ek, extra_v=ev)
         res = self.fetcher.fetch_tokens(self.layer, tokens, counts, step=step, overflow=overflow,
                                         one_off=self._served_by(dc))
         return StepKV(k=res.k, v=res.v, rows=res.token_rows(tokens), extra_base=res.extra_base,
