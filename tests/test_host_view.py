@@ -2,11 +2,14 @@
 
 The view must give the rows of the stored K/V, hold the prefix's host-tier slots while open, and, through
 the worker, give every sparse method bit-identical attention outputs and greedy tokens to the pool path,
-with the same pages counted as read (from the host tier).
+with the same pages counted as read (from the host tier); a cold open switches to it once warm.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +23,7 @@ from workers.engine import Worker
 from workers.methods.sparse import SparsePrefixAttention
 from workers.offload import HostTier, OffloadConfig, PageFetcher, PrefixHeld
 from workers.offload.host_view import HostPageView
+from workers.offload.warmup import HostWarmup
 from workers.requests import DecodeConfig, GenerationStats, SamplingParams
 
 N_TOKENS = 200
@@ -141,3 +145,47 @@ def test_in_place_equals_the_pool_path(stored, lm, method: str, monkeypatch: pyt
     assert x["offload_gpu_hits"] == 0 and x["offload_ssd_pages"] == 0  # ... the view read every page in place
     assert x["offload_host_pages"] == x["offload_pages_requested"] == y["offload_pages_requested"]
     assert view.bytes_fetched == pool.bytes_fetched and view.prefix_tokens_per_step == pool.prefix_tokens_per_step
+
+
+def test_a_cold_open_switches_to_the_view_once_warm_and_releases_it(stored, lm, monkeypatch: pytest.MonkeyPatch
+                                                                    ) -> None:
+    store, pid = stored
+    pool, _ = _decode(store, pid, lm, "quest", False, monkeypatch)
+    gate, steps, started = threading.Event(), itertools.count(), []
+    chunk, start = HostWarmup._chunk, HostWarmup.start
+
+    def gated_chunk(self: HostWarmup, *args) -> None:  # noqa: ANN002
+        gate.wait(30)
+        chunk(self, *args)
+
+    def record_start(self: HostWarmup) -> HostWarmup:
+        started.append(self)
+        return start(self)
+
+    served: dict[int, int] = {}  # step -> layers the view served
+    page_rows = HostPageView.page_rows
+
+    def count(self: HostPageView, layer: int, pages: torch.Tensor, step: int) -> torch.Tensor:
+        served[step] = served.get(step, 0) + 1
+        return page_rows(self, layer, pages, step)
+
+    @contextlib.contextmanager
+    def turn() -> Iterator[None]:
+        if next(steps) == 2:  # two steps served by the fetcher over the cold prefix; now let the warm-up finish
+            gate.set()
+            started[0]._thread.join(timeout=60)
+        yield
+
+    monkeypatch.setattr(HostWarmup, "_chunk", gated_chunk)
+    monkeypatch.setattr(HostWarmup, "start", record_start)
+    monkeypatch.setattr(HostPageView, "page_rows", count)
+    w = Worker(store, lm, progress=False, offload=OffloadConfig(host_cache_bytes=64 << 20, io_threads=1))
+    w.engine.turn = turn
+    cold = GenerationStats()
+    list(w.generate(pid, QUERY, SamplingParams(max_new_tokens=NEW_TOKENS), method="quest",
+                    decode=DecodeConfig(budget=0.2), stats=cold, raw=True))
+    assert cold.token_ids == pool.token_ids and started[0].complete
+    assert cold.extra["offload_ssd_pages"] > 0  # the first steps read their pages from SSD ...
+    assert served == {s: lm.layout.n_layers for s in range(2, NEW_TOKENS)}  # ... then every layer from the view
+    host = w.host_tier()
+    assert host is not None and int(host.lru.holds.sum()) == 0  # the view's hold ended with the generation

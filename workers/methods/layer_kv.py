@@ -73,16 +73,17 @@ class StepKV:
 
     def _gather_apart(self, rows: torch.Tensor, extra_k: torch.Tensor, extra_v: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``gather`` from pools shared by every head (zero head stride) and extra entries held apart."""
-        d = self.k.shape[-1]
+        """``gather`` from pools shared by every head (zero head stride) and extra entries held apart: the pools'
+        rows, then the extra entries copied over theirs (positions found once for K and V)."""
         flat = rows.reshape(-1)
-        pool_at = flat.clamp(0, self.extra_base - 1)
-        extra_at = (flat - self.extra_base).clamp(0, extra_k.shape[0] - 1)
-        apart = (flat >= self.extra_base).unsqueeze(-1)
+        base = self.extra_base
+        pool_at = flat.clamp(0, base - 1)
+        apart = (flat >= base).nonzero().squeeze(1)
+        extra_at = flat.index_select(0, apart).sub_(base).clamp_(max=extra_k.shape[0] - 1)
         out = []
         for pool, extra in ((self.k[0], extra_k), (self.v[0], extra_v)):
-            out.append(torch.where(apart, extra.index_select(0, extra_at), pool.index_select(0, pool_at))
-                       .view(*rows.shape, d))
+            x = pool.index_select(0, pool_at)
+            out.append(x.index_copy_(0, apart, extra.index_select(0, extra_at)).view(*rows.shape, -1))
         return out[0], out[1]
 
 
