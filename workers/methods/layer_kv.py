@@ -42,49 +42,18 @@ class StepKV:
     """Pool row of head ``h``'s extra entry ``m`` is ``extra_base + h * extra_stride + m``."""
     extra_stride: int
     """0 where each head has its own pool rows; the per-head entry count where heads share rows."""
-    extra_k: torch.Tensor | None = None
-    """``[Hkv * M, D]`` the extra entries' K when they are held apart from the pools (a host view's pools are
-    the host tier): row ``r >= extra_base`` is their row ``r - extra_base``; None: rows of the pools."""
-    extra_v: torch.Tensor | None = None
-    """``[Hkv * M, D]`` their V, likewise."""
 
     def extra_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Per-head extra entry ids ``[T, Hkv, m]`` -> pool rows (int64)."""
         heads = torch.arange(ids.shape[-2], device=ids.device).unsqueeze(-1)
         return self.extra_base + heads * self.extra_stride + ids.long()
 
-    def attend_inputs(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """What attention reads for the entries at pool rows ``rows [T, Hkv, n]``: the pools and the rows, or,
-        with the extra entries held apart, the entries themselves ``[T, Hkv, n, D]`` and no rows."""
-        if self.extra_k is None:
-            return self.k, self.v, rows
-        k, v = self.gather(rows)
-        return k, v, None
-
     def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V ``[T, Hkv, n, D]`` at pool rows ``[T, Hkv, n]`` (rows of entries that are read must be valid;
-        the values of other entries are unspecified)."""
-        if self.extra_k is not None and self.extra_v is not None:
-            return self._gather_apart(rows, self.extra_k, self.extra_v)
+        """K, V ``[T, Hkv, n, D]`` at pool rows ``[T, Hkv, n]`` (rows must be valid)."""
         t = rows.shape[0]
         at = rows.clamp_min(0).unsqueeze(-1).expand(-1, -1, -1, self.k.shape[-1])
         return (self.k.unsqueeze(0).expand(t, -1, -1, -1).gather(2, at),
                 self.v.unsqueeze(0).expand(t, -1, -1, -1).gather(2, at))
-
-    def _gather_apart(self, rows: torch.Tensor, extra_k: torch.Tensor, extra_v: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``gather`` from pools shared by every head (zero head stride) and extra entries held apart: the pools'
-        rows, then the extra entries copied over theirs (positions found once for K and V)."""
-        flat = rows.reshape(-1)
-        base = self.extra_base
-        pool_at = flat.clamp(0, base - 1)
-        apart = (flat >= base).nonzero().squeeze(1)
-        extra_at = flat.index_select(0, apart).sub_(base).clamp_(max=extra_k.shape[0] - 1)
-        out = []
-        for pool, extra in ((self.k[0], extra_k), (self.v[0], extra_v)):
-            x = pool.index_select(0, pool_at)
-            out.append(x.index_copy_(0, apart, extra.index_select(0, extra_at)).view(*rows.shape, -1))
-        return out[0], out[1]
 
 
 def page_tokens(first: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -228,8 +197,6 @@ class FetchedKV(LayerKV):
         self._read_layer = read_layer
         self._host_view = host_view or (lambda: None)
         self._extra = False
-        self._extra_kv: tuple[torch.Tensor, torch.Tensor] | None = None
-        """The extra entries ``[Hkv * M, D]`` each, for steps the host view serves (its pools are the host tier)."""
 
     def tokens(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Fetch the pages of ``ids`` (counted under step 0) and copy their K/V out of the page cache."""
@@ -258,7 +225,6 @@ class FetchedKV(LayerKV):
         """Store the entries in the layer's GPU page cache, after its page slots."""
         self.fetcher.set_extra_rows(self.layer, k.to(self.dtype), v.to(self.dtype))
         self._extra = True
-        self._extra_kv = (k.to(self.dtype).reshape(-1, self.head_dim), v.to(self.dtype).reshape(-1, self.head_dim))
 
     def graph_key(self, n_pages: int) -> object | None:
         """Capturable once the device-planned cache serves this layer's steps (the prefix is warm)."""
@@ -276,7 +242,7 @@ class FetchedKV(LayerKV):
                 res = dc.fetch(self.layer, pages)
             assert res.rows is not None
             return res.k, res.v, res.rows
-        if not self._extra and (view := self._view(dc)) is not None:  # extra rows would not be in its pools
+        if (view := self._view(dc)) is not None:
             with self.fetcher.stats.timed("fetch", self.device):
                 return view.k, view.v, view.page_rows(self.layer, pages, step)
         first = pages * self.page_size  # each page's first token; a fetch of them fetches exactly these pages
@@ -286,8 +252,9 @@ class FetchedKV(LayerKV):
         return res.k, res.v, res.token_rows(first)
 
     def _view(self, dc: DevicePageCache | None) -> HostPageView | None:
-        """The host view when it serves this layer's steps (no device cache)."""
-        return None if dc is not None else self._host_view()
+        """The host view when it serves this layer's steps: no device cache, and no extra entries (they live in
+        the fetcher's pool; held apart from the host tier, gathering them cost more than the copy it saves)."""
+        return None if dc is not None or self._extra else self._host_view()
 
     def _served_by(self, dc: DevicePageCache | None) -> bool:
         """Whether the device-planned cache serves this layer's steps (then a larger fetch goes to a one-off pool:
@@ -311,11 +278,7 @@ class FetchedKV(LayerKV):
         if (view := self._view(dc)) is not None:
             with self.fetcher.stats.timed("fetch", self.device):
                 rows = view.token_rows(self.layer, tokens, counts, step)
-            if self._extra_kv is None:
-                return StepKV(k=view.k, v=view.v, rows=rows, extra_base=view.k.shape[1], extra_stride=0)
-            ek, ev = self._extra_kv
-            return StepKV(k=view.k, v=view.v, rows=rows, extra_base=view.k.shape[1],
-                          extra_stride=ek.shape[0] // self.n_heads, extra_k=ek, extra_v=ev)
+            return StepKV(k=view.k, v=view.v, rows=rows, extra_base=view.k.shape[1], extra_stride=0)
         res = self.fetcher.fetch_tokens(self.layer, tokens, counts, step=step, overflow=overflow,
                                         one_off=self._served_by(dc))
         return StepKV(k=res.k, v=res.v, rows=res.token_rows(tokens), extra_base=res.extra_base,

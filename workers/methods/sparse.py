@@ -44,17 +44,16 @@ ROW_ELEMS = 1 << 25
 """Rows of query tokens are processed in chunks of about this many score elements."""
 
 
-def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, idx: torch.Tensor | None,
+def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, idx: torch.Tensor,
                        n_valid: torch.Tensor | None, bias: torch.Tensor | None, pseudo_logits: torch.Tensor | None,
                        pseudo_values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q ``[T, Hq, D]`` over rows ``idx [T, Hkv, N]`` of one shared buffer k, v ``[Hkv, S, D]`` (or, idx None,
-    over the entries themselves: k, v ``[T, Hkv, N, D]``, ``StepKV.attend_inputs``).
+    """q ``[T, Hq, D]`` over rows ``idx [T, Hkv, N]`` of one shared buffer k, v ``[Hkv, S, D]``.
 
     Returns float32 out ``[T, Hq, D]`` and lse ``[T, Hq]``. CUDA tensors run the Triton kernel;
     others its float32 torch form (``sparse_decode_attention_ref``, float64, is the tests' oracle).
     """
     t = q.shape[0]
-    kb, vb = (k, v) if idx is None else (k.unsqueeze(0).expand(t, -1, -1, -1), v.unsqueeze(0).expand(t, -1, -1, -1))
+    kb, vb = k.unsqueeze(0).expand(t, -1, -1, -1), v.unsqueeze(0).expand(t, -1, -1, -1)
     op = sparse_decode_attention if q.is_cuda else sparse_decode_attention_torch
     out, lse = op(q.to(k.dtype), kb, vb, scale=scale, idx=idx, n_valid=n_valid, bias=bias,
                   pseudo_logits=pseudo_logits, pseudo_values=pseudo_values)
@@ -274,8 +273,7 @@ class SparsePrefixAttention:
             log_z, mean = self.completion.term(layer, ctx, qg, scale, k_sel, v_sel, sel.counts)
             pl, pv = log_z.reshape(t, hq, 1).contiguous(), mean.reshape(t, hq, 1, d).contiguous()
         with self._timed("attend"):
-            k, v, idx = step.attend_inputs(rows)
-            out, lse = gathered_attention(q, k, v, scale=scale, idx=idx, n_valid=n_tok, bias=bias,
+            out, lse = gathered_attention(q, step.k, step.v, scale=scale, idx=rows, n_valid=n_tok, bias=bias,
                                           pseudo_logits=pl, pseudo_values=pv)
         return sel, out, lse
 
