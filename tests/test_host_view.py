@@ -31,9 +31,9 @@ N_TOKENS = 200
 DOC = " ".join(f"item {i} is {chr(97 + i % 26)}{(i * 7919) % 1000}." for i in range(60)) + " The code is 4711."
 QUERY = " What is the code? And item 17?"
 NEW_TOKENS = 6
-IN_PLACE = {"quest": True, "topk": True, "quest+phi": True, "doublep+phi": True, "doublep": False}
-"""Method -> whether the view serves its steps: page steps (Quest, Top-K), token steps (Double-P), φ completion;
-not a layer with extra entries (Double-P's centroids live in the fetcher's pool)."""
+IN_PLACE = {"quest": True, "topk": True, "quest+phi": True, "doublep+phi": True, "doublep": True}
+"""Method -> whether the view serves its steps: page steps (Quest, Top-K), token steps (Double-P) with extra entries
+(its centroids), φ completion."""
 
 
 @pytest.fixture()
@@ -91,6 +91,36 @@ def test_the_view_holds_the_prefix_until_closed(warm) -> None:
     view.close()
     assert f.host.drop_prefix(f.prefix_id) == LAYERS * HEADS * 13
     assert HostPageView.from_fetcher(f) is None  # no longer whole in the tier
+
+
+def test_extra_entries_are_pool_rows_until_closed(warm) -> None:
+    f, _ = warm
+    host = f.host
+    assert host is not None
+    view = HostPageView.from_fetcher(f)
+    assert view is not None
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(HEADS, 21, 16, generator=g), torch.randn(HEADS, 21, 16, generator=g)  # 2 pages a head
+    used = host.used_bytes
+    assert view.extra_rows(1) is None and view.set_extra(1, k, v)
+    rows = view.extra_rows(1)
+    assert rows is not None and rows.shape == (HEADS, 21)
+    assert torch.equal(view.k[0][rows], k) and torch.equal(view.v[0][rows], v)
+    assert host.used_bytes == used + HEADS * 2 * host.page_bytes
+    view.close()
+    assert host.used_bytes == used  # dropped with the view (and the prefix no longer held)
+    assert host.drop_prefix(f.prefix_id) == LAYERS * HEADS * 13
+
+
+def test_extra_entries_without_room_stay_with_the_fetcher(warm) -> None:
+    f, _ = warm
+    view = HostPageView.from_fetcher(f)
+    assert view is not None and f.host is not None
+    free = f.host.n_slots - f.host.lru.used
+    k = torch.zeros(HEADS, (free // HEADS + 1) * 16, 16)
+    assert not view.set_extra(0, k, k) and not view.set_extra(0, k[:, :1], k[:, :1])  # not asked again
+    assert view.extra_rows(0) is None and f.host.lru.used == LAYERS * HEADS * 13
+    view.close()
 
 
 def test_no_view_without_a_warm_host_tier(tmp_path: Path) -> None:

@@ -6,7 +6,9 @@ into a pool only costs time. For a generation whose prefix lies whole in the hos
 serves the host tier itself as the K/V pool attention indexes: each page's K block is ``P`` rows of
 ``D`` values, its V block the next ``P`` rows, so the slot buffer viewed as ``[rows, D]`` gives K rows
 and the same buffer shifted by one block gives V rows under one row index (``slot * rows_per_slot +
-offset``). A step only turns token or page ids into those rows (numpy, no per-page Python).
+offset``). A step only turns token or page ids into those rows (numpy, no per-page Python). A layer's
+extra entries (Double-P's centroids) go into host-tier slots of their own, packed as pages and held
+until the view closes, so that attention reads them from the same pools (``set_extra``).
 
 Reads are counted as fetches from the host tier (``OffloadStats``: every distinct page a step attends is
 a host-tier page, never a cache hit), so a method's read report stays what it read.
@@ -43,6 +45,10 @@ class HostPageView:
         """``[Hkv, rows, D]`` K pool over the host tier's slots (zero head stride)."""
         self.v = flat[block:].view(-1, d).unsqueeze(0).expand(h, -1, -1)
         """``[Hkv, rows, D]`` V pool."""
+        self._extra: dict[int, tuple[str, np.ndarray, torch.Tensor]] = {}
+        """Layer -> its extra entries' host-tier namespace, held slots and pool rows ``[Hkv, M]``."""
+        self._no_room: set[int] = set()
+        """Layers whose extra entries did not fit in the host tier (their steps stay with the fetcher)."""
 
     @classmethod
     def from_fetcher(cls, fetcher: PageFetcher) -> HostPageView | None:
@@ -80,13 +86,52 @@ class HostPageView:
         self._count(step, (heads * self.n_pages + page)[valid])
         return torch.from_numpy(rows)
 
+    def extra_rows(self, layer: int) -> torch.Tensor | None:
+        """Pool rows ``[Hkv, M]`` of ``layer``'s extra entries (``set_extra``), or None."""
+        got = self._extra.get(layer)
+        return None if got is None else got[2]
+
+    def set_extra(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Put ``layer``'s per-head extra entries ``[Hkv, M, D]`` (model dtype) in host-tier slots held until
+        ``close``; whether they are there (False: the tier has no room beside its held pages, and will not be
+        asked again)."""
+        if layer in self._extra or layer in self._no_room:
+            return layer in self._extra
+        h, m, d = k.shape
+        p, n = self.page_size, -(-m // self.page_size)  # pages per head
+        kv = k.new_zeros(h, n * p, 2, d)
+        kv[:, :m, 0], kv[:, :m, 1] = k, v
+        payload = kv.view(h, n, p, 2, d).transpose(2, 3).reshape(h * n, -1).view(torch.uint8)  # K block, V block
+        raw = torch.zeros(h * n, self.host.page_bytes, dtype=torch.uint8)
+        raw[:, : payload.shape[1]] = payload
+        name = f"{self.fetcher.prefix_id}/extra/{id(self)}/{layer}"  # this view's own: no other reader finds it
+        keys = np.arange(h * n, dtype=np.int64)
+        with self.host.lock:
+            self.host.open_prefix(name, h * n)
+            self.host.begin_batch()
+            slots = self.host.insert(name, keys, raw.numpy())
+            if slots is None:
+                self.host.drop_prefix(name)
+                self._no_room.add(layer)
+                return False
+            self.host.hold(name, keys)
+        ids = np.arange(m)
+        rows = slots.reshape(h, n)[:, ids // p] * self.rows_per_slot + ids % p
+        self._extra[layer] = (name, slots, torch.from_numpy(rows))
+        return True
+
     def _count(self, step: int, keys: np.ndarray) -> None:
         """File the distinct pages ``keys`` (head * n_pages + page) as one host-tier fetch of ``step``."""
         n = int(np.unique(keys).size)
         self.fetcher.stats.record(step, StepCounts(pages=n, host_pages=n))
 
     def close(self) -> None:
-        """Release the held slots (nothing reads them after this)."""
+        """Release the held slots and drop the extra entries (nothing reads them after this)."""
+        for name, slots, _ in self._extra.values():
+            with self.host.lock:
+                self.host.release(slots)
+                self.host.drop_prefix(name)
+        self._extra.clear()
         if self._held is not None:
             self.host.release(self._held)
             self._held = None
