@@ -68,8 +68,9 @@ def rows(gpu_cache_bytes: int, host_bytes: int) -> list[Row]:
         Row("quest, resident", "quest", None),
         Row("quest, SSD cold (fetcher)", "quest",
             OffloadConfig(**base, warm_host_fraction=0.0, device_plan="off")),
-        Row("quest, host warm, fetcher", "quest",
-            OffloadConfig(**base, warm_host_fraction=1.0, warm_in_background=False, device_plan="off")),
+        Row("quest, host warm, fetcher", "quest",  # the fetcher on a CPU too (not the host view)
+            OffloadConfig(**base, warm_host_fraction=1.0, warm_in_background=False, device_plan="off",
+                          host_in_place=False)),
         Row("quest, host warm, device-planned", "quest",
             OffloadConfig(**base, warm_host_fraction=1.0, warm_in_background=False, device_plan="auto")),
     ]

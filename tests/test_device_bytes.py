@@ -76,7 +76,8 @@ def test_page_cache_bytes_follow_the_gpu_cache_size(store: KVStore, lm: LoadedMo
     pages: dict[int, int] = {}
     n_pages = 0
     for slots in (8, 32):  # per layer, fewer than the prefix's pages: the budget sizes the pools
-        cfg = OffloadConfig(gpu_cache_bytes=slots * lay.n_layers * lay.page_payload_bytes, device_plan="off")
+        cfg = OffloadConfig(gpu_cache_bytes=slots * lay.n_layers * lay.page_payload_bytes, device_plan="off",
+                            host_in_place=False)  # the fetcher's pools (on a CPU a warm prefix is read in place)
         worker = Worker(store, lm, progress=False, offload=cfg)
         pid = _prefill(worker)
         n_pages = lay.n_pages(worker.store.find(pid).n_tokens)  # type: ignore[union-attr]
@@ -95,7 +96,7 @@ def test_a_device_planned_generation_keeps_one_page_cache(store: KVStore, lm: Lo
     held = {}
     for plan in ("off", "on"):
         cfg = OffloadConfig(gpu_cache_bytes=slots * lay.n_layers * lay.page_payload_bytes, device_plan=plan,
-                            host_cache_bytes=1000 * lay.page_bytes, warm_in_background=False)
+                            host_cache_bytes=1000 * lay.page_bytes, warm_in_background=False, host_in_place=False)
         worker = Worker(store, lm, progress=False, offload=cfg)
         st = _generate(worker, _prefill(worker), "quest", DecodeConfig(budget=0.1))
         held[plan] = _mem(st)["page_cache"]
@@ -117,7 +118,9 @@ def test_query_time_cache_peaks_at_the_whole_prefix_and_ends_at_its_budget(worke
     assert mems[128]["end"] - mems[32]["end"] == 96 * (_kv_bytes(lm, 1) + kept_ids)
 
 
-def test_shared_quest_bounds_are_counted_apart_and_once(worker: Worker, lm: LoadedModel) -> None:
+def test_shared_quest_bounds_are_counted_apart_and_once(store: KVStore, lm: LoadedModel) -> None:
+    # every generation opens over a warm prefix: its steps use the same page cache (none, on a CPU)
+    worker = Worker(store, lm, progress=False, offload=OffloadConfig(warm_in_background=False))
     pid = _prefill(worker)
     lay = lm.layout
     n_pages = lay.n_pages(worker.store.find(pid).n_tokens)  # type: ignore[union-attr]

@@ -6,7 +6,8 @@ delta would mix them up. On the CPU the same walk counts the same state's CPU te
 
 Not in a generation's total: state several generations share, i.e. objects whose
 ``shared_across_generations`` is true (Quest's page bounds of a prefix: reported apart, as ``shared``);
-the model's weights and feature maps (any ``nn.Module``); the worker's host tier and summary cache, and
+the model's weights and feature maps (any ``nn.Module``); the worker's host tier (a CPU generation's
+``HostPageView`` of it too) and summary cache, and
 host staging buffers (host memory); the read counters' per-step scalars (``ReadCounter``); the static
 buffers of a whole-step CUDA graph (the engine's, shared by a group of generations) and the memory pools
 of captured graphs.
@@ -24,13 +25,15 @@ from torch import nn
 from workers.methods.reads import ReadCounter
 from workers.methods.source import PrefixSource
 from workers.offload.host_tier import HostTier
+from workers.offload.host_view import HostPageView
 from workers.offload.memory import HostBuffer
 from workers.offload.stats import OffloadStats
 from workers.offload.summaries import SummaryCache
 from workers.own_kv import OwnKV
 
-NOT_DEVICE_STATE = (nn.Module, HostTier, HostBuffer, SummaryCache, ReadCounter, OffloadStats)
-"""Not walked: weights (shared); host-side state (the tiers are the worker's, staging is host memory); read
+NOT_DEVICE_STATE = (nn.Module, HostTier, HostPageView, HostBuffer, SummaryCache, ReadCounter, OffloadStats)
+"""Not walked: weights (shared); host-side state (the tiers are the worker's, a CPU generation's view of its
+prefix in the host tier is the tier's memory, staging is host memory); read
 counters (bookkeeping that grows with the steps: a walk through it would cost a visit per layer and step)."""
 OURS = ("workers.",)
 """Modules whose objects are walked into (other objects are opaque: a store, a thread pool, a CUDA graph)."""

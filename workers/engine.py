@@ -50,10 +50,12 @@ class PrefillResult:
 
 
 def _close_fetch(source: PrefixSource) -> None:
-    """Release a generation's fetch engines (the device cache first: it holds host-tier slots; closing the
-    fetcher stops its background warm-up)."""
+    """Release a generation's fetch engines (the device cache and host view first: they hold host-tier slots;
+    closing the fetcher stops its background warm-up)."""
     if source.device_cache is not None:
         source.device_cache.close()
+    if source.host_view is not None:
+        source.host_view.close()
     if source.fetcher is not None:
         source.fetcher.close()
 
@@ -221,6 +223,7 @@ class Worker:
                 if impl.fast_open:
                     fast = FastOpen(source.fetcher, self.offload)  # warms the host tier (in the background)
                     source.device_cache, source.switch = fast.device_cache, fast.poll
+                    source.host_view, source.view_switch = fast.host_view, fast.poll_view
             attn = impl.open(source, decode)
             if self.engine.config.cuda_graphs and isinstance(attn, UsesCudaGraphs):
                 attn.use_cuda_graphs()

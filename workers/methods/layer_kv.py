@@ -6,7 +6,8 @@ Sparse methods see a layer through ``LayerKV``. Per step they ask for the tokens
 - ``ResidentKV``: the layer's K/V read once and held (the reference path; rows = token ids);
 - ``FetchedKV``: only the pages holding the step's tokens are made resident, through the worker's
   tiered ``PageFetcher`` (GPU page cache -> pinned host tier -> SSD page files); rows point into
-  the layer's GPU page cache.
+  the layer's GPU page cache. On a CPU device with the prefix whole in the host tier, rows point
+  into the host tier itself (``HostPageView``: nothing is copied).
 
 Both give the same attention inputs for the same tokens, so greedy output does not depend on
 the path; the fetched path only moves less.
@@ -23,6 +24,7 @@ import torch
 from store.errors import InvalidInput
 from workers.offload.device_plan import DevicePageCache
 from workers.offload.fetcher import PageFetcher
+from workers.offload.host_view import HostPageView
 from workers.pages import page_mask
 
 
@@ -40,9 +42,13 @@ class StepKV:
     """Pool row of head ``h``'s extra entry ``m`` is ``extra_base + h * extra_stride + m``."""
     extra_stride: int
     """0 where each head has its own pool rows; the per-head entry count where heads share rows."""
+    extra_table: torch.Tensor | None = None
+    """``[Hkv, M]`` int64 pool row of each extra entry, where they do not follow that rule (a host view's)."""
 
     def extra_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Per-head extra entry ids ``[T, Hkv, m]`` -> pool rows (int64)."""
+        if self.extra_table is not None:
+            return self.extra_table.unsqueeze(0).expand(ids.shape[0], -1, -1).gather(2, ids.long())
         heads = torch.arange(ids.shape[-2], device=ids.device).unsqueeze(-1)
         return self.extra_base + heads * self.extra_stride + ids.long()
 
@@ -178,12 +184,14 @@ class FetchedKV(LayerKV):
 
     ``read_layer(layer)`` reads a whole layer (K, V ``[Hkv, N, D]`` on the device, counted by its owner):
     the one-time read of the keys a selector holds resident. ``device_cache`` may be a callable asked at
-    each step (None until the prefix is warm).
+    each step (None until the prefix is warm); so is ``host_view`` (a CPU device's warm prefix, attended in the
+    host tier: it serves the steps the device cache does not, of a layer without extra entries).
     """
 
     def __init__(self, fetcher: PageFetcher, layer: int, *,
                  read_layer: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-                 device_cache: DevicePageCache | Callable[[], DevicePageCache | None] | None = None):
+                 device_cache: DevicePageCache | Callable[[], DevicePageCache | None] | None = None,
+                 host_view: Callable[[], HostPageView | None] | None = None):
         lay = fetcher.layout
         super().__init__(n_heads=lay.n_kv_heads, n_tokens=fetcher.n_tokens, head_dim=lay.head_dim,
                          dtype=lay.torch_dtype, device=fetcher.device, page_size=lay.page_size)
@@ -191,7 +199,11 @@ class FetchedKV(LayerKV):
         # A callable is asked at each step: the generation switches to the device-planned cache once warm.
         self._device_cache = device_cache if callable(device_cache) else lambda: device_cache
         self._read_layer = read_layer
+        self._host_view = host_view or (lambda: None)
         self._extra = False
+        self._extra_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+        """The extra entries (model dtype), for the host view to take when it serves this layer."""
+        self._fetcher_has_extra = False
 
     def tokens(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Fetch the pages of ``ids`` (counted under step 0) and copy their K/V out of the page cache."""
@@ -217,9 +229,18 @@ class FetchedKV(LayerKV):
         return sk.gather(sk.rows)[0]
 
     def set_extra(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store the entries in the layer's GPU page cache, after its page slots."""
-        self.fetcher.set_extra_rows(self.layer, k.to(self.dtype), v.to(self.dtype))
+        """Store the entries in the layer's GPU page cache, after its page slots (on a CPU device, where a host
+        view may serve every step, when the fetcher first serves one)."""
+        self._extra_kv = (k.to(self.dtype), v.to(self.dtype))
         self._extra = True
+        if self.device.type != "cpu":
+            self._fetcher_extra()
+
+    def _fetcher_extra(self) -> None:
+        """Give the fetcher's pools the extra entries, once, before it serves a step of this layer."""
+        if self._extra_kv is not None and not self._fetcher_has_extra:
+            self.fetcher.set_extra_rows(self.layer, *self._extra_kv)
+            self._fetcher_has_extra = True
 
     def graph_key(self, n_pages: int) -> object | None:
         """Capturable once the device-planned cache serves this layer's steps (the prefix is warm)."""
@@ -229,18 +250,31 @@ class FetchedKV(LayerKV):
         return ("device_plan", id(dc))
 
     def step_pages(self, pages: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Through the device-planned cache when it can take them (no host work, no sync), else the fetcher."""
+        """Through the device-planned cache when it can take them (no host work, no sync), else the host view,
+        else the fetcher."""
         dc = self._device_cache()
         if dc is not None and not self._extra and pages.shape[1] <= dc.pages_per_call:
             with self.fetcher.stats.timed("fetch", self.device):
                 res = dc.fetch(self.layer, pages)
             assert res.rows is not None
             return res.k, res.v, res.rows
+        if (view := self._view(dc)) is not None:
+            with self.fetcher.stats.timed("fetch", self.device):
+                return view.k, view.v, view.page_rows(self.layer, pages, step)
+        self._fetcher_extra()
         first = pages * self.page_size  # each page's first token; a fetch of them fetches exactly these pages
         counts = torch.full((1, self.n_heads), first.shape[1], device=first.device)
         res = self.fetcher.fetch_tokens(self.layer, first[None], counts, step=step, overflow=True,
                                         one_off=self._served_by(dc))
         return res.k, res.v, res.token_rows(first)
+
+    def _view(self, dc: DevicePageCache | None) -> HostPageView | None:
+        """The host view when it serves this layer's steps: no device cache, and the layer's extra entries (if
+        any) in its pools, put there on first use."""
+        view = None if dc is not None else self._host_view()
+        if view is None or self._extra_kv is None:
+            return view
+        return view if view.set_extra(self.layer, *self._extra_kv) else None
 
     def _served_by(self, dc: DevicePageCache | None) -> bool:
         """Whether the device-planned cache serves this layer's steps (then a larger fetch goes to a one-off pool:
@@ -261,6 +295,12 @@ class FetchedKV(LayerKV):
                     res = dc.fetch(self.layer, pages[:, :n])
                 return StepKV(k=res.k, v=res.v, rows=res.token_rows(tokens), extra_base=res.extra_base,
                               extra_stride=0)
+        if (view := self._view(dc)) is not None:
+            with self.fetcher.stats.timed("fetch", self.device):
+                rows = view.token_rows(self.layer, tokens, counts, step)
+            return StepKV(k=view.k, v=view.v, rows=rows, extra_base=0, extra_stride=0,
+                          extra_table=view.extra_rows(self.layer))
+        self._fetcher_extra()
         res = self.fetcher.fetch_tokens(self.layer, tokens, counts, step=step, overflow=overflow,
                                         one_off=self._served_by(dc))
         return StepKV(k=res.k, v=res.v, rows=res.token_rows(tokens), extra_base=res.extra_base,

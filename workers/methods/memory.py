@@ -41,6 +41,7 @@ class MemorySource(PrefixSource):
         self.verify = False
         self.fetcher = None
         self.device_cache = None
+        self.host_view = None
         self.bytes_read = 0
 
     @classmethod

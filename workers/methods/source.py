@@ -14,6 +14,7 @@ from store.pages import unpack_pages
 from workers.methods.layer_kv import FetchedKV, LayerKV, ResidentKV
 from workers.offload.device_plan import DevicePageCache
 from workers.offload.fetcher import PageFetcher
+from workers.offload.host_view import HostPageView
 from workers.offload.summaries import SummaryCache
 
 
@@ -38,6 +39,11 @@ class PrefixSource:
         self.switch: Callable[[], DevicePageCache | None] | None = None
         """Polled at steps while ``device_cache`` is None: the device-planned cache once a background
         warm-up made the prefix warm (``workers.offload.fast_path.FastOpen.poll``)."""
+        self.host_view: HostPageView | None = None
+        """On a CPU device: the warm prefix's pages attended in the host tier (steps the device cache does not
+        serve)."""
+        self.view_switch: Callable[[], HostPageView | None] | None = None
+        """Polled at steps while ``host_view`` is None, as ``switch`` (``FastOpen.poll_view``)."""
         self.bytes_read = 0
 
     def shared_key(self, name: str) -> tuple[str, str, str] | None:
@@ -95,10 +101,17 @@ class PrefixSource:
             self.device_cache = self.switch()
         return self.device_cache
 
+    def current_host_view(self) -> HostPageView | None:
+        """``host_view``, opened through ``view_switch`` when the prefix has become warm since."""
+        if self.host_view is None and self.view_switch is not None:
+            self.host_view = self.view_switch()
+        return self.host_view
+
     def layer(self, layer: int) -> LayerKV:
         """Decode-time access to one layer: fetched per step through the fetcher, else read and held."""
         if self.fetcher is not None:
-            return FetchedKV(self.fetcher, layer, read_layer=self.layer_kv, device_cache=self.current_device_cache)
+            return FetchedKV(self.fetcher, layer, read_layer=self.layer_kv, device_cache=self.current_device_cache,
+                             host_view=self.current_host_view)
         return ResidentKV(*self.layer_kv(layer), page_size=self.layout.page_size)
 
     def artifact(self, name: str) -> dict[str, torch.Tensor]:

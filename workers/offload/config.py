@@ -49,6 +49,10 @@ class OffloadConfig:
     device_plan: str = "auto"
     """Fetch through the device-planned GPU page cache (no host work per fetch) when the prefix is whole
     in the host tier: ``auto`` (CUDA only), ``on`` (also on a CPU: tests), ``off``."""
+    host_in_place: bool = True
+    """On a CPU device, attend a prefix whole in the host tier where its pages lie (``HostPageView``: no copy
+    into a page pool; the CPU's pool is main memory too). False: the page fetcher copies them (CUDA always
+    does). ``device_plan="on"`` takes precedence."""
 
     def __post_init__(self) -> None:
         if self.gpu_cache_bytes <= 0:

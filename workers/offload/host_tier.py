@@ -5,7 +5,8 @@ Pages enter only after the SSD read that brought them passed its checks, so a hi
 GPU kernels read the tier's pages directly (mapped pinned memory); before the CPU overwrites a slot
 it waits for the last such read of every fetcher (``note_reader``). ``hold`` pins a prefix's slots
 against eviction (e.g. for ``DevicePageCache``, whose GPU-side tables point at them for a whole
-generation); a held prefix cannot be dropped.
+generation); a held prefix cannot be dropped. A CPU generation's ``HostPageView`` also keeps its extra
+entries (Double-P's centroids) in slots under a namespace only it knows, held until it drops them.
 """
 
 from __future__ import annotations
