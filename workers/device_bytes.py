@@ -5,7 +5,8 @@ to their tensors, each storage once: generations run concurrently, so a ``torch.
 delta would mix them up. On the CPU the same walk counts the same state's CPU tensors.
 
 Not in a generation's total: state several generations share, i.e. objects whose
-``shared_across_generations`` is true (Quest's page bounds of a prefix: reported apart, as ``shared``);
+``shared_across_generations`` is true (Quest's page bounds and Top-K's key index of a prefix,
+``methods/shared_state.py``: reported apart, as ``shared``);
 the model's weights and feature maps (any ``nn.Module``); the worker's host tier (a CPU generation's
 ``HostPageView`` of it too) and summary cache, and
 host staging buffers (host memory); the read counters' per-step scalars (``ReadCounter``); the static
