@@ -20,8 +20,9 @@ from collections.abc import Callable
 import torch
 
 CPU_PHI_FEATURE_BYTES = 256 << 20
-"""Bytes of float32 features ``[Hkv, N, F]`` one CPU generation may hold (all layers): 32k tokens of the shipped
-model (8 layers, 2 KV heads, F = 64) take 128 MiB. Layers past it map their attended keys every step."""
+"""Bytes of float32 features ``[Hkv, N + 1, F]`` one CPU generation may hold (all layers): 32k tokens of the
+shipped model (8 layers, 2 KV heads, F = 16) take 32 MiB; 16k tokens of Llama-3.1-8B-shaped layers (32 x 8 heads,
+F = 128) would take 2 GiB. Layers past the cap map their attended keys every step, as before."""
 
 
 class TokenFeatures:
@@ -32,7 +33,7 @@ class TokenFeatures:
         self.m = m
         self.n_tokens = n_tokens
         # one spare row past the prefix: a step's packed rows that are not new are written there, so a fill
-        # needs no boolean indexing (a host sync and three copies per step)
+        # needs no boolean indexing (a host sync and a copy per index)
         self.w = torch.empty(hkv, n_tokens + 1, f, dtype=m.dtype, device=m.device)  # rows written before read
         self.have = torch.zeros(hkv, n_tokens + 1, dtype=torch.bool, device=m.device)
         self.heads = torch.arange(hkv, device=m.device).unsqueeze(-1)  # [Hkv, 1]: broadcasts over [T, Hkv, n]
@@ -45,7 +46,8 @@ class TokenFeatures:
     def weights(self, tokens: torch.Tensor, valid: torch.Tensor, keys: torch.Tensor,
                 log_phi_k: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """``w [T, Hkv, n, F]`` of tokens ``[T, Hkv, n]`` whose keys are ``keys [T, Hkv, n, D]``; 0 where not
-        ``valid [T, Hkv, n]`` (as ``exp(-inf)``). ``log_phi_k`` maps keys ``[T, Hkv, n', D]`` of new tokens."""
+        ``valid [T, Hkv, n]`` (as ``exp(-inf)``). ``log_phi_k`` maps keys ``[T, Hkv, n', D]``: the new tokens'
+        packed first, or all of them where most are new."""
         tokens = tokens.long().clamp(0, self.n_tokens - 1)  # ids past a row's count may be any value
         new = valid & ~self.have[self.heads, tokens]
         n_new = new.sum(-1, keepdim=True)  # [T, Hkv, 1]
