@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import pytest
@@ -58,15 +60,9 @@ def test_static_steps_give_the_packed_steps_tokens_and_reads(store: KVStore, end
     assert len(graphs) == 0  # the finished generations' steps are not kept
 
 
-@pytest.mark.parametrize("method,together", [("quest", True), ("quest+phi", True), ("topk", False)])
-def test_members_over_one_prefix_pick_pages_together_with_their_own_tokens(store: KVStore, endless_lm: LoadedModel,
-                                                                           method: str, together: bool) -> None:
-    """Generations of one prefix length (here one document) score and rank their pages in one launch per layer
-    when the method ranks by Quest's bounds (``PagesTogether``); the tokens and reads stay the packed step's.
-    Top-K ranks pages on its index: it picks alone."""
-    off, static = _worker(store, endless_lm, "off"), _worker(store, endless_lm, "eager")
-    pid = off.prefill(DOCS[0]).prefix_id
-    want = _run(off, [pid, pid], method, n_new=10)
+@contextlib.contextmanager
+def _groups_made() -> Iterator[list[set[int]]]:
+    """Inside the block: for each static step made, the members that pick their pages together in layer 0."""
     grouped: list[set[int]] = []
     real = StaticStep.__init__
 
@@ -76,6 +72,19 @@ def test_members_over_one_prefix_pick_pages_together_with_their_own_tokens(store
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(StaticStep, "__init__", spy)
+        yield grouped
+
+
+@pytest.mark.parametrize("method,together", [("quest", True), ("quest+phi", True), ("topk", False)])
+def test_members_over_one_prefix_pick_pages_together_with_their_own_tokens(store: KVStore, endless_lm: LoadedModel,
+                                                                           method: str, together: bool) -> None:
+    """Generations of one prefix length (here one document) score and rank their pages in one launch per layer
+    when the method ranks by Quest's bounds (``PagesTogether``); the tokens and reads stay the packed step's.
+    Top-K ranks pages on its index: it picks alone."""
+    off, static = _worker(store, endless_lm, "off"), _worker(store, endless_lm, "eager")
+    pid = off.prefill(DOCS[0]).prefix_id
+    want = _run(off, [pid, pid], method, n_new=10)
+    with _groups_made() as grouped:
         got = _run(static, [pid, pid], method, n_new=10)
     assert grouped, "no static step was made"
     assert any(g == {0, 1} for g in grouped) == together, grouped
@@ -284,15 +293,7 @@ def test_cuda_members_picking_pages_together_give_the_eager_steps_tokens_and_rea
     graphed = Worker(store, lm, progress=False, offload=tiers, engine=EngineConfig(whole_step="auto"))
     pid = off.prefill(DOCS[1]).prefix_id
     want = _run(off, [pid, pid], method, n_new=12)
-    grouped: list[set[int]] = []
-    real = StaticStep.__init__
-
-    def spy(self: StaticStep, *args: Any, **kwargs: Any) -> None:
-        real(self, *args, **kwargs)
-        grouped.append(self._batch.together.members(0))
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(StaticStep, "__init__", spy)
+    with _groups_made() as grouped:
         got = _run(graphed, [pid, pid], method, n_new=12)
     graphs = graphed.engine._graphs
     assert graphs is not None and not graphs.failed and graphs.replays >= 1
