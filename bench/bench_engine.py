@@ -31,7 +31,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -54,6 +54,7 @@ from store.kvstore import KVStore  # noqa: E402
 from workers.decode_batch import EngineConfig  # noqa: E402
 from workers.engine import GenerationStream, Worker  # noqa: E402
 from workers.model import LoadedModel  # noqa: E402
+from workers.model_ops import use_fused_ops, use_plain_ops  # noqa: E402
 from workers.offload import OffloadConfig  # noqa: E402
 from workers.requests import DecodeConfig, GenerationStats, SamplingParams  # noqa: E402
 
@@ -210,6 +211,8 @@ def main() -> None:
                                                  "per step by kernel (one more batch-1 generation under the profiler)")
     p.add_argument("--profile-batch", type=int, default=1, help="generations run together under the profiler")
     p.add_argument("--trace", type=Path, help="write the profiled steps' timeline here (Chrome trace JSON)")
+    p.add_argument("--fused-ops", choices=("off", "on", "both"), default="on",
+                   help="the model's RoPE and RMSNorm through the fused launchers (both: every row twice)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     if args.quick:
@@ -235,10 +238,17 @@ def run(args: argparse.Namespace, spec: TinyLlamaSpec, work: Path) -> None:
           f"{prefill_s:.1f} s each", flush=True)
     results = []
     wanted = {"dense", *args.rows.split(",")}
-    for row in rows(args.gpu_cache_mb << 20, args.host_cache_mb << 20):
+    ops_modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.fused_ops]
+    for fused, row in ((f, r) for f in ops_modes for r in rows(args.gpu_cache_mb << 20, args.host_cache_mb << 20)):
         if row.key not in wanted:
             continue
+        if fused:
+            use_fused_ops(lm.model)
+            row = replace(row, name=row.name + " + fused ops")
+        else:
+            use_plain_ops(lm.model)
         r = measure(store, lm, pids, row, args.budget, args.tokens)
+        r["fused_ops"] = fused
         results.append(r)
         print(f"  {row.name}: batch 1 {r['b1']['ms_per_token']:.2f} ms/token; batch {args.batch} "
               f"{r['bn']['tokens_per_s']:.1f} tokens/s; whole-step replays {r['b1']['whole_step_replays']}/"
@@ -248,13 +258,14 @@ def run(args: argparse.Namespace, spec: TinyLlamaSpec, work: Path) -> None:
         if args.json:  # after every row: a run stopped at its time limit keeps what it measured
             args.json.write_text(json.dumps({"ctx": args.ctx, "layers": spec.n_layers, "batch": args.batch,
                                              "budget": args.budget, "prefill_s": prefill_s, "rows": results}))
-    d1, dn = results[0]["b1"], results[0]["bn"]
     print(f"\nbudget {args.budget:.0%}; median step after each query's forward; {args.tokens} tokens per generation\n")
     print(f"| path | batch 1 ms/token | vs dense | batch {args.batch} ms/step | decode tokens/s | vs dense "
           "| tokens/s with opening | vs dense | read fraction | same tokens batched |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in results:
+    for r in results:  # each row's ratio is to the dense row with the same model ops
         b1, bn = r["b1"], r["bn"]
+        base = next(x for x in results if x["fused_ops"] == r["fused_ops"])
+        d1, dn = base["b1"], base["bn"]
         print(f"| {r['name']} | {b1['ms_per_token']:.2f} | {b1['ms_per_token'] / d1['ms_per_token']:.2f} "
               f"| {bn['ms_per_token']:.2f} | {bn['decode_tokens_per_s']:.1f} "
               f"| {bn['decode_tokens_per_s'] / dn['decode_tokens_per_s']:.2f} | {bn['tokens_per_s']:.1f} "

@@ -91,9 +91,11 @@ def test_a_model_routed_through_the_fused_ops_gives_its_own_outputs(tiny_model_d
     arithmetic; on CUDA RoPE is bit-equal and RMSNorm within its tolerance, so greedy tokens agree)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = "bfloat16" if device == "cuda" else "float32"
-    plain = load_model(str(tiny_model_dir), device=device, dtype=dtype, progress=False)  # transformers' ops
-    hf_rope = modeling_llama.apply_rotary_pos_emb
-    fused = load_model(str(tiny_model_dir), device=device, dtype=dtype, progress=False, fused_ops=True)
+    hf_rope = model_ops._HF_ROPE
+    modeling_llama.apply_rotary_pos_emb = hf_rope  # an earlier default load in this process routed it
+    plain = load_model(str(tiny_model_dir), device=device, dtype=dtype, progress=False, fused_ops=False)
+    assert modeling_llama.apply_rotary_pos_emb is hf_rope
+    fused = load_model(str(tiny_model_dir), device=device, dtype=dtype, progress=False)  # the default: fused
     try:
         assert modeling_llama.apply_rotary_pos_emb is not hf_rope
         norms = [m for m in fused.model.modules() if isinstance(m, modeling_llama.LlamaRMSNorm)]
@@ -107,5 +109,24 @@ def test_a_model_routed_through_the_fused_ops_gives_its_own_outputs(tiny_model_d
         else:
             assert (got - want).abs().max() <= 0.05 * want.abs().max()
             assert torch.equal(got.argmax(-1), want.argmax(-1))
+        model_ops.use_plain_ops(fused.model)  # and back: transformers' function and the class's forward again
+        assert modeling_llama.apply_rotary_pos_emb is hf_rope
+        assert not any("forward" in vars(m) for m in norms)
+        with torch.no_grad():
+            assert torch.equal(fused.model(input_ids=ids).logits.float(), want)
     finally:
         modeling_llama.apply_rotary_pos_emb = hf_rope
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernels launch on CUDA only; elsewhere "
+                    "transformers' ops run unchanged (the test above)")
+def test_training_through_a_fused_model_still_has_gradients(tiny_model_dir) -> None:  # noqa: ANN001
+    """With autograd recording the routed ops fall back to transformers' (the kernels have no backward)."""
+    lm = load_model(str(tiny_model_dir), device="cuda", dtype="bfloat16", progress=False)
+    try:
+        ids = torch.arange(5, 25, device="cuda")[None]
+        lm.model(input_ids=ids, labels=ids).loss.backward()
+        norm = next(m for m in lm.model.modules() if isinstance(m, modeling_llama.LlamaRMSNorm))
+        assert norm.weight.grad is not None and torch.isfinite(norm.weight.grad).all()
+    finally:
+        model_ops.use_plain_ops(lm.model)

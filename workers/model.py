@@ -61,10 +61,9 @@ def _head_dim(config) -> int:  # noqa: ANN001 - a transformers config
 
 
 def load_model(name_or_path: str, *, device: str = "cpu", dtype: str = "auto", page_size: int = 16,
-               progress: bool = True, fused_ops: bool = False) -> LoadedModel:
+               progress: bool = True, fused_ops: bool = True) -> LoadedModel:
     """Load a causal LM and its tokenizer through ``from_pretrained`` and describe its KV layout; ``fused_ops``
-    runs its RoPE and RMSNorm as one launch each on CUDA (``workers.model_ops``: off by default until its
-    kernels have run on a GPU; ``bench/bench_model_ops.py`` measures them)."""
+    runs its RoPE and RMSNorm as one launch each on CUDA outside autograd (``workers.model_ops``)."""
     register_attention()
     register_rat()  # RAT+ checkpoints (model_type "kvstash_rat") load from our own code, never remote code
     if not progress:
