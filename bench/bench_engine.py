@@ -11,6 +11,8 @@ steps):
   host tier (the prefix warmed when the generation opens), fetches planned on the device; each layer's
   select + fetch + attend replayed from a CUDA graph, and the same eager; ``one stream``: the whole-step
   graph with every generation's attention on the step's stream (``EngineConfig.member_streams=1``);
+  ``tokens to the host before the next launch``: each step's tokens read before the next step is launched
+  (``EngineConfig.step_ahead=False``, also for dense: ``dense-sync``);
 - ``quest, SSD cold``: the same with nothing warm: pages from the page files per step.
 
 Printed: per-generation ms per token (median step after the query's forward), decode tokens per
@@ -74,6 +76,8 @@ class EngineRow(Row):
     graphs of the prefix steps only)."""
     member_streams: int = EngineConfig().member_streams
     """``EngineConfig.member_streams``: side streams a whole step spreads its generations' attention over."""
+    step_ahead: bool = EngineConfig().step_ahead
+    """``EngineConfig.step_ahead``: a stable greedy batch's next step launched before its tokens reach the host."""
 
 
 def rows(gpu_cache_bytes: int, host_bytes: int) -> list[EngineRow]:
@@ -83,7 +87,11 @@ def rows(gpu_cache_bytes: int, host_bytes: int) -> list[EngineRow]:
     return [
         EngineRow("full, resident (dense, flash), whole-step CUDA graph", "full", None, key="dense"),
         EngineRow("full, resident (dense, flash), eager", "full", None, key="dense-eager", graphs=False),
+        EngineRow("full, resident (dense, flash), whole-step CUDA graph, tokens to the host before the next launch",
+                  "full", None, key="dense-sync", step_ahead=False),
         EngineRow("quest, host warm, device-planned, whole-step CUDA graph", "quest", warm, key="graphs"),
+        EngineRow("quest, host warm, device-planned, whole-step CUDA graph, tokens to the host before the next "
+                  "launch", "quest", warm, key="graphs-sync", step_ahead=False),
         EngineRow("quest, host warm, device-planned, whole-step CUDA graph, one stream", "quest", warm,
                   key="graphs-1stream", member_streams=1),
         EngineRow("quest, host warm, device-planned, per-layer graphs", "quest", warm, key="layer-graphs",
@@ -97,7 +105,7 @@ def rows(gpu_cache_bytes: int, host_bytes: int) -> list[EngineRow]:
 def row_worker(store: KVStore, lm: LoadedModel, row: EngineRow) -> Worker:
     """A fresh worker with the row's offload and engine configuration."""
     engine = EngineConfig(cuda_graphs=row.graphs, whole_step=row.whole_step,  # type: ignore[arg-type]
-                          member_streams=row.member_streams)
+                          member_streams=row.member_streams, step_ahead=row.step_ahead)
     return Worker(store, lm, progress=False, offload=row.offload, engine=engine)
 
 

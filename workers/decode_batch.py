@@ -34,6 +34,7 @@ from workers.own_kv import OwnKV
 from workers.ratplus import MEMORY_KWARG, has_decaying_memory
 from workers.requests import GenerationStats
 from workers.sampling import Sampler, sample_rows
+from workers.step_ahead import AheadStep, DeviceTokens
 from workers.step_batch import Segment, SegmentFailed, StepBatch
 from workers.step_graph import Candidate, StaticMember, StaticStep, StepGraphCache
 from workers.textstream import TextStream
@@ -69,6 +70,10 @@ class EngineConfig:
     device, not for a model with a decaying memory); ``eager`` runs the same static-input step uncaptured
     (tests it on the CPU); ``off`` never."""
 
+    step_ahead: bool = True
+    """Launch a stable captured batch's next step before this step's tokens reach the host, when every
+    generation of the step is in it and samples greedily (``workers.step_ahead``): the device then never
+    waits for the host between steps. Tokens and read counts are the same either way."""
     member_streams: int = 8
     """CUDA streams a whole step spreads its generations' attention over (1: all on the step's stream). Each
     generation's select + fetch + attend is a chain of small kernels; side by side they overlap."""
@@ -150,6 +155,12 @@ class DecodeEngine:
                         if (on_cuda or c.whole_step == "eager") and not self._memory else None)
         """Whole decode steps of stable batches (``workers.step_graph``); touched by the stepping thread, or
         under the lock while no step runs."""
+        self._ahead: AheadStep | None = None
+        """The next step, launched by the last one before its tokens reached the host (``workers.step_ahead``);
+        set and taken under the lock."""
+        self.ahead_steps = 0
+        """Steps launched ahead of the host (``ahead_dropped`` of them unused: a generation ended first)."""
+        self.ahead_dropped = 0
 
     def start(self, gen: Generation) -> None:
         """Join the next step."""
@@ -170,6 +181,8 @@ class DecodeEngine:
             gen.cancelled = gen.cancelled or not gen.done  # not runnable: no later step takes it
             while gen in self._in_step:  # not every running step: under load one follows another at once
                 self._idle.wait()
+            if self._ahead is not None and gen in self._ahead.gens:  # its buffers must outlive that step
+                self._drop_ahead()
             if gen in self._running:
                 self._running.remove(gen)
             if not self._stepping:  # else the step's end forgets it (only the stepper touches the graphs)
@@ -208,6 +221,23 @@ class DecodeEngine:
                     self._in_step = set()
                     self._prune_graphs()
                     self._wake_after_step(gen, batch)
+
+    def _drop_ahead(self) -> None:
+        """Forget the launched next step once the device has finished it (lock held)."""
+        if self._ahead is not None:
+            self._ahead.wait()
+            self._ahead = None
+            self.ahead_dropped += 1
+
+    def _keep_ahead(self) -> None:
+        """At a step's end (lock held): a launched next step whose generations all go on is theirs, timed from
+        now; one with a generation that ended is dropped (the next step runs the ordinary way)."""
+        if self._ahead is None:
+            return
+        if all(g.runnable for g in self._ahead.gens):
+            self._ahead.since = time.perf_counter()
+        else:
+            self._drop_ahead()
 
     def _prune_graphs(self) -> None:
         """Forget captured steps of generations that left (lock held, no step running)."""
@@ -274,25 +304,40 @@ class DecodeEngine:
                 # Taken once the turn is ours, not before waiting for it: a generation that opened meanwhile
                 # (opening takes a turn too) rides this step rather than waiting out one taken without it.
                 with self._lock:
-                    batch = self._take_batch()
+                    ahead, self._ahead = self._ahead, None
+                    if ahead is not None and not all(g.runnable for g in ahead.gens):
+                        self._ahead = ahead  # cancelled since: the ordinary way
+                        self._drop_ahead()
+                        ahead = None
+                    batch = list(ahead.gens) if ahead is not None else self._take_batch()
                     self._in_step = set(batch)
                 if not batch:
                     return batch
-                feeds = self._feeds(batch)
-                members = [g for g, _ in feeds]
-                groups, rest = self._static_groups(feeds)
                 logits: dict[Generation, torch.Tensor] = {}
-                if rest:  # first: a failing segment then leaves no captured step run (nothing to undo)
-                    logits.update(self._packed_step(rest))
-                for static, gens in groups:
-                    rows = static.run([g.pending[0] for g in gens], [g.position for g in gens],
-                                      [g.own.length for g in gens])
-                    logits.update(zip(gens, rows, strict=True))
-                    graphed.update(gens)
+                if ahead is not None:  # launched by the last step: already running
+                    t0 = ahead.since
+                    feeds = [(g, 1) for g in batch]
+                    groups: list[tuple[StaticStep, list[Generation]]] = [(ahead.step, batch)]
+                    rest: list[tuple[Generation, int]] = []
+                    ahead.step.account(ahead.reads, [True] * len(batch))
+                    logits.update(zip(batch, ahead.step.logits, strict=True))
+                    graphed.update(batch)
+                else:
+                    feeds = self._feeds(batch)
+                    groups, rest = self._static_groups(feeds)
+                    if rest:  # first: a failing segment then leaves no captured step run (nothing to undo)
+                        logits.update(self._packed_step(rest))
+                    for static, gens in groups:
+                        rows = static.run([g.pending[0] for g in gens], [g.position for g in gens],
+                                          [g.own.length for g in gens])
+                        logits.update(zip(gens, rows, strict=True))
+                        graphed.update(gens)
+                members = [g for g, _ in feeds]
                 sampled = [g for g, n in feeds if n == len(g.pending)]
-                tokens = sample_rows([g.sampler for g in sampled], [logits[g] for g in sampled])  # syncs: step done
+                tokens = self._sample(sampled, logits, groups, rest)  # syncs: this step done
         except SegmentFailed as e:  # one generation's method failed: fail it alone, the others retry
             with self._lock:
+                self._drop_ahead()
                 g = e.key
                 assert isinstance(g, Generation)
                 g.error = e.cause
@@ -301,6 +346,7 @@ class DecodeEngine:
             if not members:  # nothing was stepped (the turn itself failed): the stepper's caller sees it
                 raise
             with self._lock:
+                self._drop_ahead()
                 for g in members:
                     g.error = e
             return batch
@@ -321,7 +367,46 @@ class DecodeEngine:
             for g, token in zip(sampled, tokens, strict=True):
                 if g not in failed:
                     self._emit(g, token)
+            self._keep_ahead()
         return batch
+
+    def _sample(self, sampled: list[Generation], logits: dict[Generation, torch.Tensor],
+                groups: list[tuple[StaticStep, list[Generation]]], rest: list[tuple[Generation, int]]) -> list[int]:
+        """The sampled generations' tokens; first the next step, when it can go ahead of them."""
+        nxt = self._ahead_group(sampled, groups, rest)
+        if nxt is None:
+            return sample_rows([g.sampler for g in sampled], [logits[g] for g in sampled])
+        static, gens = nxt
+        picks = DeviceTokens(static.logits)  # before the next launch overwrites the logits
+        reads = static.run_next(picks.device)
+        assert self._graphs is not None
+        self._graphs.replays += 1
+        with self._lock:
+            self._ahead = AheadStep(static, gens, reads)
+            self.ahead_steps += 1
+        by_gen = dict(zip(gens, picks.tolist(), strict=True))
+        return [by_gen[g] for g in sampled]
+
+    def _ahead_group(self, sampled: list[Generation], groups: list[tuple[StaticStep, list[Generation]]],
+                     rest: list[tuple[Generation, int]]) -> tuple[StaticStep, list[Generation]] | None:
+        """The static group whose next step can be launched now (``workers.step_ahead``): the step's only one,
+        holding every runnable generation, each sampling greedily now and with a token to go after this one,
+        room in its buffer and its captured key unchanged."""
+        if not self.config.step_ahead or self._graphs is None or rest or len(groups) != 1:
+            return None
+        static, gens = groups[0]
+        if set(sampled) != set(gens):
+            return None
+        with self._lock:
+            if any(g.runnable != (g in gens) for g in self._running):
+                return None  # someone else waits its turn, or a member stopped
+        for g in gens:
+            if (g.sampler.params.temperature != 0 or g.stats.new_tokens + 2 > g.max_new or g.text.stopped
+                    or g.own.length + 2 > g.own.buffer_key[1]):
+                return None
+        keys = [(id(g), g.own.buffer_key, g.prefix.graph_key() if isinstance(g.prefix, GraphablePrefix) else None)
+                for g in gens]
+        return (static, gens) if self._graphs.holds(static, keys) else None
 
     def _packed_step(self, feeds: list[tuple[Generation, int]]) -> dict[Generation, torch.Tensor]:
         """The ordinary step: these feeds packed into one forward pass; the logits of each generation whose

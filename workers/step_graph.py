@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,14 +170,31 @@ class StaticStep:
         self._host[1] = torch.tensor(positions)
         self._host[2] = torch.tensor(lengths)
         self.inputs.copy_(self._host, non_blocking=True)
+        self.account(self.launch(), [True] * len(self.members))
+        return self.logits
+
+    def run_next(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """Launch the members' next step on the device: ``tokens`` ``[B]`` (on the device, e.g. this step's
+        greedy picks) at the next positions; returns its reads for ``account`` (nothing waits for the device)."""
+        self.inputs[0].copy_(tokens)
+        self.inputs[1:].add_(1)
+        return self.launch()
+
+    def launch(self) -> torch.Tensor | None:
+        """Run the step over ``inputs`` (a replay when captured); returns a copy of its reads (None: none
+        counted). The logits stay in ``logits`` until the next launch."""
         if self.graph is not None:
             self.graph.replay()
         else:
             self._forward()
-        reads = self.reads.clone() if self.reads is not None else None
-        for i, (m, counts) in enumerate(zip(self.members, self._counts, strict=True)):
-            m.prefix.account_step(reads[i] if counts and reads is not None else None)
-        return self.logits
+        return self.reads.clone() if self.reads is not None else None
+
+    def account(self, reads: torch.Tensor | None, members: list[bool]) -> None:
+        """Each listed member's ``account_step`` for a launched step (``reads`` from ``launch``); a member whose
+        step was discarded (its generation ended first) is left out."""
+        for i, (m, counts, on) in enumerate(zip(self.members, self._counts, members, strict=True)):
+            if on:
+                m.prefix.account_step(reads[i] if counts and reads is not None else None)
 
 
 MemberKey = tuple[int, object, object]
@@ -321,6 +339,10 @@ class StepGraphCache:
         if not replacing:
             self._groups.append(group)
         return group
+
+    def holds(self, step: StaticStep, keys: Sequence[MemberKey]) -> bool:
+        """Whether ``step`` is a kept group's, captured over members with exactly ``keys`` (in order)."""
+        return any(g.step is step and g.keys == tuple(keys) for g in self._groups)
 
     def __len__(self) -> int:
         return len(self._groups)

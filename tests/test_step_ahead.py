@@ -1,0 +1,101 @@
+"""Next steps launched before the host has this step's tokens (``workers.step_ahead``): same tokens and reads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from store.kvstore import KVStore
+from tests.streams import drain_together
+from workers.decode_batch import EngineConfig
+from workers.engine import Worker
+from workers.model import LoadedModel
+from workers.requests import DecodeConfig, GenerationStats, SamplingParams
+from workers.step_ahead import DeviceTokens
+
+DOCS = [
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike " * 9 + "The code is 4411.",
+    "november oscar papa quebec romeo sierra tango uniform victor whiskey " * 12 + "The code is 9071.",
+]
+QUERIES = [" What is the code?", " Tell me the code, please. The code is"]
+
+
+def _worker(store: KVStore, lm: LoadedModel, ahead: bool) -> Worker:
+    """A worker whose static steps run eagerly on the CPU (the captured step's code path, uncaptured)."""
+    return Worker(store, lm, progress=False, offload=None, engine=EngineConfig(whole_step="eager", step_ahead=ahead))
+
+
+def _run(worker: Worker, pids: list[str], params: list[SamplingParams], method: str = "quest",
+         close_after: int | None = None) -> list[GenerationStats]:
+    """The generations at once; with ``close_after``, the first is closed after that many pieces."""
+    stats = [GenerationStats() for _ in pids]
+    streams = [worker.generate(pid, q, p, method=method, decode=DecodeConfig(budget=0.3), stats=s)
+               for pid, q, p, s in zip(pids, QUERIES, params, stats, strict=True)]
+    if close_after is not None:
+        for _ in range(close_after):
+            for s in streams:
+                next(s)
+        streams[0].close()  # type: ignore[attr-defined]
+        streams = streams[1:]
+    drain_together(streams)
+    return stats
+
+
+def _same(want: list[GenerationStats], got: list[GenerationStats]) -> None:
+    for w, g in zip(want, got, strict=True):
+        assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason
+        assert g.bytes_fetched == w.bytes_fetched and g.prefix_tokens_per_step == w.prefix_tokens_per_step
+        assert g.steps == w.steps
+
+
+@pytest.mark.parametrize("method", ["quest", "full", "topk+phi"])
+def test_steps_launched_ahead_give_the_same_tokens_and_reads(store: KVStore, endless_lm: LoadedModel,
+                                                             method: str) -> None:
+    off, on = _worker(store, endless_lm, False), _worker(store, endless_lm, True)
+    pids = [off.prefill(d).prefix_id for d in DOCS]
+    params = [SamplingParams(max_new_tokens=9), SamplingParams(max_new_tokens=14)]  # one ends first
+    want = _run(off, pids, params, method)
+    got = _run(on, pids, params, method)
+    _same(want, got)
+    assert off.engine.ahead_steps == 0
+    # Both together from their first static step until the first ends at 9 tokens (no step is launched past a
+    # known length), then the second alone: most steps went ahead, and none had to be dropped.
+    assert on.engine.ahead_steps >= 8 and on.engine.ahead_dropped == 0
+
+
+def test_a_stop_string_drops_the_step_launched_past_it(store: KVStore, endless_lm: LoadedModel) -> None:
+    off, on = _worker(store, endless_lm, False), _worker(store, endless_lm, True)
+    pids = [off.prefill(d).prefix_id for d in DOCS]
+    free = _run(off, pids, [SamplingParams(max_new_tokens=12)] * 2)
+    text = endless_lm.tokenizer.decode(free[0].token_ids[:7])
+    stop = text[-3:] if text[-3:].strip() else text[-5:]
+    params = [SamplingParams(max_new_tokens=12, stop=(stop,)), SamplingParams(max_new_tokens=12)]
+    want = _run(off, pids, params)
+    got = _run(on, pids, params)
+    assert want[0].finish_reason == "stop" and len(want[0].token_ids) < 12  # it really stopped early
+    _same(want, got)
+    assert on.engine.ahead_dropped >= 1  # the step launched past the stop was not used
+
+
+def test_closing_a_generation_with_a_step_in_flight_leaves_the_others_exact(store: KVStore,
+                                                                           endless_lm: LoadedModel) -> None:
+    off, on = _worker(store, endless_lm, False), _worker(store, endless_lm, True)
+    pids = [off.prefill(d).prefix_id for d in DOCS]
+    params = [SamplingParams(max_new_tokens=20)] * 2
+    want = _run(off, pids, params, close_after=6)
+    got = _run(on, pids, params, close_after=6)
+    assert got[1].token_ids == want[1].token_ids and len(got[1].token_ids) == 20
+    assert got[1].bytes_fetched == want[1].bytes_fetched
+    assert on.engine.ahead_dropped >= 1 and on.engine.running() == 0
+
+
+def test_sampling_with_a_temperature_never_steps_ahead(store: KVStore, endless_lm: LoadedModel) -> None:
+    on = _worker(store, endless_lm, True)
+    pids = [on.prefill(d).prefix_id for d in DOCS]
+    _run(on, pids, [SamplingParams(max_new_tokens=8, temperature=0.7, seed=1), SamplingParams(max_new_tokens=8)])
+    assert on.engine.ahead_steps == 0  # one member's token comes from the host's sampler
+
+
+def test_device_tokens_are_the_rows_first_maxima() -> None:
+    logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, -1.0, 5.0, 2.0]])
+    assert DeviceTokens(logits).tolist() == [1, 0]

@@ -1,0 +1,84 @@
+"""A stable group's next decode step launched before this step's tokens reach the host.
+
+A decode step ends with a round trip: the device finishes, the host reads the sampled tokens, emits them,
+prepares the next step and launches it (for a whole-step CUDA graph of a batch, a launch of ~1,000 nodes).
+Meanwhile the device idles. When one captured group is the whole step and every member samples greedily, the
+next step needs nothing from the host: its tokens are this step's argmax, already on the device, and its
+positions are one further. The engine then launches it first and reads this step's tokens while it runs
+(``DecodeEngine`` with ``EngineConfig.step_ahead``).
+
+The next step is a guess that every member goes on. A member whose generation ends at this step (end of
+sequence, a stop string, cancelled) leaves the next step's result unused: it wrote one own-KV row past its
+end, which nothing reads, and touched its page caches. When any member ends, the whole next step is dropped
+once the device has finished it and the following step runs the ordinary way, so what each generation
+sees, its tokens and its read counts, is what it would be without stepping ahead.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from workers.step_graph import StaticStep
+
+
+class DeviceTokens:
+    """Greedy picks of a step's logits, made on the device and copied to the host beside later work."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.device = logits.argmax(-1)  # the first maximum of each row, as sample_rows picks
+        self._host: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
+        if self.device.is_cuda:
+            # On a side stream that waits only for the argmax: the copy must not queue behind the next step
+            # launched on the step's stream after it.
+            made = torch.cuda.Event()
+            made.record()
+            side = _copy_stream(self.device.device)
+            side.wait_event(made)
+            self._host = torch.empty(self.device.shape, dtype=self.device.dtype, pin_memory=True)
+            with torch.cuda.stream(side):
+                self._host.copy_(self.device, non_blocking=True)
+                self._copied = torch.cuda.Event()
+                self._copied.record()
+
+    def tolist(self) -> list[int]:
+        """The token ids (waits for this step only)."""
+        if self._copied is None:
+            return self.device.tolist()
+        self._copied.synchronize()
+        assert self._host is not None
+        return self._host.tolist()
+
+
+_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return _COPY_STREAMS[device]
+
+
+@dataclass(eq=False)
+class AheadStep:
+    """A launched next step of a static group: whose, its reads, and when the step before it ended."""
+
+    step: StaticStep
+    gens: list  # the engine's Generations, in the step's member order
+    reads: torch.Tensor | None
+    since: float = field(default_factory=time.perf_counter)
+    """When the step before it handed out its tokens (its own step time counts from there)."""
+    _done: torch.cuda.Event | None = None
+
+    def __post_init__(self) -> None:
+        if self.step.device.type == "cuda":
+            self._done = torch.cuda.Event()
+            self._done.record()
+
+    def wait(self) -> None:
+        """Until the device has finished the step (before anything it uses may be freed)."""
+        if self._done is not None:
+            self._done.synchronize()
