@@ -95,7 +95,10 @@ def test_a_model_routed_through_the_fused_ops_gives_its_own_outputs(tiny_model_d
     modeling_llama.apply_rotary_pos_emb = hf_rope  # an earlier default load in this process routed it
     plain = load_model(str(tiny_model_dir), device=device, dtype=dtype, progress=False, fused_ops=False)
     assert modeling_llama.apply_rotary_pos_emb is hf_rope
-    fused = load_model(str(tiny_model_dir), device=device, dtype=dtype, progress=False)  # the default: fused
+    fused = load_model(str(tiny_model_dir), device=device, dtype=dtype, progress=False)  # the default: fused on CUDA
+    if device == "cpu":  # not routed by default there (the routers would only add a call); route it by hand
+        assert modeling_llama.apply_rotary_pos_emb is hf_rope
+        model_ops.use_fused_ops(fused.model)
     try:
         assert modeling_llama.apply_rotary_pos_emb is not hf_rope
         norms = [m for m in fused.model.modules() if isinstance(m, modeling_llama.LlamaRMSNorm)]

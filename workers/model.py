@@ -63,7 +63,7 @@ def _head_dim(config) -> int:  # noqa: ANN001 - a transformers config
 def load_model(name_or_path: str, *, device: str = "cpu", dtype: str = "auto", page_size: int = 16,
                progress: bool = True, fused_ops: bool = True) -> LoadedModel:
     """Load a causal LM and its tokenizer through ``from_pretrained`` and describe its KV layout; ``fused_ops``
-    runs its RoPE and RMSNorm as one launch each on CUDA outside autograd (``workers.model_ops``)."""
+    runs a CUDA model's RoPE and RMSNorm as one launch each outside autograd (``workers.model_ops``)."""
     register_attention()
     register_rat()  # RAT+ checkpoints (model_type "kvstash_rat") load from our own code, never remote code
     if not progress:
@@ -76,7 +76,7 @@ def load_model(name_or_path: str, *, device: str = "cpu", dtype: str = "auto", p
     model.to(device).eval()  # type: ignore[arg-type]
     # The hook does plain causal SDPA when no prefix is attached, so one setting serves prefill and decode.
     model.set_attn_implementation(KVSTASH_ATTENTION)
-    if fused_ops:
+    if fused_ops and model.device.type == "cuda":  # elsewhere the routers would only add a call per op
         use_fused_ops(model)
     cfg = model.config
     layout = KVLayout(
