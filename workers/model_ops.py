@@ -7,10 +7,10 @@ RMSNorm modules and transformers' Llama RoPE function through ``workers.kernels.
 ``workers.kernels.rope``, which launch once on CUDA for bf16/fp16 and keep transformers' own arithmetic
 everywhere else (RoPE bit for bit on the GPU as well).
 
-On by default for CUDA models (``load_model(fused_ops=True)``). On the H200 (``bench/bench_model_ops.py``, 8
-Llama-3.1-8B-shaped layers, one CUDA graph per step) a step took 0.63x transformers' time at 8 tokens and 0.69x at 1, with logits equal
-bit for bit; ``tests/test_kernel_rope_rms_norm.py`` checks both kernels there and in the CPU interpreter. With
-autograd recording (training) they step aside: the kernels have no backward.
+On by default for CUDA models (``load_model(fused_ops=True)``). On the H200 (``bench/bench_model_ops.py``,
+8 Llama-3.1-8B-shaped layers, one CUDA graph per step) a step took 0.63x transformers' time at 8 tokens and
+0.69x at 1, with logits equal bit for bit; ``tests/test_kernel_rope_rms_norm.py`` checks both kernels there and
+in the CPU interpreter. With autograd recording (training) they step aside: the kernels have no backward.
 """
 
 from __future__ import annotations
