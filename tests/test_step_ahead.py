@@ -11,6 +11,7 @@ from workers.decode_batch import EngineConfig
 from workers.engine import Worker
 from workers.model import LoadedModel
 from workers.requests import DecodeConfig, GenerationStats, SamplingParams
+from workers.sampling import Sampler
 from workers.step_ahead import DeviceTokens
 
 DOCS = [
@@ -89,13 +90,38 @@ def test_closing_a_generation_with_a_step_in_flight_leaves_the_others_exact(stor
     assert on.engine.ahead_dropped >= 1 and on.engine.running() == 0
 
 
-def test_sampling_with_a_temperature_never_steps_ahead(store: KVStore, endless_lm: LoadedModel) -> None:
-    on = _worker(store, endless_lm, True)
-    pids = [on.prefill(d).prefix_id for d in DOCS]
-    _run(on, pids, [SamplingParams(max_new_tokens=8, temperature=0.7, seed=1), SamplingParams(max_new_tokens=8)])
-    assert on.engine.ahead_steps == 0  # one member's token comes from the host's sampler
+def test_seeded_sampling_steps_ahead_with_the_same_tokens(store: KVStore, endless_lm: LoadedModel) -> None:
+    off, on = _worker(store, endless_lm, False), _worker(store, endless_lm, True)
+    pids = [off.prefill(d).prefix_id for d in DOCS]
+    params = [SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.8, seed=3),
+              SamplingParams(max_new_tokens=12, temperature=1.3, seed=11)]
+    want = _run(off, pids, params)
+    got = _run(on, pids, params)
+    _same(want, got)
+    assert on.engine.ahead_steps >= 8  # picked on the device, each generator advanced once per token
 
 
 def test_device_tokens_are_the_rows_first_maxima() -> None:
     logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, -1.0, 5.0, 2.0]])
     assert DeviceTokens(logits).tolist() == [1, 0]
+
+
+def _nucleus_by_index(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
+    """Nucleus sampling written with a boolean index (what ``Sampler`` did before it stayed on the device)."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    sorted_p, order = torch.sort(probs, descending=True)
+    keep = torch.cumsum(sorted_p, 0) - sorted_p < top_p
+    keep[0] = True
+    probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9, 0.3, 1e-30])
+def test_device_picks_are_the_host_samplers_tokens(top_p: float) -> None:
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 4
+    samplers = [Sampler(SamplingParams(temperature=0.8, top_p=top_p, seed=s), torch.device("cpu")) for s in (1, 2)]
+    gens = [torch.Generator().manual_seed(s) for s in (1, 2)]
+    for _ in range(20):  # each generator advanced once per pick, on both sides
+        got = DeviceTokens(logits, [*samplers, Sampler(SamplingParams(), torch.device("cpu"))]).tolist()
+        want = [_nucleus_by_index(logits[i], 0.8, top_p, g) for i, g in enumerate(gens)]
+        assert got == [*want, int(logits[2].argmax())]

@@ -72,8 +72,8 @@ class EngineConfig:
 
     step_ahead: bool = True
     """Launch a stable captured batch's next step before this step's tokens reach the host, when every
-    generation of the step is in it and samples greedily (``workers.step_ahead``): the device then never
-    waits for the host between steps. Tokens and read counts are the same either way."""
+    generation of the step is in it (``workers.step_ahead``): the device then never waits for the host between
+    steps. Tokens (greedy or seeded sampling) and read counts are the same either way."""
     member_streams: int = 8
     """CUDA streams a whole step spreads its generations' attention over (1: all on the step's stream). Each
     generation's select + fetch + attend is a chain of small kernels; side by side they overlap."""
@@ -377,7 +377,7 @@ class DecodeEngine:
         if nxt is None:
             return sample_rows([g.sampler for g in sampled], [logits[g] for g in sampled])
         static, gens = nxt
-        picks = DeviceTokens(static.logits)  # before the next launch overwrites the logits
+        picks = DeviceTokens(static.logits, [g.sampler for g in gens])  # before the next launch overwrites them
         reads = static.run_next(picks.device)
         assert self._graphs is not None
         self._graphs.replays += 1
@@ -390,8 +390,8 @@ class DecodeEngine:
     def _ahead_group(self, sampled: list[Generation], groups: list[tuple[StaticStep, list[Generation]]],
                      rest: list[tuple[Generation, int]]) -> tuple[StaticStep, list[Generation]] | None:
         """The static group whose next step can be launched now (``workers.step_ahead``): the step's only one,
-        holding every runnable generation, each sampling greedily now and with a token to go after this one,
-        room in its buffer and its captured key unchanged."""
+        holding every runnable generation, each sampling now and with a token to go after this one, room in its
+        buffer and its captured key unchanged."""
         if not self.config.step_ahead or self._graphs is None or rest or len(groups) != 1:
             return None
         static, gens = groups[0]
@@ -401,8 +401,7 @@ class DecodeEngine:
             if any(g.runnable != (g in gens) for g in self._running):
                 return None  # someone else waits its turn, or a member stopped
         for g in gens:
-            if (g.sampler.params.temperature != 0 or g.stats.new_tokens + 2 > g.max_new or g.text.stopped
-                    or g.own.length + 2 > g.own.buffer_key[1]):
+            if g.stats.new_tokens + 2 > g.max_new or g.text.stopped or g.own.length + 2 > g.own.buffer_key[1]:
                 return None
         keys = [(id(g), g.own.buffer_key, g.prefix.graph_key() if isinstance(g.prefix, GraphablePrefix) else None)
                 for g in gens]

@@ -20,16 +20,22 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> int:
         """One token id from logits ``[vocab]``."""
+        return int(self.pick(logits))
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """One token id from logits ``[vocab]``, as a 0-dim long tensor on their device (nothing waits for the
+        device: a step launched ahead feeds it on)."""
         p = self.params
         if p.temperature == 0:
-            return int(torch.argmax(logits))
+            return torch.argmax(logits)
         probs = torch.softmax(logits.float() / p.temperature, dim=-1)
         if p.top_p < 1:
             sorted_p, order = torch.sort(probs, descending=True)
             keep = torch.cumsum(sorted_p, 0) - sorted_p < p.top_p
             keep[0] = True  # the top token always stays, also when top_p is under float32's smallest value
-            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
-        return int(torch.multinomial(probs, 1, generator=self.gen))
+            # the dropped tokens' probabilities become exactly 0 (a mask, not an index: no host sync)
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_p * keep)
+        return torch.multinomial(probs, 1, generator=self.gen)[0]
 
 
 def sample_rows(samplers: list[Sampler], rows: list[torch.Tensor]) -> list[int]:

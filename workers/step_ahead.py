@@ -2,10 +2,10 @@
 
 A decode step ends with a round trip: the device finishes, the host reads the sampled tokens, emits them,
 prepares the next step and launches it (for a whole-step CUDA graph of a batch, a launch of ~1,000 nodes).
-Meanwhile the device idles. When one captured group is the whole step and every member samples greedily, the
-next step needs nothing from the host: its tokens are this step's argmax, already on the device, and its
-positions are one further. The engine then launches it first and reads this step's tokens while it runs
-(``DecodeEngine`` with ``EngineConfig.step_ahead``).
+Meanwhile the device idles. When one captured group is the whole step, the next step needs nothing from the
+host: its tokens are this step's picks (the argmax, or the generation's seeded sampler run on the device), already
+on the device, and its positions are one further. The engine then launches it first and reads this step's tokens
+while it runs (``DecodeEngine`` with ``EngineConfig.step_ahead``).
 
 The next step is a guess that every member goes on. A member whose generation ends at this step (end of
 sequence, a stop string, cancelled) leaves the next step's result unused: it wrote one own-KV row past its
@@ -21,14 +21,20 @@ from dataclasses import dataclass, field
 
 import torch
 
+from workers.sampling import Sampler
 from workers.step_graph import StaticStep
 
 
 class DeviceTokens:
-    """Greedy picks of a step's logits, made on the device and copied to the host beside later work."""
+    """A step's picks from its logits, made on the device and copied to the host beside later work."""
 
-    def __init__(self, logits: torch.Tensor) -> None:
-        self.device = logits.argmax(-1)  # the first maximum of each row, as sample_rows picks
+    def __init__(self, logits: torch.Tensor, samplers: list[Sampler] | None = None) -> None:
+        """Row ``i``'s token by ``samplers[i]`` (greedy rows: the first maximum, as ``sample_rows`` picks; all
+        greedy without samplers)."""
+        self.device = logits.argmax(-1)
+        for i, s in enumerate(samplers or []):
+            if s.params.temperature != 0:  # its generator advances once per token, as on the host path
+                self.device[i] = s.pick(logits[i])
         self._host: torch.Tensor | None = None
         self._copied: torch.cuda.Event | None = None
         if self.device.is_cuda:
