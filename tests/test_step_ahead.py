@@ -107,13 +107,15 @@ def test_device_tokens_are_the_rows_first_maxima() -> None:
 
 
 def _nucleus_by_index(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
-    """Nucleus sampling written with a boolean index (what ``Sampler`` did before it stayed on the device)."""
+    """The nucleus written with a boolean index (what ``Sampler`` did before it stayed on the device), then the
+    same exponential race."""
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     sorted_p, order = torch.sort(probs, descending=True)
     keep = torch.cumsum(sorted_p, 0) - sorted_p < top_p
     keep[0] = True
     probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
-    return int(torch.multinomial(probs, 1, generator=gen))
+    race = torch.empty_like(probs).exponential_(1.0, generator=gen)
+    return int(torch.where(probs > 0, probs / race, -1.0).argmax())
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.9, 0.3, 1e-30])
@@ -125,3 +127,20 @@ def test_device_picks_are_the_host_samplers_tokens(top_p: float) -> None:
         got = DeviceTokens(logits, [*samplers, Sampler(SamplingParams(), torch.device("cpu"))]).tolist()
         want = [_nucleus_by_index(logits[i], 0.8, top_p, g) for i, g in enumerate(gens)]
         assert got == [*want, int(logits[2].argmax())]
+
+
+def test_the_device_sampler_draws_from_the_nucleus_distribution() -> None:
+    """Frequencies of 20,000 draws match the nucleus probabilities (each within 5 standard errors), and a token
+    outside the nucleus is never drawn."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    temperature, top_p, n = 0.7, 0.9, 20_000
+    probs = torch.softmax(logits / temperature, dim=-1).double()
+    keep = torch.cumsum(probs, 0) - probs < top_p  # logits are sorted: the nucleus is a prefix
+    want = torch.where(keep, probs, 0.0)
+    want = want / want.sum()
+    sampler = Sampler(SamplingParams(temperature=temperature, top_p=top_p, seed=0), torch.device("cpu"))
+    counts = torch.bincount(torch.stack([sampler.pick(logits) for _ in range(n)]), minlength=len(logits)).double()
+    got = counts / n
+    se = (want * (1 - want) / n).sqrt()
+    assert bool(((got - want).abs() <= 5 * se + 1e-12).all()), (got, want)
+    assert counts[~keep].sum() == 0 and keep.sum() < len(logits)  # the nucleus really dropped tokens

@@ -35,7 +35,11 @@ class Sampler:
             keep[0] = True  # the top token always stays, also when top_p is under float32's smallest value
             # the dropped tokens' probabilities become exactly 0 (a mask, not an index: no host sync)
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_p * keep)
-        return torch.multinomial(probs, 1, generator=self.gen)[0]
+        # An exponential race: argmax p_i / E_i with E_i ~ Exp(1) picks i with probability p_i, without the host
+        # sync of torch.multinomial's input check. Tokens outside the nucleus (p_i = 0) can never win, also not
+        # where E_i comes out 0.
+        race = torch.empty_like(probs).exponential_(1.0, generator=self.gen)
+        return torch.argmax(torch.where(probs > 0, probs / race, -1.0))
 
 
 def sample_rows(samplers: list[Sampler], rows: list[torch.Tensor]) -> list[int]:
