@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
+from store.errors import Cancelled
 from store.kvstore import KVStore
 from tests.streams import drain_together
 from workers.decode_batch import EngineConfig
@@ -144,3 +147,56 @@ def test_the_device_sampler_draws_from_the_nucleus_distribution() -> None:
     se = (want * (1 - want) / n).sqrt()
     assert bool(((got - want).abs() <= 5 * se + 1e-12).all()), (got, want)
     assert counts[~keep].sum() == 0 and keep.sum() < len(logits)  # the nucleus really dropped tokens
+
+
+def test_threads_pulling_closing_and_cancelling_get_the_tokens_of_each_generation_alone(
+        store: KVStore, endless_lm: LoadedModel) -> None:
+    """Six generations on six threads (two stop early by stop strings, one is cancelled from another thread, one
+    closed by its consumer) while steps go ahead: every token a consumer got is the token that generation gets
+    alone without stepping ahead, and the engine ends empty."""
+    off, on = _worker(store, endless_lm, False), _worker(store, endless_lm, True)
+    pids = [off.prefill(d).prefix_id for d in DOCS]
+    probe = _run(off, pids, [SamplingParams(max_new_tokens=10)] * 2)
+    stop = endless_lm.tokenizer.decode(probe[1].token_ids[:6])[-4:]
+    jobs = [(0, SamplingParams(max_new_tokens=18)), (1, SamplingParams(max_new_tokens=14, stop=(stop,))),
+            (0, SamplingParams(max_new_tokens=16, temperature=0.8, seed=5)), (1, SamplingParams(max_new_tokens=30)),
+            (0, SamplingParams(max_new_tokens=30)), (1, SamplingParams(max_new_tokens=12, stop=(stop,)))]
+    cancelled, closed = 3, 4
+
+    def alone(i: int) -> list[int]:
+        st = GenerationStats()
+        pid, params = jobs[i]
+        "".join(off.generate(pids[pid], QUERIES[pid], params, method="quest", decode=DecodeConfig(budget=0.3),
+                             stats=st))
+        return st.token_ids
+
+    want = [alone(i) for i in range(len(jobs))]
+    stats = [GenerationStats() for _ in jobs]
+    streams = [on.generate(pids[pid], QUERIES[pid], params, method="quest", decode=DecodeConfig(budget=0.3), stats=s)
+               for (pid, params), s in zip(jobs, stats, strict=True)]
+    errors: list[BaseException] = []
+
+    def consume(i: int) -> None:
+        try:
+            for n, _ in enumerate(streams[i]):
+                if i == closed and n == 5:
+                    streams[i].close()  # type: ignore[attr-defined]
+                    return
+                if i == cancelled and n == 4:
+                    threading.Thread(target=streams[i].cancel).start()  # type: ignore[attr-defined]
+        except Cancelled:
+            pass
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors and not any(t.is_alive() for t in threads)
+    for i, (w, g) in enumerate(zip(want, stats, strict=True)):
+        assert g.token_ids == w[: len(g.token_ids)], i  # what it got is what it gets alone
+        if i not in (cancelled, closed):
+            assert g.token_ids == w and g.finish_reason in ("length", "stop"), i
+    assert stats[1].finish_reason == "stop" and on.engine.ahead_steps > 0 and on.engine.running() == 0
