@@ -339,7 +339,9 @@ class GenerationStats:
     finish_reason: str = ""
     token_ids: list[int] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
-    """Wall time of each decode step (forward + sampling; the sampled token syncs the device)."""
+    """Wall time of each decode step (forward + sampling; the sampled token syncs the device). A step launched
+    ahead of the host (``workers.step_ahead``) counts from the previous step's tokens to its own: the time
+    between tokens, not its launch-to-sync time, part of which overlapped the step before."""
     prefix_tokens_per_step: list[int] = field(default_factory=list)
     """Exact prefix tokens each step attended, summed over layers and KV heads (all of them for "full")."""
     extra: dict[str, float] = field(default_factory=dict)
