@@ -90,7 +90,7 @@ def test_kill_9_mid_stream_gives_an_error_event_and_a_restart_serves_within_2_s(
 def test_sigterm_drains_in_flight_streams_and_exits_0(topo: Topology) -> None:
     pid = _prefill(topo)
     with httpx.stream("POST", f"{topo.gateway_url}/v1/prefixes/{pid}/generate", headers=H, timeout=60,
-                      json={"query": "q", "max_new_tokens": 300, "stream": True}) as s:
+                      json={"query": "q", "max_new_tokens": 120, "stream": True}) as s:
         lines = s.iter_lines()
         assert next(lines).startswith("data: ")
         topo.procs["worker"].send_signal(signal.SIGTERM)
