@@ -77,7 +77,7 @@ class EngineRow(Row):
     member_streams: int = EngineConfig().member_streams
     """``EngineConfig.member_streams``: side streams a whole step spreads its generations' attention over."""
     step_ahead: bool = EngineConfig().step_ahead
-    """``EngineConfig.step_ahead``: a stable greedy batch's next step launched before its tokens reach the host."""
+    """``EngineConfig.step_ahead``: a stable batch's next step launched before its tokens reach the host."""
 
 
 def rows(gpu_cache_bytes: int, host_bytes: int) -> list[EngineRow]:

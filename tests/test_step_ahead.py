@@ -106,7 +106,8 @@ def test_seeded_sampling_steps_ahead_with_the_same_tokens(store: KVStore, endles
 
 def test_device_tokens_are_the_rows_first_maxima() -> None:
     logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, -1.0, 5.0, 2.0]])
-    assert DeviceTokens(logits).tolist() == [1, 0]
+    greedy = [Sampler(SamplingParams(), torch.device("cpu"))] * 2
+    assert DeviceTokens(logits, greedy).tolist() == [1, 0]
 
 
 def _nucleus_by_index(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:

@@ -304,11 +304,9 @@ class DecodeEngine:
                 # Taken once the turn is ours, not before waiting for it: a generation that opened meanwhile
                 # (opening takes a turn too) rides this step rather than waiting out one taken without it.
                 with self._lock:
+                    if self._ahead is not None and not all(g.runnable for g in self._ahead.gens):
+                        self._drop_ahead()  # cancelled since: the ordinary way
                     ahead, self._ahead = self._ahead, None
-                    if ahead is not None and not all(g.runnable for g in ahead.gens):
-                        self._ahead = ahead  # cancelled since: the ordinary way
-                        self._drop_ahead()
-                        ahead = None
                     batch = list(ahead.gens) if ahead is not None else self._take_batch()
                     self._in_step = set(batch)
                 if not batch:
@@ -319,7 +317,7 @@ class DecodeEngine:
                     feeds = [(g, 1) for g in batch]
                     groups: list[tuple[StaticStep, list[Generation]]] = [(ahead.step, batch)]
                     rest: list[tuple[Generation, int]] = []
-                    ahead.step.account(ahead.reads, [True] * len(batch))
+                    ahead.step.account(ahead.reads)
                     logits.update(zip(batch, ahead.step.logits, strict=True))
                     graphed.update(batch)
                 else:

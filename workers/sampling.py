@@ -42,14 +42,17 @@ class Sampler:
         return torch.argmax(torch.where(probs > 0, probs / race, -1.0))
 
 
-def sample_rows(samplers: list[Sampler], rows: list[torch.Tensor]) -> list[int]:
-    """One token id per (sampler, logits row ``[vocab]``); the greedy rows in one argmax and one sync."""
-    out = [0] * len(samplers)
-    greedy = [i for i, s in enumerate(samplers) if s.params.temperature == 0]
-    if greedy:  # argmax picks the first maximum of each row, as one row's argmax does
-        for i, t in zip(greedy, torch.stack([rows[i] for i in greedy]).argmax(-1).tolist(), strict=True):
-            out[i] = t
+def pick_rows(samplers: list[Sampler], logits: torch.Tensor) -> torch.Tensor:
+    """Row ``i``'s token id by ``samplers[i]`` from logits ``[B, vocab]``, as a ``[B]`` long tensor on their device
+    (nothing waits for it): the greedy rows in one argmax (each row's first maximum, as one row's argmax picks),
+    each sampling row by its own generator, advanced once."""
+    picks = logits.argmax(-1)
     for i, s in enumerate(samplers):
         if s.params.temperature != 0:
-            out[i] = s(rows[i])
-    return out
+            picks[i] = s.pick(logits[i])
+    return picks
+
+
+def sample_rows(samplers: list[Sampler], rows: list[torch.Tensor]) -> list[int]:
+    """One token id per (sampler, logits row ``[vocab]``), with one sync."""
+    return pick_rows(samplers, torch.stack(rows)).tolist() if rows else []

@@ -21,24 +21,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workers.sampling import Sampler
+from workers.sampling import Sampler, pick_rows
 from workers.step_graph import StaticStep
 
 
 class DeviceTokens:
     """A step's picks from its logits, made on the device and copied to the host beside later work."""
 
-    def __init__(self, logits: torch.Tensor, samplers: list[Sampler] | None = None) -> None:
-        """Row ``i``'s token by ``samplers[i]`` (greedy rows: the first maximum, as ``sample_rows`` picks; all
-        greedy without samplers)."""
-        self.device = logits.argmax(-1)
-        for i, s in enumerate(samplers or []):
-            if s.params.temperature != 0:  # its generator advances once per token, as on the host path
-                self.device[i] = s.pick(logits[i])
+    def __init__(self, logits: torch.Tensor, samplers: list[Sampler]) -> None:
+        """Row ``i``'s token by ``samplers[i]`` (``sampling.pick_rows``: what ``sample_rows`` picks)."""
+        self.device = pick_rows(samplers, logits)
         self._host: torch.Tensor | None = None
         self._copied: torch.cuda.Event | None = None
         if self.device.is_cuda:
-            # On a side stream that waits only for the argmax: the copy must not queue behind the next step
+            # On a side stream that waits only for the picks: the copy must not queue behind the next step
             # launched on the step's stream after it.
             made = torch.cuda.Event()
             made.record()

@@ -170,7 +170,7 @@ class StaticStep:
         self._host[1] = torch.tensor(positions)
         self._host[2] = torch.tensor(lengths)
         self.inputs.copy_(self._host, non_blocking=True)
-        self.account(self.launch(), [True] * len(self.members))
+        self.account(self.launch())
         return self.logits
 
     def run_next(self, tokens: torch.Tensor) -> torch.Tensor | None:
@@ -189,12 +189,10 @@ class StaticStep:
             self._forward()
         return self.reads.clone() if self.reads is not None else None
 
-    def account(self, reads: torch.Tensor | None, members: list[bool]) -> None:
-        """Each listed member's ``account_step`` for a launched step (``reads`` from ``launch``); a member whose
-        step was discarded (its generation ended first) is left out."""
-        for i, (m, counts, on) in enumerate(zip(self.members, self._counts, members, strict=True)):
-            if on:
-                m.prefix.account_step(reads[i] if counts and reads is not None else None)
+    def account(self, reads: torch.Tensor | None) -> None:
+        """Each member's ``account_step`` for a launched step whose result is used (``reads`` from ``launch``)."""
+        for i, (m, counts) in enumerate(zip(self.members, self._counts, strict=True)):
+            m.prefix.account_step(reads[i] if counts and reads is not None else None)
 
 
 MemberKey = tuple[int, object, object]
