@@ -75,26 +75,42 @@ def trial(worker: Worker, pid: str, path: EngineRow, n: int, budget: float, toke
 
 def measure(store: KVStore, lm: LoadedModel, pid: str, path: EngineRow, args: argparse.Namespace, cuda: bool
             ) -> dict:
-    """Doubling N until a trial fails or ``--max-n`` on one worker (its host tier warmed once): every trial, and
-    the largest N that finished."""
-    worker = Worker(store, lm, progress=False, offload=path.offload, engine=EngineConfig(max_batch=args.max_n))
+    """N doubled from ``--start-n`` until a trial fails or passes ``--max-n``; then, with ``--refine``, bisected
+    between the largest N that finished and the smallest that failed until they are at most ``--refine`` apart.
+    One worker (its host tier warmed once) until a trial fails; a fresh one for each trial after that, so what a
+    failed trial left behind cannot fail the next. Every trial, and the largest N that finished."""
+    def fresh() -> Worker:
+        return Worker(store, lm, progress=False, offload=path.offload, engine=EngineConfig(max_batch=args.max_n))
+
+    worker = fresh()
     trials: list[dict] = []
-    n = 1
+    lo, hi, n = 0, None, args.start_n
     while n <= args.max_n:
         t = trial(worker, pid, path, n, args.budget, args.tokens, cuda)
         trials.append(t)
         shown = f"{t['peak_bytes'] / 2**30:.1f} GiB peak" + (f", {t['ms_per_step']:.1f} ms/step" if t["ok"] else "")
         print(f"  {path.name}: N={n} {'ok' if t['ok'] else 'FAILED ' + t.get('error', '')} ({shown})", flush=True)
-        if not t["ok"]:
+        if t["ok"]:
+            lo = n
+        else:
+            hi = n
+        if hi is None:
+            n *= 2
+            continue
+        if not args.refine or hi - lo <= args.refine:
             break
-        n *= 2
+        n = (lo + hi) // 2
+        del worker
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        worker = fresh()
     del worker
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-    done = [t["n"] for t in trials if t["ok"]]
-    return {"name": path.name, "method": path.method, "trials": trials, "capacity": max(done, default=0),
-            "limit_reached": not trials[-1]["ok"]}
+    return {"name": path.name, "method": path.method, "trials": trials, "capacity": lo,
+            "limit_reached": hi is not None, "first_failure": hi}
 
 
 def main() -> None:
@@ -105,6 +121,10 @@ def main() -> None:
     p.add_argument("--budget", type=float, default=0.02)
     p.add_argument("--tokens", type=int, default=8, help="tokens per generation")
     p.add_argument("--max-n", type=int, default=64, help="the most concurrent generations tried")
+    p.add_argument("--start-n", type=int, default=1, help="the first N tried (then doubled)")
+    p.add_argument("--refine", type=int, default=0,
+                   help="after the first failure, bisect until the N that finished and the N that failed are at most "
+                        "this far apart (0: stop at the first failure)")
     p.add_argument("--gpu-cache-mb", type=int, default=OffloadConfig().gpu_cache_bytes >> 20,
                    help="device page cache of each generation")
     p.add_argument("--host-cache-mb", type=int, default=20480)
@@ -115,6 +135,7 @@ def main() -> None:
     if args.quick:
         spec = QUICK_SPEC
         args.ctx, args.tokens, args.max_n, args.gpu_cache_mb, args.host_cache_mb = 1500, 3, 2, 64, 256
+        args.start_n = 1
     else:
         spec = llama8b_attention_spec(args.layers, args.ctx + 1024, intermediate_size=14336 if args.full_mlp else 4096)
     in_scratch_dir(lambda work: run(args, spec, work))
@@ -137,16 +158,18 @@ def run(args: argparse.Namespace, spec: object, work: Path) -> None:
         raise SystemExit(f"--paths {args.paths!r} names none of: dense, sparse")
     results = [measure(store, lm, pid, path, args, cuda) for path in chosen]
     store.close()
-    print(f"\nbudget {args.budget:.0%}; {args.tokens} tokens per generation; N doubled up to {args.max_n}\n")
+    print(f"\nbudget {args.budget:.0%}; {args.tokens} tokens per generation; N doubled from {args.start_n} up to "
+          f"{args.max_n}" + (f", then bisected to within {args.refine}" if args.refine else "") + "\n")
     print("| path | concurrent generations | limit reached | peak GiB at that N | GiB per added generation "
-          "| ms/step at that N | first failure |")
+          "| ms/step at that N | smallest N that failed |")
     print("|---|---|---|---|---|---|---|")
     for r in results:
-        ok = [t for t in r["trials"] if t["ok"]]
+        ok = sorted((t for t in r["trials"] if t["ok"]), key=lambda t: t["n"])
         last = ok[-1] if ok else None
-        per = ((last["peak_bytes"] - ok[0]["peak_bytes"]) / (last["n"] - 1) / 2**30
-               if last is not None and last["n"] > 1 else float("nan"))
-        fail = next((t["error"] for t in r["trials"] if not t["ok"]), "")
+        per = ((last["peak_bytes"] - ok[0]["peak_bytes"]) / (last["n"] - ok[0]["n"]) / 2**30
+               if last is not None and last["n"] > ok[0]["n"] else float("nan"))
+        fail = next((f"N = {t['n']}: {t['error']}" for t in r["trials"] if not t["ok"] and t["n"] == r["first_failure"]),
+                    "")
         print(f"| {r['name']} | {r['capacity']} | {'yes' if r['limit_reached'] else f'no (tried up to {args.max_n})'} "
               f"| {last['peak_bytes'] / 2**30 if last else 0:.1f} | {per:.2f} "
               f"| {last['ms_per_step'] if last else 0:.1f} | {fail} |")

@@ -78,6 +78,12 @@ class EngineRow(Row):
     """``EngineConfig.member_streams``: side streams a whole step spreads its generations' attention over."""
     step_ahead: bool = EngineConfig().step_ahead
     """``EngineConfig.step_ahead``: a stable batch's next step launched before its tokens reach the host."""
+    temperature: float = 0.0
+    """0: greedy; else tokens sampled at this temperature (top-p ``SAMPLED_TOP_P``, a seed per generation)."""
+
+
+SAMPLED_TEMPERATURE, SAMPLED_TOP_P = 0.8, 0.95
+"""The sampled rows' settings (a chat-like default)."""
 
 
 def rows(gpu_cache_bytes: int, host_bytes: int) -> list[EngineRow]:
@@ -92,6 +98,10 @@ def rows(gpu_cache_bytes: int, host_bytes: int) -> list[EngineRow]:
         EngineRow("quest, host warm, device-planned, whole-step CUDA graph", "quest", warm, key="graphs"),
         EngineRow("quest, host warm, device-planned, whole-step CUDA graph, tokens to the host before the next "
                   "launch", "quest", warm, key="graphs-sync", step_ahead=False),
+        EngineRow(f"full, resident (dense, flash), whole-step CUDA graph, sampled (T={SAMPLED_TEMPERATURE}, "
+                  f"top-p {SAMPLED_TOP_P})", "full", None, key="dense-sampled", temperature=SAMPLED_TEMPERATURE),
+        EngineRow(f"quest, host warm, device-planned, whole-step CUDA graph, sampled (T={SAMPLED_TEMPERATURE}, "
+                  f"top-p {SAMPLED_TOP_P})", "quest", warm, key="graphs-sampled", temperature=SAMPLED_TEMPERATURE),
         EngineRow("quest, host warm, device-planned, whole-step CUDA graph, one stream", "quest", warm,
                   key="graphs-1stream", member_streams=1),
         EngineRow("quest, host warm, device-planned, per-layer graphs", "quest", warm, key="layer-graphs",
@@ -110,11 +120,13 @@ def row_worker(store: KVStore, lm: LoadedModel, row: EngineRow) -> Worker:
 
 
 def row_stream(worker: Worker, pid: str, row: EngineRow, budget: float, n: int,
-               stats: GenerationStats) -> GenerationStream:
-    """One generation of ``row``'s method over ``pid`` (``n`` tokens, ``budget`` unless dense)."""
+               stats: GenerationStats, seed: int = 0) -> GenerationStream:
+    """One generation of ``row``'s method over ``pid`` (``n`` tokens, ``budget`` unless dense; ``seed`` for a
+    sampled row)."""
     decode = DecodeConfig(budget=None if row.method == "full" else budget)
-    return worker.generate(pid, QUERY, SamplingParams(max_new_tokens=n), method=row.method, raw=True, decode=decode,
-                           stats=stats)
+    params = (SamplingParams(max_new_tokens=n, temperature=row.temperature, top_p=SAMPLED_TOP_P, seed=seed)
+              if row.temperature else SamplingParams(max_new_tokens=n))
+    return worker.generate(pid, QUERY, params, method=row.method, raw=True, decode=decode, stats=stats)
 
 
 def run_together(worker: Worker, pids: list[str], row: EngineRow, budget: float,
@@ -123,7 +135,8 @@ def run_together(worker: Worker, pids: list[str], row: EngineRow, budget: float,
     returns their stats and the wall seconds of the whole batch."""
     stats = [GenerationStats() for _ in pids]
     t0 = time.perf_counter()
-    live = [row_stream(worker, pid, row, budget, n, st) for pid, st in zip(pids, stats, strict=True)]
+    live = [row_stream(worker, pid, row, budget, n, st, seed=i)
+            for i, (pid, st) in enumerate(zip(pids, stats, strict=True))]
     while live:
         for s in list(live):
             try:
@@ -148,6 +161,7 @@ def measure(store: KVStore, lm: LoadedModel, pids: list[str], row: EngineRow, bu
         steady = [t for st in stats for t in st.step_seconds[1:]]
         graphs = worker.engine._graphs
         replays = graphs.replays if graphs is not None else 0
+        ahead = worker.engine.ahead_steps
         del worker  # its pinned host tier goes before the next worker pins one
         gc.collect()
         out[label] = {"ms_per_token": 1e3 * statistics.median(steady),
@@ -156,7 +170,7 @@ def measure(store: KVStore, lm: LoadedModel, pids: list[str], row: EngineRow, bu
                       "batch_max": max(st.extra.get("batch_max", 1.0) for st in stats),
                       "read_fraction": sum(st.bytes_fetched for st in stats)
                       / max(1, sum(st.bytes_full for st in stats)),
-                      "whole_step_replays": replays,
+                      "whole_step_replays": replays, "ahead_steps": ahead,
                       "tokens": [st.token_ids for st in stats]}
     out.setdefault("bn", out["b1"])
     out["same_tokens"] = out["bn"]["tokens"][0] == out["b1"]["tokens"][0]
@@ -260,7 +274,8 @@ def run(args: argparse.Namespace, spec: TinyLlamaSpec, work: Path) -> None:
         results.append(r)
         print(f"  {row.name}: batch 1 {r['b1']['ms_per_token']:.2f} ms/token; batch {args.batch} "
               f"{r['bn']['tokens_per_s']:.1f} tokens/s; whole-step replays {r['b1']['whole_step_replays']}/"
-              f"{r['bn']['whole_step_replays']}", flush=True)
+              f"{r['bn']['whole_step_replays']}; steps launched ahead {r['b1']['ahead_steps']}/{r['bn']['ahead_steps']}",
+              flush=True)
         if row.key in args.profile.split(","):
             profile_row(store, lm, pids[:args.profile_batch], row, args.budget, args.tokens, args.trace)
         if args.json:  # after every row: a run stopped at its time limit keeps what it measured

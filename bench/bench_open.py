@@ -260,6 +260,58 @@ def _open_row(name: str, st: GenerationStats, open_s: float, ttft: float, total:
             "device_plan_pages": x.get("offload_device_plan_pages", 0.0)}
 
 
+# -- 4. SSD-only decode read rate ------------------------------------------------------------------
+@contextlib.contextmanager
+def kvikio_pool_of(threads: int | None) -> Iterator[None]:
+    """With ``threads``: kvikio's I/O pool set to that many threads and the readers kept from raising it (the
+    reader before it was raised to ``io_depth``); None: as the product runs."""
+    if threads is None:
+        yield
+        return
+    import kvikio
+
+    saved_pool, saved_fn = kvikio.defaults.get("num_threads"), page_io.ensure_kvikio_threads
+    kvikio.defaults.set("num_threads", threads)
+    page_io.ensure_kvikio_threads = lambda kv, n: threads  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        page_io.ensure_kvikio_threads = saved_fn
+        kvikio.defaults.set("num_threads", saved_pool)
+
+
+def ssd_decode_section(store: KVStore, lm: LoadedModel, pid: str, base: OffloadConfig, n: int, drop: bool,
+                       ceiling: dict) -> list[dict]:
+    """Pages read from a cold disk by an SSD-only sparse generation of ``n`` tokens (no host tier warm-up):
+    the read rate while reading (bytes over the time spent in page reads) against the random-read ceiling
+    of the same page size measured above; one row per reader setting."""
+    cfg = dataclasses.replace(base, warm_host_fraction=0.0)
+    reader = page_io.open_page_reader(cfg.reader, cuda=torch.cuda.is_available(), depth=cfg.io_depth).name
+    settings: list[tuple[str, int | None]] = []
+    if reader == "kvikio":
+        settings.append(("kvikio, its default pool of 1 thread (before)", 1))
+    settings.append((f"{reader}, {cfg.io_depth} reads in flight (product)", None))
+    rows = []
+    for name, threads in settings:
+        with kvikio_pool_of(threads):
+            if drop:
+                drop_os_cache()
+            worker = Worker(store, lm, progress=False, offload=cfg)
+            worker.host_tier()
+            st, open_s, ttft, total = generate(worker, pid, n)
+        x = st.extra
+        nbytes, read_s = x.get("offload_bytes_ssd", 0.0), x.get("offload_ssd_read_s", 0.0)
+        calls = x.get("offload_read_calls", 0.0)
+        gbps = nbytes / read_s / 1e9 if read_s else 0.0
+        rows.append({"name": name, "tokens": st.token_ids, "ssd_pages": x.get("offload_ssd_pages", 0.0),
+                     "ssd_bytes": nbytes, "read_calls": calls, "ssd_read_s": read_s,
+                     "verify_s": x.get("offload_verify_s", 0.0), "open_s": open_s, "ttft_s": ttft, "total_s": total,
+                     "gbps_reading": gbps, "calls_per_s": calls / read_s if read_s else 0.0,
+                     "gbps_whole": nbytes / (total - open_s) / 1e9 if total > open_s else 0.0,
+                     "vs_ceiling": gbps / ceiling["gbps"] if ceiling["gbps"] else 0.0})
+    return rows
+
+
 # -- main ------------------------------------------------------------------------------------------
 def build(args: argparse.Namespace, work: Path) -> tuple[LoadedModel, KVStore, str, float]:
     """The random-weight model, a store, and the saved document's prefix id; and prefill seconds."""
@@ -292,6 +344,16 @@ def report(res: dict) -> None:
         print(f"| {r['name']} | {r['open_s']:.3f} | {r['open_vs_before']:.3f} | {r['ttft_s']:.3f} "
               f"| {r['ttft_vs_before']:.3f} | {r['total_s']:.3f} | {r['ssd_pages']:.0f} | {r['host_pages']:.0f} "
               f"| {r['device_plan_pages']:.0f} |")
+    c = res["ceiling"]
+    print(f"\n| SSD-only decode, {res['ssd_tokens']} tokens, cold disk (reader) | SSD pages | read calls | GB read "
+          "| s reading | GB/s while reading | vs random-read ceiling | read calls/s | GB/s over the decode |\n"
+          + "|---" * 9 + "|")
+    for r in res["ssd_decode"]:
+        print(f"| {r['name']} | {r['ssd_pages']:.0f} | {r['read_calls']:.0f} | {r['ssd_bytes'] / 1e9:.3f} "
+              f"| {r['ssd_read_s']:.3f} | {r['gbps_reading']:.3f} | **{r['vs_ceiling']:.2f}** | {r['calls_per_s']:.0f} "
+              f"| {r['gbps_whole']:.3f} |")
+    print(f"(ceiling: single-page random reads at {c['depth']} in flight above, {c['gbps']:.3f} GB/s, "
+          f"{c['iops']:.0f} IOPS)")
     print(f"\nall rows give identical tokens: {res['same_tokens']}")
 
 
@@ -300,6 +362,7 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=131072)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--tokens", type=int, default=8, help="tokens generated per row")
+    p.add_argument("--ssd-tokens", type=int, default=32, help="tokens of the SSD-only decode read-rate rows")
     p.add_argument("--reps", type=int, default=3, help="runs per open row (the fastest is reported)")
     p.add_argument("--crc-mb", type=int, default=256, help="bytes of pages per CRC measurement (MiB)")
     p.add_argument("--reads", type=int, default=20000, help="random page reads per depth")
@@ -312,7 +375,7 @@ def main() -> None:
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     if args.quick:
-        args.ctx, args.layers, args.tokens, args.crc_mb, args.reads = 4096, 4, 4, 32, 4000
+        args.ctx, args.layers, args.tokens, args.crc_mb, args.reads, args.ssd_tokens = 4096, 4, 4, 32, 4000, 4
         args.gpu_cache_mb, args.host_cache_mb = 8, 512  # the CPU reference kernel converts whole pools
     drop = args.drop_cache == "yes" or (args.drop_cache == "auto" and not args.quick)
     same = [True]
@@ -334,11 +397,16 @@ def run(args: argparse.Namespace, drop: bool, work: Path) -> bool:
     reads, dropped = read_section(store, pid, sorted({1, 4, base.io_depth, 2 * base.io_depth}), args.reads, drop)
     print("reads done", flush=True)
     opened, dropped2 = open_section(store, lm, pid, base, args.tokens, drop, args.reps)
+    ceiling = max(reads, key=lambda r: r["gbps"])
+    ssd = ssd_decode_section(store, lm, pid, base, args.ssd_tokens, drop, ceiling)
+    print("SSD decode done", flush=True)
     same = all(r["tokens"] == opened[0]["tokens"] and r["same_tokens_across_reps"] for r in opened)
+    same = same and all(r["tokens"] == ssd[0]["tokens"] for r in ssd)
     res = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "crc_impl": CRC32_IMPL,
            "n_tokens": m.n_tokens, "kv_bytes": sum(f.size for f in m.files), "page_bytes": m.layout.page_bytes,
            "prefill_s": prefill_s, "cache_dropped": dropped and dropped2, "tokens": args.tokens,
-           "crc": crc, "reads": reads, "open": opened, "same_tokens": same}
+           "crc": crc, "reads": reads, "open": opened, "ceiling": ceiling, "ssd_tokens": args.ssd_tokens,
+           "ssd_decode": ssd, "same_tokens": same}
     report(res)
     if args.json:
         args.json.write_text(json.dumps(res, indent=2))

@@ -219,15 +219,37 @@ def _pread_fully(fd: int, path: Path, dst: np.ndarray, offset: int) -> None:
         done += got
 
 
+_KVIKIO_POOL_LOCK = threading.Lock()
+
+
+def ensure_kvikio_threads(kvikio: Any, n: int) -> int:
+    """Raise kvikio's process-wide I/O thread pool to at least ``n`` threads (never lower it); the size after."""
+    d = kvikio.defaults
+    new_api = hasattr(d, "set") and hasattr(d, "get")
+    with _KVIKIO_POOL_LOCK:
+        have = int(d.get("num_threads") if new_api else d.get_num_threads())
+        if have < n:
+            # A reset waits for the pool's running reads, then starts the new threads: safe with reads in flight.
+            if new_api:
+                d.set("num_threads", n)
+            else:
+                d.num_threads_reset(n)
+            have = n
+    return have
+
+
 class KvikioPageReader(PageReader):
-    """kvikio ``CuFile.pread`` into host memory, one future per run, all in flight together."""
+    """kvikio ``CuFile.pread`` into host memory, one future per run, all in flight together on kvikio's
+    thread pool, which is raised to at least ``depth`` threads (its default, one thread, runs them one at a time)."""
 
     name = "kvikio"
 
-    def __init__(self) -> None:
+    def __init__(self, *, depth: int = 1) -> None:
         import kvikio  # noqa: F401 - raises ImportError when absent (open_page_reader falls back)
 
         self._kvikio = kvikio
+        self.threads = ensure_kvikio_threads(kvikio, max(1, depth))
+        """kvikio's thread pool size once this reader was made (shared by every reader of the process)."""
         self._files: dict[Path, Any] = {}
 
     def _open(self, path: Path, file_bytes: int) -> Any:
@@ -292,7 +314,7 @@ def open_page_reader(kind: str, *, cuda: bool, pool: Executor | None = None, dep
     if kind not in ("auto", "posix", "kvikio"):
         raise ValueError(f"reader must be 'auto', 'posix' or 'kvikio', got {kind!r}")
     if kind == "kvikio" or (kind == "auto" and cuda and kvikio_available()):
-        return KvikioPageReader()
+        return KvikioPageReader(depth=depth)
     return PosixPageReader(pool=pool, depth=depth, direct=direct)
 
 

@@ -107,6 +107,10 @@ def test_kvikio_reader_matches_posix(tmp_path: Path) -> None:
     a = np.zeros((plan.n_pages, lay.page_bytes), dtype=np.uint8)
     b = np.ones_like(a)
     assert PosixPageReader().read(path, m.files[1].size, plan, lay.page_bytes, a) == 4
-    assert KvikioPageReader().read(path, m.files[1].size, plan, lay.page_bytes, b) == 4
+    reader = KvikioPageReader(depth=32)
+    assert reader.read(path, m.files[1].size, plan, lay.page_bytes, b) == 4
     assert np.array_equal(a, b)
+    import kvikio
+
+    assert reader.threads >= 32 and kvikio.defaults.get("num_threads") >= 32  # the pool runs 32 reads at once
     store.close()
