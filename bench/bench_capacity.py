@@ -168,8 +168,8 @@ def run(args: argparse.Namespace, spec: object, work: Path) -> None:
         last = ok[-1] if ok else None
         per = ((last["peak_bytes"] - ok[0]["peak_bytes"]) / (last["n"] - ok[0]["n"]) / 2**30
                if last is not None and last["n"] > ok[0]["n"] else float("nan"))
-        fail = next((f"N = {t['n']}: {t['error']}" for t in r["trials"] if not t["ok"] and t["n"] == r["first_failure"]),
-                    "")
+        fail = next((f"N = {t['n']}: {t['error']}" for t in r["trials"]
+                     if not t["ok"] and t["n"] == r["first_failure"]), "")
         print(f"| {r['name']} | {r['capacity']} | {'yes' if r['limit_reached'] else f'no (tried up to {args.max_n})'} "
               f"| {last['peak_bytes'] / 2**30 if last else 0:.1f} | {per:.2f} "
               f"| {last['ms_per_step'] if last else 0:.1f} | {fail} |")

@@ -274,8 +274,8 @@ def run(args: argparse.Namespace, spec: TinyLlamaSpec, work: Path) -> None:
         results.append(r)
         print(f"  {row.name}: batch 1 {r['b1']['ms_per_token']:.2f} ms/token; batch {args.batch} "
               f"{r['bn']['tokens_per_s']:.1f} tokens/s; whole-step replays {r['b1']['whole_step_replays']}/"
-              f"{r['bn']['whole_step_replays']}; steps launched ahead {r['b1']['ahead_steps']}/{r['bn']['ahead_steps']}",
-              flush=True)
+              f"{r['bn']['whole_step_replays']}; steps launched ahead {r['b1']['ahead_steps']}/"
+              f"{r['bn']['ahead_steps']}", flush=True)
         if row.key in args.profile.split(","):
             profile_row(store, lm, pids[:args.profile_batch], row, args.budget, args.tokens, args.trace)
         if args.json:  # after every row: a run stopped at its time limit keeps what it measured
