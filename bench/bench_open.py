@@ -268,7 +268,7 @@ def kvikio_pool_of(threads: int | None) -> Iterator[None]:
     if threads is None:
         yield
         return
-    import kvikio
+    import kvikio.defaults
 
     saved_pool, saved_fn = kvikio.defaults.get("num_threads"), page_io.ensure_kvikio_threads
     kvikio.defaults.set("num_threads", threads)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import functools
+import importlib
 import itertools
 import os
 import threading
@@ -224,7 +225,7 @@ _KVIKIO_POOL_LOCK = threading.Lock()
 
 def ensure_kvikio_threads(kvikio: Any, n: int) -> int:
     """Raise kvikio's process-wide I/O thread pool to at least ``n`` threads (never lower it); the size after."""
-    d = kvikio.defaults
+    d = getattr(kvikio, "defaults", None) or importlib.import_module("kvikio.defaults")  # a submodule: not imported
     new_api = hasattr(d, "set") and hasattr(d, "get")
     with _KVIKIO_POOL_LOCK:
         have = int(d.get("num_threads") if new_api else d.get_num_threads())
