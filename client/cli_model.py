@@ -12,7 +12,7 @@ from typing import Any
 from client.cli_store import store_client
 from store.errors import InvalidInput
 from workers.methods.compressed_names import PREFILL_SCORERS
-from workers.requests import LIMITS
+from workers.requests import LIMITS, QUERY_PAGES
 
 METHOD_HELP = {
     "full": "exact attention over every prefix token (reads it all; ignores --budget)",
@@ -78,7 +78,7 @@ def cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
                                        budget_tokens=args.budget_tokens,
                                        max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                        top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()),
-                                       gen_len=args.gen_len, ratio=args.ratio)
+                                       gen_len=args.gen_len, ratio=args.ratio, query_pages=args.query_pages)
     if not args.json:
         printed = False
         try:
@@ -111,7 +111,7 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
                         budgets=tuple(args.budget) if args.budget else (None,),
                         budget_tokens=tuple(args.budget_tokens) if args.budget_tokens else (None,),
                         ratios=tuple(args.ratio) if args.ratio else (None,), samples=args.samples,
-                        max_new_tokens=args.max_new_tokens, gen_len=args.gen_len)
+                        max_new_tokens=args.max_new_tokens, gen_len=args.gen_len, query_pages=args.query_pages)
     except ValueError as e:
         raise InvalidInput(str(e)) from None
     with tempfile.TemporaryDirectory(prefix="kvstash-eval-") as tmp:
@@ -119,7 +119,7 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
             args.home = tmp
         # One bar over the samples: per-prefill bars would interleave with it.
         rows = run_eval(_model_client(args, progress=False), spec, progress=not args.json and sys.stderr.isatty())
-    result = summary(rows)
+    result = {**summary(rows), "query_pages": spec.query_pages}
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=2))
     if not args.json:
@@ -174,6 +174,7 @@ def add_model_commands(sub: Any, model_opts: argparse.ArgumentParser) -> None:
     s.add_argument("--gen-len", type=int, default=LIMITS.gen_len_default, metavar="STEPS",
                    help=f"decode steps a method's one-time summary read is amortized over when its budget is "
                         f"matched (default {LIMITS.gen_len_default})")
+    _add_query_pages(s)
     s.add_argument("--stats", action="store_true", help="print per-generation statistics (JSON) to stderr")
     s.set_defaults(func=cmd_generate)
     _add_eval(sub, model_opts, fmt)
@@ -204,5 +205,12 @@ def _add_eval(sub: Any, model_opts: argparse.ArgumentParser, fmt: type[argparse.
                    help="decode steps a one-time summary read is amortized over")
     s.add_argument("--max-new-tokens", type=_positive_int, default=48, metavar="TOKENS",
                    help="answer length cap (default 48)")
+    _add_query_pages(s)
     s.add_argument("--output", metavar="FILE", help="also write the JSON result to this file")
     s.set_defaults(func=cmd_eval)
+
+
+def _add_query_pages(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--query-pages", choices=QUERY_PAGES, default=QUERY_PAGES[0],
+                   help="page methods: each query token picks its own pages (token, the default) or a query chunk's "
+                        "tokens share one set (shared: fewer pages read before the first token)")

@@ -244,7 +244,7 @@ class KVClient:
                  top_p: float = LIMITS.top_p_default, seed: int | None = None,
                  stop: tuple[str, ...] | list[str] = (), raw: bool = False,
                  gen_len: int = LIMITS.gen_len_default, budget_tokens: int | None = None,
-                 ratio: float | None = None) -> Generation:
+                 ratio: float | None = None, query_pages: str = "token") -> Generation:
         """Answer ``query`` over a stored prefix (default: the one this client prefilled last).
 
         ``budget_tokens`` is how many prefix KV entries per KV head a query-time cache (``snapkv``,
@@ -253,11 +253,13 @@ class KVClient:
         ``raw`` sends the query text as-is instead of through the model's query template;
         ``gen_len`` is the number of steps a method's one-time summary fetch is amortized over
         when its budget is matched (1: the conservative worst case); ``ratio`` is the fraction of the
-        prefix's KV pairs a compression method's cache keeps (kvzip, hybridkv, streamingllm).
+        prefix's KV pairs a compression method's cache keeps (kvzip, hybridkv, streamingllm);
+        ``query_pages="shared"`` lets the query's tokens share one page selection per chunk (page methods: fewer
+        pages read before the first token; embedded workers only).
         """
         req = GenerateRequest(prefix_id=self._prefix_id(prefix), query=query, method=method, raw=raw,
                               decode=DecodeConfig(budget=budget, budget_tokens=budget_tokens, ratio=ratio,
-                                                  gen_len=gen_len),
+                                                  gen_len=gen_len, query_pages=query_pages),
                               sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
                                                       top_p=top_p, seed=seed, stop=tuple(stop)))
         if budget is not None and method == FULL_METHOD:  # after validation: an invalid budget is an error only

@@ -84,7 +84,7 @@ def prefill_chunks(req: PrefillRequest) -> Iterator[pb.PrefillChunk]:
 def generate_request_to_pb(req: GenerateRequest) -> pb.GenerateRequest:
     """A GenerateRequest message; optional fields left unset where the request leaves them to the default."""
     d, s = req.decode, req.sampling
-    d.check_wire_anchors()
+    d.check_wire_settings()
     msg = pb.GenerateRequest(prefix_id=req.prefix_id, query=req.query, method=req.method,
                              max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                              stop=list(s.stop), raw=req.raw, gen_len=d.gen_len)

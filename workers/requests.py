@@ -73,6 +73,8 @@ class RequestLimits:
 
 
 LIMITS = RequestLimits()
+QUERY_PAGES = ("token", "shared")
+"""``DecodeConfig.query_pages`` values, the default first."""
 """The bounds every request is checked against."""
 
 
@@ -180,6 +182,10 @@ class DecodeConfig:
     gen_len: int = LIMITS.gen_len_default
     """L_gen: decode steps a one-time summary fetch (the φ cache) is amortized over when the budget
     is matched (appendix D); 1 is the paper's conservative worst case."""
+    query_pages: str = "token"
+    """How the query's own forward picks prefix pages (page methods: quest, moba, topk): ``token``, each query
+    token its own (the decode rule); ``shared``, one set per query chunk, the pages with the most mass for any of
+    its tokens (fewer pages read before the first token; what the query's tokens attend changes)."""
 
     def __post_init__(self) -> None:
         if self.budget is not None:
@@ -199,12 +205,17 @@ class DecodeConfig:
         _set(self, "sink", _int("sink", self.sink, 0, LIMITS.anchor_max))
         _set(self, "tail", _int("tail", self.tail, 0, LIMITS.anchor_max))
         _set(self, "gen_len", _int("gen_len", self.gen_len, 1, LIMITS.gen_len_max))
+        if self.query_pages not in QUERY_PAGES:
+            raise InvalidInput(f"query_pages must be one of {QUERY_PAGES}, got {self.query_pages!r}")
 
-    def check_wire_anchors(self) -> None:
-        """Refuse sink/tail other than the defaults: the wire does not carry them (remote decode uses those)."""
+    def check_wire_settings(self) -> None:
+        """Refuse sink, tail and query_pages other than the defaults: the wire does not carry them (remote decode
+        uses those)."""
         if (self.sink, self.tail) != (LIMITS.sink_default, LIMITS.tail_default):
             raise InvalidInput(f"sink and tail are not sent to remote workers (they use {LIMITS.sink_default} "
                                f"and {LIMITS.tail_default})")
+        if self.query_pages != QUERY_PAGES[0]:
+            raise InvalidInput(f"query_pages is not sent to remote workers (they use {QUERY_PAGES[0]!r})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -286,7 +297,7 @@ class GenerateRequest:
     def to_json(self) -> dict[str, Any]:
         """The REST body of this request (without the prefix id, which is in the URL)."""
         d, s = self.decode, self.sampling
-        d.check_wire_anchors()
+        d.check_wire_settings()
         return {"query": self.query, "method": self.method, "budget": d.budget, "budget_tokens": d.budget_tokens,
                 "ratio": d.ratio, "gen_len": d.gen_len,
                 "max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed,

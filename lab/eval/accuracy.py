@@ -31,6 +31,8 @@ class EvalSpec:
     max_new_tokens: int = 48
     gen_len: int = 1
     """L_gen for budget matching (appendix D): 1 charges a one-time φ fetch to a single step."""
+    query_pages: str = "token"
+    """``DecodeConfig.query_pages`` of every generation."""
 
     def __post_init__(self) -> None:
         if (self.samples < 1 or not self.tasks or not self.lengths or not self.methods or not self.budgets
@@ -83,7 +85,7 @@ def run_eval(client: EvalTarget, spec: EvalSpec, progress: bool = True) -> list[
             for method, budget, budget_tokens, ratio in combos:
                 gen = client.generate(sample.query, prefix=handle.prefix_id, method=method, budget=budget, raw=True,
                                       max_new_tokens=spec.max_new_tokens, gen_len=spec.gen_len,
-                                      budget_tokens=budget_tokens, ratio=ratio)
+                                      budget_tokens=budget_tokens, ratio=ratio, query_pages=spec.query_pages)
                 key = (task, length, method, budget, budget_tokens, ratio)
                 scores.setdefault(key, []).append(sample.score(gen.text))
                 st = gen.stats

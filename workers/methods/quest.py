@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 
 from workers.kernels.quest_scores import quest_upper_bounds
-from workers.kernels.unit_topk import group_top_units
+from workers.kernels.unit_topk import group_top_units, top_units
 from workers.methods.base import Summarizer
 from workers.methods.pages_together import PageBounds
 from workers.methods.phi import PhiSummarizer
@@ -113,6 +113,13 @@ class QuestSelector(Selector):
         ub = self.upper_bounds(layer, q, scale, p0, p1)
         t, hkv, g, u = ub.shape
         return group_top_units(ub.reshape(t * hkv, g, u), n).view(t, hkv, -1) + p0
+
+    def select_pages_shared(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, n: int
+                            ) -> torch.Tensor:
+        """One set of ``n`` pages for every query row (``Selector.select_pages_shared``) by upper-bound mass."""
+        p0, p1 = page_span(ctx.lo, ctx.hi, self.page)
+        mass = group_mass(self.upper_bounds(layer, q, scale, p0, p1)).amax(0)  # [Hkv, pages]
+        return top_units(mass, n) + p0
 
     def page_bounds(self, layer: int, ctx: LayerContext) -> PageBounds | None:
         """The stacked bounds ``select_pages`` scores (None for a subclass scoring pages another way: MoBA)."""

@@ -111,6 +111,12 @@ class Selector(abc.ABC):
         the mid region (fixed shape, no device sync). Only where ``page_size`` is set."""
         raise NotImplementedError(f"{type(self).__name__} does not select whole pages")
 
+    def select_pages_shared(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, n: int
+                            ) -> torch.Tensor | None:
+        """Grouped queries ``[T, Hkv, G, D]`` -> one set of ``n`` whole pages for all ``T`` rows ``[Hkv, n]``: the
+        pages whose largest share of any row's group mass is highest (None: this selector picks per row only)."""
+        return None
+
     def page_bounds(self, layer: int, ctx: LayerContext) -> PageBounds | None:
         """The Quest page bounds ``select_pages`` scores for ``layer``, when it ranks pages by exactly those (then
         a captured step's like members score and rank together, ``workers.methods.pages_together``); else None."""

@@ -307,7 +307,7 @@ class SparsePrefixAttention:
         qg = q.view(t, hkv, hq // hkv, d)
         if pages is None:
             with self._timed("select"):
-                picked = self.selector.select_pages(layer, ctx, qg, scale, plan.n_pages)
+                picked = self._pick_pages(layer, ctx, qg, scale, plan.n_pages)
         else:
             picked = pages[None, :, :plan.n_pages]
         n_picked = plan.n_pages * plan.page_size
@@ -343,6 +343,16 @@ class SparsePrefixAttention:
             out, lse = gathered_attention(q, k, v, scale=scale, idx=rows, n_valid=None, bias=bias,
                                           pseudo_logits=pl, pseudo_values=pv)
         return sel, out, lse
+
+    def _pick_pages(self, layer: int, ctx: LayerContext, qg: torch.Tensor, scale: float, n: int) -> torch.Tensor:
+        """``[T, Hkv, n]`` pages per row: one set for all rows of a query chunk with ``query_pages="shared"``
+        (where the selector can), else each row its own."""
+        t = qg.shape[0]
+        if t > 1 and self.config.query_pages == "shared":
+            shared = self.selector.select_pages_shared(layer, ctx, qg, scale, n)
+            if shared is not None:
+                return shared.unsqueeze(0).expand(t, -1, -1).contiguous()
+        return self.selector.select_pages(layer, ctx, qg, scale, n)
 
     def _timed(self, phase: str) -> contextlib.AbstractContextManager[None]:
         """Time a phase into the fetcher's stats (``offload_<phase>_s``), when there is one."""

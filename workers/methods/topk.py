@@ -101,6 +101,18 @@ class IndexedTopKSelector(Selector):
         t, hkv = pages.shape[:2]
         return top_units(pages.reshape(t * hkv, -1), n).view(t, hkv, -1) + p0
 
+    def select_pages_shared(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, n: int
+                            ) -> torch.Tensor:
+        """One set of ``n`` pages for every query row (``Selector.select_pages_shared``) by their mass on the
+        index."""
+        assert self.page_size is not None
+        p = self.page_size
+        p0, p1 = page_span(ctx.lo, ctx.hi, p)
+        mass = group_mass(self.approx_logits(layer, ctx, q, scale))
+        mass = F.pad(mass, (ctx.lo - p0 * p, p1 * p - ctx.hi))
+        pages = mass.view(*mass.shape[:-1], p1 - p0, p).sum(-1).amax(0)  # [Hkv, pages]
+        return top_units(pages, n) + p0
+
     def approx_logits(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float) -> torch.Tensor:
         """Logits ``[T, Hkv, G, n_mid]`` (float32) of every mid token on the index."""
         codes, lo, step = self.index[f"{layer}.codes"], self.index[f"{layer}.lo"], self.index[f"{layer}.step"]
