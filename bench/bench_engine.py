@@ -28,6 +28,7 @@ another batch size round differently, so on a GPU a random-weight model's near-t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -135,14 +136,23 @@ def run_together(worker: Worker, pids: list[str], row: EngineRow, budget: float,
     returns their stats and the wall seconds of the whole batch."""
     stats = [GenerationStats() for _ in pids]
     t0 = time.perf_counter()
-    live = [row_stream(worker, pid, row, budget, n, st, seed=i)
-            for i, (pid, st) in enumerate(zip(pids, stats, strict=True))]
-    while live:
-        for s in list(live):
-            try:
-                next(s)
-            except StopIteration:
-                live.remove(s)
+    live: list[GenerationStream] = []
+    try:
+        for i, (pid, st) in enumerate(zip(pids, stats, strict=True)):
+            live.append(row_stream(worker, pid, row, budget, n, st, seed=i))
+        while live:
+            for s in list(live):
+                try:
+                    next(s)
+                except StopIteration:
+                    live.remove(s)
+    except BaseException:
+        # A failed batch (out of device memory, say) ends every generation it opened, so what they hold is
+        # freed before the caller measures again.
+        for s in live:
+            with contextlib.suppress(Exception):  # the batch's own error is the one to report
+                s.close()
+        raise
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return stats, time.perf_counter() - t0
