@@ -7,8 +7,10 @@ import argparse
 import os
 import random
 import shutil
+import signal
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -142,10 +144,19 @@ def prefilled_sample(worker: Worker, task: str, n_ctx: int, seed: int = 7) -> tu
 
 
 def in_scratch_dir(fn: Callable[[Path], object], prefix: str = "kvstash-bench-") -> None:
-    """Run ``fn`` on a new temp dir, removed afterwards whatever happens (a store's page files are tens of GB at
-    128k: never left behind)."""
+    """Run ``fn`` on a new temp dir, removed afterwards whatever happens, a SIGTERM included (a store's page files
+    are tens of GB at 128k: never left behind, also not by a bench that ``timeout`` stops)."""
     work = Path(tempfile.mkdtemp(prefix=prefix))
+    # SIGTERM's default action ends the process without unwinding; as an exception, the cleanup below runs.
+    on_main = threading.current_thread() is threading.main_thread()
+    saved = signal.signal(signal.SIGTERM, _exit_on_sigterm) if on_main else None
     try:
         fn(work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        if on_main:
+            signal.signal(signal.SIGTERM, saved)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)

@@ -59,3 +59,28 @@ def test_ratplus_cost_quick_compares_both_models(tmp_path: Path) -> None:
     assert r["plain"]["n_tokens"] == r["rat+"]["n_tokens"] > 0
     for m in ("plain", "rat+"):
         assert all(math.isfinite(v) and v > 0 for v in r[m].values())
+
+
+def test_scratch_dir_is_removed_when_the_bench_is_terminated(tmp_path: Path) -> None:
+    """``timeout`` stops a bench with SIGTERM: its scratch dir (a store of tens of GB at 128k) must not be left on
+    the disk for the next run."""
+    import signal
+    import time
+
+    marker = tmp_path / "scratch"
+    code = (f"import sys, time; sys.path.insert(0, {str(REPO)!r})\n"
+            "from bench.common import in_scratch_dir\n"
+            "def fn(work):\n"
+            "    (work / 'pages').write_bytes(b'x' * 4096)\n"
+            f"    open({str(marker)!r}, 'w').write(str(work))\n"
+            "    time.sleep(60)\n"
+            "in_scratch_dir(fn)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=REPO)
+    deadline = time.monotonic() + 60
+    while not (marker.exists() and marker.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    work = Path(marker.read_text())
+    assert work.is_dir()
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=30) == 128 + signal.SIGTERM
+    assert not work.exists()
