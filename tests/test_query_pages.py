@@ -99,7 +99,7 @@ def test_topk_shared_pages_equal_the_pooled_page_mass_of_the_index() -> None:
     assert got.tolist() == [[u + p0 for u in row] for row in _top_ids(pages, n)]
 
 
-@pytest.mark.parametrize("method", ["quest", "topk"])
+@pytest.mark.parametrize("method", ["quest", "topk", "quest+phi", "topk+phi"])
 def test_a_query_chunk_reads_one_budget_of_pages_when_shared(method: str) -> None:
     """A chunk of 8 query tokens: each token's own pages read several budgets; shared, one budget (the same as a
     decode step); a decode step after it is the same either way."""
@@ -139,3 +139,16 @@ def test_shared_query_pages_read_fewer_pages_from_disk(store: KVStore, lm: Loade
         assert st.new_tokens == 1 and isinstance(text, str)
         ssd[mode] = st.extra["offload_ssd_pages"]
     assert 0 < ssd["shared"] < ssd["token"] / 2
+
+
+def test_methods_picking_tokens_or_blocks_keep_each_tokens_own() -> None:
+    """MoBA picks blocks through ``select``, not whole-page steps: ``shared`` leaves its chunk as it is."""
+    gen = torch.Generator().manual_seed(6)
+    kv = [(torch.randn(2, 2000, 32, generator=gen), torch.randn(2, 2000, 32, generator=gen))]
+    chunk = torch.randn(1, 4, 8, 32, generator=gen)
+    got = {}
+    for mode in ("token", "shared"):
+        attn = get_method("moba").open(MemorySource.build(kv, get_method("moba").summarizers),
+                                       DecodeConfig(budget=0.05, query_pages=mode))
+        got[mode] = (attn.attend(0, chunk, 32 ** -0.5)[0], attn.read_report().tokens_per_step)
+    assert torch.equal(got["token"][0], got["shared"][0]) and got["token"][1] == got["shared"][1]

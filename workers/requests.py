@@ -183,7 +183,8 @@ class DecodeConfig:
     """L_gen: decode steps a one-time summary fetch (the φ cache) is amortized over when the budget
     is matched (appendix D); 1 is the paper's conservative worst case."""
     query_pages: str = "token"
-    """How the query's own forward picks prefix pages (page methods: quest, moba, topk): ``token``, each query
+    """How the query's own forward picks prefix pages (the whole-page steps of quest, topk and their +phi forms;
+    methods that pick tokens or blocks, such as moba, doublep, topk-token, ignore it): ``token``, each query
     token its own (the decode rule); ``shared``, one set per query chunk, the pages with the most mass for any of
     its tokens (fewer pages read before the first token; what the query's tokens attend changes)."""
 
