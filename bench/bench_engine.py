@@ -55,7 +55,7 @@ from lab.tiny_random import TinyLlamaSpec  # noqa: E402
 from store.config import StoreConfig  # noqa: E402
 from store.kvstore import KVStore  # noqa: E402
 from workers.decode_batch import EngineConfig  # noqa: E402
-from workers.engine import GenerationStream, Worker  # noqa: E402
+from workers.engine import GenerationStream, Worker, drain_together  # noqa: E402
 from workers.model import LoadedModel  # noqa: E402
 from workers.model_ops import use_fused_ops, use_plain_ops  # noqa: E402
 from workers.offload import OffloadConfig  # noqa: E402
@@ -140,19 +140,12 @@ def run_together(worker: Worker, pids: list[str], row: EngineRow, budget: float,
     try:
         for i, (pid, st) in enumerate(zip(pids, stats, strict=True)):
             live.append(row_stream(worker, pid, row, budget, n, st, seed=i))
-        while live:
-            for s in list(live):
-                try:
-                    next(s)
-                except StopIteration:
-                    live.remove(s)
-    except BaseException:
-        # A failed batch (out of device memory, say) ends every generation it opened, so what they hold is
-        # freed before the caller measures again.
+    except BaseException:  # an open that failed (out of device memory, say): the opened ones end now
         for s in live:
-            with contextlib.suppress(Exception):  # the batch's own error is the one to report
+            with contextlib.suppress(Exception):
                 s.close()
         raise
+    drain_together(live)  # a failed batch closes what it opened before the error reaches the caller
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return stats, time.perf_counter() - t0

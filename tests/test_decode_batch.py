@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from store.errors import Cancelled
-from tests.streams import drain_together
 from workers.decode_batch import EngineConfig
-from workers.engine import GenerationStream, Worker
+from workers.engine import GenerationStream, Worker, drain_together
 from workers.methods.registry import METHODS, NEEDS_ADAPTER, compression_methods
 from workers.model import load_model
 from workers.requests import DecodeConfig, GenerationStats, SamplingParams

@@ -13,9 +13,8 @@ import httpx
 from client import KVClient
 from store.kvstore import KVStore
 from tests.gateway_harness import HEADERS, services
-from tests.streams import drain_together
 from workers.device_bytes import device_bytes
-from workers.engine import Worker
+from workers.engine import Worker, drain_together
 from workers.methods.registry import get_method
 from workers.methods.source import PrefixSource
 from workers.model import LoadedModel

@@ -9,9 +9,8 @@ import torch
 
 from store.errors import Cancelled
 from store.kvstore import KVStore
-from tests.streams import drain_together
 from workers.decode_batch import EngineConfig
-from workers.engine import Worker
+from workers.engine import Worker, drain_together
 from workers.model import LoadedModel
 from workers.requests import DecodeConfig, GenerationStats, SamplingParams
 from workers.sampling import Sampler

@@ -12,10 +12,9 @@ import torch
 
 from store.kvstore import KVStore
 from store.layout import KVLayout
-from tests.streams import drain_together
 from workers import decode_batch
 from workers.decode_batch import EngineConfig
-from workers.engine import DEFAULT_OFFLOAD, Worker
+from workers.engine import DEFAULT_OFFLOAD, Worker, drain_together
 from workers.model import LoadedModel, load_model
 from workers.own_kv import OwnKV
 from workers.requests import DecodeConfig, GenerationStats, SamplingParams

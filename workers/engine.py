@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from store.capacity import LeaseHandle
@@ -298,6 +298,27 @@ class GenerationStream(Iterator[str]):
                 self._engine.close(self._gen)  # also when it was never iterated (its generator never ran)
             finally:
                 self._held.close()
+
+
+def drain_together(streams: Iterable[Iterator[str]]) -> None:
+    """Pull one piece from each live stream in turn until every stream has ended (one thread consuming several
+    generations, so every engine step serves them all). On an error the streams not yet ended are closed (what
+    they hold is freed at once) and the error propagates."""
+    live = list(streams)
+    try:
+        while live:
+            for s in list(live):
+                try:
+                    next(s)
+                except StopIteration:
+                    live.remove(s)
+    except BaseException:
+        for s in live:
+            close = getattr(s, "close", None)
+            if close is not None:
+                with contextlib.suppress(Exception):  # the error that stopped the pulls is the one to report
+                    close()
+        raise
 
 
 def _finish_stats(gen: Generation, source: PrefixSource) -> None:
