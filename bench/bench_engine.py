@@ -28,7 +28,6 @@ another batch size round differently, so on a GPU a random-weight model's near-t
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import statistics
@@ -55,7 +54,7 @@ from lab.tiny_random import TinyLlamaSpec  # noqa: E402
 from store.config import StoreConfig  # noqa: E402
 from store.kvstore import KVStore  # noqa: E402
 from workers.decode_batch import EngineConfig  # noqa: E402
-from workers.engine import GenerationStream, Worker, drain_together  # noqa: E402
+from workers.engine import GenerationStream, Worker, close_streams, drain_together  # noqa: E402
 from workers.model import LoadedModel  # noqa: E402
 from workers.model_ops import use_fused_ops, use_plain_ops  # noqa: E402
 from workers.offload import OffloadConfig  # noqa: E402
@@ -141,9 +140,7 @@ def run_together(worker: Worker, pids: list[str], row: EngineRow, budget: float,
         for i, (pid, st) in enumerate(zip(pids, stats, strict=True)):
             live.append(row_stream(worker, pid, row, budget, n, st, seed=i))
     except BaseException:  # an open that failed (out of device memory, say): the opened ones end now
-        for s in live:
-            with contextlib.suppress(Exception):
-                s.close()
+        close_streams(live)
         raise
     drain_together(live)  # a failed batch closes what it opened before the error reaches the caller
     if torch.cuda.is_available():

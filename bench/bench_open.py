@@ -293,7 +293,9 @@ def ssd_decode_section(store: KVStore, lm: LoadedModel, pid: str, base: OffloadC
     the read rate while reading (bytes over the time spent in page reads) against the random-read ceiling
     of the same page size measured above; one row per reader setting."""
     cfg = dataclasses.replace(base, warm_host_fraction=0.0)
-    reader = page_io.open_page_reader(cfg.reader, cuda=torch.cuda.is_available(), depth=cfg.io_depth).name
+    probe = page_io.open_page_reader(cfg.reader, cuda=torch.cuda.is_available(), depth=cfg.io_depth)
+    reader = probe.name  # the reader a fetcher with this config opens
+    probe.close()
     settings: list[tuple[str, int | None]] = []
     if reader == "kvikio":
         settings.append(("kvikio, its default pool of 1 thread (before)", 1))

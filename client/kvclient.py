@@ -17,7 +17,15 @@ from client.config import ClientConfig
 from store.errors import CorruptData, InvalidInput, PrefixInUse
 from store.manifest import Manifest
 from workers.model_source import local_model_problem, trained_context
-from workers.requests import LIMITS, DecodeConfig, GenerateRequest, GenerationStats, PrefillRequest, SamplingParams
+from workers.requests import (
+    LIMITS,
+    QUERY_PAGES,
+    DecodeConfig,
+    GenerateRequest,
+    GenerationStats,
+    PrefillRequest,
+    SamplingParams,
+)
 
 if TYPE_CHECKING:
     from workers.engine import Worker
@@ -244,7 +252,7 @@ class KVClient:
                  top_p: float = LIMITS.top_p_default, seed: int | None = None,
                  stop: tuple[str, ...] | list[str] = (), raw: bool = False,
                  gen_len: int = LIMITS.gen_len_default, budget_tokens: int | None = None,
-                 ratio: float | None = None, query_pages: str = "token") -> Generation:
+                 ratio: float | None = None, query_pages: str = QUERY_PAGES[0]) -> Generation:
         """Answer ``query`` over a stored prefix (default: the one this client prefilled last).
 
         ``budget_tokens`` is how many prefix KV entries per KV head a query-time cache (``snapkv``,

@@ -313,12 +313,18 @@ def drain_together(streams: Iterable[Iterator[str]]) -> None:
                 except StopIteration:
                     live.remove(s)
     except BaseException:
-        for s in live:
-            close = getattr(s, "close", None)
-            if close is not None:
-                with contextlib.suppress(Exception):  # the error that stopped the pulls is the one to report
-                    close()
+        close_streams(live)
         raise
+
+
+def close_streams(streams: Iterable[Iterator[str]]) -> None:
+    """Close each stream that can be closed (what it holds is freed at once), for a caller that is handling an
+    error: a close that fails is ignored, the caller's error is the one to report."""
+    for s in streams:
+        close = getattr(s, "close", None)
+        if close is not None:
+            with contextlib.suppress(Exception):
+                close()
 
 
 def _finish_stats(gen: Generation, source: PrefixSource) -> None:

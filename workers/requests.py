@@ -73,9 +73,9 @@ class RequestLimits:
 
 
 LIMITS = RequestLimits()
+"""The bounds every request is checked against."""
 QUERY_PAGES = ("token", "shared")
 """``DecodeConfig.query_pages`` values, the default first."""
-"""The bounds every request is checked against."""
 
 
 def _show(value: object) -> str:
@@ -182,7 +182,7 @@ class DecodeConfig:
     gen_len: int = LIMITS.gen_len_default
     """L_gen: decode steps a one-time summary fetch (the φ cache) is amortized over when the budget
     is matched (appendix D); 1 is the paper's conservative worst case."""
-    query_pages: str = "token"
+    query_pages: str = QUERY_PAGES[0]
     """How the query's own forward picks prefix pages (the whole-page steps of quest, topk and their +phi forms;
     methods that pick tokens or blocks, such as moba, doublep, topk-token, ignore it): ``token``, each query
     token its own (the decode rule); ``shared``, one set per query chunk, the pages with the most mass for any of

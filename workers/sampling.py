@@ -67,11 +67,12 @@ def pick_rows(samplers: list[Sampler], logits: torch.Tensor) -> torch.Tensor:
             groups.setdefault(s.group, []).append(i)
     for rows in groups.values():
         lo, hi = rows[0], rows[-1] + 1
+        consecutive = hi - lo == len(rows)
         # Consecutive rows are a view; others are gathered by stacking views (an index tensor would be a copy
         # from the host).
-        block = logits[lo:hi] if hi - lo == len(rows) else torch.stack([logits[i] for i in rows])
+        block = logits[lo:hi] if consecutive else torch.stack([logits[i] for i in rows])
         got = sample_like([samplers[i] for i in rows], block)
-        if hi - lo == len(rows):
+        if consecutive:
             picks[lo:hi] = got
         else:
             for j, i in enumerate(rows):

@@ -10,6 +10,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from lab.eval.target import EvalTarget
+from workers.requests import QUERY_PAGES
 
 EVAL_SEED_BASE = 100_000
 """Eval samples use seeds from here on (training uses other seeds and the train split)."""
@@ -31,7 +32,7 @@ class EvalSpec:
     max_new_tokens: int = 48
     gen_len: int = 1
     """L_gen for budget matching (appendix D): 1 charges a one-time φ fetch to a single step."""
-    query_pages: str = "token"
+    query_pages: str = QUERY_PAGES[0]
     """``DecodeConfig.query_pages`` of every generation."""
 
     def __post_init__(self) -> None:

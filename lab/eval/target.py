@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+from workers.requests import QUERY_PAGES
+
 if TYPE_CHECKING:
     from workers.engine import Worker
 
@@ -48,4 +50,4 @@ class EvalTarget(Protocol):
 
     def generate(self, query: str, prefix: str, *, max_new_tokens: int, method: str, budget: float | None,
                  raw: bool, gen_len: int, budget_tokens: int | None, ratio: float | None = None,
-                 query_pages: str = "token") -> Answer: ...
+                 query_pages: str = QUERY_PAGES[0]) -> Answer: ...

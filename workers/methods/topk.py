@@ -92,12 +92,7 @@ class IndexedTopKSelector(Selector):
     def select_pages(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, n: int) -> torch.Tensor:
         """The ``n`` pages overlapping the mid region whose mid tokens hold the most group mass on the index
         (each page's sum: the share of the estimated attention that attending it recovers)."""
-        assert self.page_size is not None
-        p = self.page_size
-        p0, p1 = page_span(ctx.lo, ctx.hi, p)
-        mass = group_mass(self.approx_logits(layer, ctx, q, scale))  # [T, Hkv, n_mid]
-        mass = F.pad(mass, (ctx.lo - p0 * p, p1 * p - ctx.hi))  # tokens of boundary pages outside the mid: 0
-        pages = mass.view(*mass.shape[:-1], p1 - p0, p).sum(-1)
+        pages, p0 = self._page_mass(layer, ctx, q, scale)
         t, hkv = pages.shape[:2]
         return top_units(pages.reshape(t * hkv, -1), n).view(t, hkv, -1) + p0
 
@@ -105,13 +100,18 @@ class IndexedTopKSelector(Selector):
                             ) -> torch.Tensor:
         """One set of ``n`` pages for every query row (``Selector.select_pages_shared``) by their mass on the
         index."""
+        pages, p0 = self._page_mass(layer, ctx, q, scale)
+        return top_units(pages.amax(0), n) + p0
+
+    def _page_mass(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float) -> tuple[torch.Tensor, int]:
+        """Each row's group mass on the index summed per page overlapping the mid region ``[T, Hkv, pages]``, and
+        the first page's id."""
         assert self.page_size is not None
         p = self.page_size
         p0, p1 = page_span(ctx.lo, ctx.hi, p)
-        mass = group_mass(self.approx_logits(layer, ctx, q, scale))
-        mass = F.pad(mass, (ctx.lo - p0 * p, p1 * p - ctx.hi))
-        pages = mass.view(*mass.shape[:-1], p1 - p0, p).sum(-1).amax(0)  # [Hkv, pages]
-        return top_units(pages, n) + p0
+        mass = group_mass(self.approx_logits(layer, ctx, q, scale))  # [T, Hkv, n_mid]
+        mass = F.pad(mass, (ctx.lo - p0 * p, p1 * p - ctx.hi))  # tokens of boundary pages outside the mid: 0
+        return mass.view(*mass.shape[:-1], p1 - p0, p).sum(-1), p0
 
     def approx_logits(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float) -> torch.Tensor:
         """Logits ``[T, Hkv, G, n_mid]`` (float32) of every mid token on the index."""
