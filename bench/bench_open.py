@@ -11,11 +11,12 @@ random page reads, before vs after. Everything measured side by side in one run;
 3. **Open + first token** of a new query over the saved prefix through ``Worker.generate`` (greedy,
    ``--tokens`` tokens; time to first token = from the call to the end of the first decode step):
    - *before*: the whole prefix warmed into the host tier first, page CRCs checked per page with
-     stdlib zlib (the previous verification), then decode;
+     stdlib zlib (the previous verification), summaries read then hashed, then decode;
    - *blocking warm*: the same with the new verification;
    - *fast open*: decoding starts at once, pages from SSD on demand while the tier warms in the
      background, switching to the device-planned cache when warm;
-   - *SSD only*: no warm-up at all;
+   - *SSD only*: no warm-up at all; and the same with the summaries read as before ``store.hashed_read`` (the
+     whole file read, then hashed, then parsed by safetensors);
    - *SSD only, shared query pages*: the same with ``DecodeConfig.query_pages="shared"`` (the query's tokens share
      one page selection per chunk: fewer pages read before the first token; its tokens may differ, so the
      same-token check leaves it out and reports it apart);
@@ -59,11 +60,13 @@ from bench.common import (  # noqa: E402
     load_random_model,
 )
 from lab.tiny_random import TinyLlamaSpec  # noqa: E402
-from store import crc_batch, page_io  # noqa: E402
+from store import crc_batch, disk_record, page_io  # noqa: E402
+from store.artifacts import digest  # noqa: E402
 from store.config import StoreConfig  # noqa: E402
 from store.crc32 import CRC32_IMPL  # noqa: E402
 from store.errors import CorruptData  # noqa: E402
 from store.kvstore import KVStore  # noqa: E402
+from store.manifest import Manifest  # noqa: E402
 from store.page_io import PosixPageReader, plan_runs, run_all, verify_pages  # noqa: E402
 from store.pages import page_crc  # noqa: E402
 from workers.engine import Worker  # noqa: E402
@@ -215,29 +218,34 @@ def open_section(store: KVStore, lm: LoadedModel, pid: str, base: OffloadConfig,
     fastest of ``reps`` runs (every run on a fresh worker)."""
     blocking = dataclasses.replace(base, warm_in_background=False)
     ssd_only = dataclasses.replace(base, warm_host_fraction=0.0)
-    rows_cfg: list[tuple[str, OffloadConfig, bool, str]] = [
-        ("before: warm whole prefix first, per-page zlib CRC", blocking, True, "token"),
-        ("blocking warm, batched CRC", blocking, False, "token"),
-        ("fast open: background warm, SSD on demand", base, False, "token"),
-        ("SSD only (no warm-up)", ssd_only, False, "token"),
-        ("SSD only, the query's tokens share their pages (query_pages=shared)", ssd_only, False, "shared"),
+    # (name, config, the old per-page CRC, the old summary read, query_pages)
+    rows_cfg: list[tuple[str, OffloadConfig, bool, bool, str]] = [
+        ("before: warm whole prefix first, per-page zlib CRC, summaries read then hashed", blocking, True, True,
+         "token"),
+        ("blocking warm, batched CRC", blocking, False, False, "token"),
+        ("fast open: background warm, SSD on demand", base, False, False, "token"),
+        ("SSD only (no warm-up), summaries read then hashed (before)", ssd_only, False, True, "token"),
+        ("SSD only (no warm-up)", ssd_only, False, False, "token"),
+        ("SSD only, the query's tokens share their pages (query_pages=shared)", ssd_only, False, False, "shared"),
     ]
     rows, dropped = [], False
     generate(Worker(store, lm, progress=False, offload=blocking), pid, 2)  # untimed: kernel compilation, allocator
-    for name, cfg, old_crc, query_pages in rows_cfg:
+    for name, cfg, old_crc, old_read, query_pages in rows_cfg:
         runs = []
         for _ in range(reps):
             dropped = drop and drop_os_cache()
             worker = Worker(store, lm, progress=False, offload=cfg)
             worker.host_tier()  # a serving worker pins its host tier at start, before any request
-            saved = page_io.verify_pages
+            saved = page_io.verify_pages, disk_record.read_artifact
             if old_crc:
                 page_io.verify_pages = verify_per_page  # type: ignore[assignment]
+            if old_read:
+                disk_record.read_artifact = read_then_hash  # type: ignore[assignment]
             try:
                 runs.append(_open_row(name, *generate(worker, pid, n, query_pages), cold=True) | {
                     "query_pages": query_pages})
             finally:
-                page_io.verify_pages = saved
+                page_io.verify_pages, disk_record.read_artifact = saved
         rows.append(_fastest(runs))
     runs = []
     for _ in range(reps):  # host-warm: a second query on a worker whose tier holds the prefix (a first query warmed it)
@@ -259,10 +267,24 @@ def _fastest(runs: list[dict]) -> dict:
     return best
 
 
+def read_then_hash(directory: Path, manifest: Manifest, name: str) -> bytes | None:
+    """The summary read before ``store.hashed_read``: the whole file read, then hashed (no overlap), as bytes
+    (parsed by safetensors, a copy)."""
+    index = next((i for i, a in enumerate(manifest.artifacts) if a.name == name), None)
+    if index is None:
+        return None
+    info = manifest.artifacts[index]
+    with open(directory / disk_record.artifact_file_name(index), "rb") as f:
+        data = f.read(info.size + 1)
+    if len(data) != info.size or digest(data) != info.blake2b:
+        raise disk_record.InvalidRecord(f"artifact {name!r} failed its checksum")
+    return data
+
+
 def _open_row(name: str, st: GenerationStats, open_s: float, ttft: float, total: float, *, cold: bool) -> dict:
     x = st.extra
     return {"name": name, "cold": cold, "open_s": open_s, "ttft_s": ttft, "total_s": total, "steps": st.steps,
-            "tokens": st.token_ids,
+            "tokens": st.token_ids, "summaries_s": x.get("summaries_s", 0.0), "stats_ttft_s": x.get("ttft_s", 0.0),
             "ssd_pages": x.get("offload_ssd_pages", 0.0), "host_pages": x.get("offload_host_pages", 0.0),
             "device_plan_pages": x.get("offload_device_plan_pages", 0.0)}
 
@@ -347,12 +369,13 @@ def report(res: dict) -> None:
     print("\n| random page reads in flight | reads | IOPS | GB/s | vs depth 1 |\n|---|---|---|---|---|")
     for r in res["reads"]:
         print(f"| {r['depth']} | {r['reads']} | {r['iops']:.0f} | {r['gbps']:.3f} | {r['vs_depth1']:.2f} |")
-    print(f"\n| open + first token ({res['tokens']} tokens, quest 2%) | open s | vs before | time to first token s "
-          "| vs before | total s | SSD pages | host pages | device-planned pages |\n" + "|---" * 9 + "|")
+    print(f"\n| open + first token ({res['tokens']} tokens, quest 2%) | open s | of which summaries s | vs before "
+          "| time to first token s | TTFT / prefill | vs before | total s | SSD pages | host pages "
+          "| device-planned pages |\n" + "|---" * 11 + "|")
     for r in res["open"]:
-        print(f"| {r['name']} | {r['open_s']:.3f} | {r['open_vs_before']:.3f} | {r['ttft_s']:.3f} "
-              f"| {r['ttft_vs_before']:.3f} | {r['total_s']:.3f} | {r['ssd_pages']:.0f} | {r['host_pages']:.0f} "
-              f"| {r['device_plan_pages']:.0f} |")
+        print(f"| {r['name']} | {r['open_s']:.3f} | {r['summaries_s']:.3f} | {r['open_vs_before']:.3f} "
+              f"| {r['ttft_s']:.3f} | {100 * r['ttft_s'] / res['prefill_s']:.1f} % | {r['ttft_vs_before']:.3f} "
+              f"| {r['total_s']:.3f} | {r['ssd_pages']:.0f} | {r['host_pages']:.0f} | {r['device_plan_pages']:.0f} |")
     c = res["ceiling"]
     print(f"\n| SSD-only decode, {res['ssd_tokens']} tokens, cold disk (reader) | SSD pages | read calls | GB read "
           "| s reading | GB/s while reading | vs random-read ceiling | read calls/s | GB/s over the decode |\n"

@@ -6,8 +6,10 @@ An artifact may also be produced as chunks (``ArtifactData``): ``tensors_to_chun
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import math
 import struct
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -25,6 +27,17 @@ _DTYPE_ORDER = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "
 """safetensors' dtypes in the order it lays tensors out (widest first, then by name), so our bytes equal its own."""
 
 
+@functools.cache
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    """safetensors' dtype names and torch's dtypes (built on first use: torch is imported only then)."""
+    import torch
+
+    return {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "F8_E5M2": torch.float8_e5m2,
+            "F8_E4M3": torch.float8_e4m3fn, "I16": torch.int16, "U16": torch.uint16, "F16": torch.float16,
+            "BF16": torch.bfloat16, "I32": torch.int32, "U32": torch.uint32, "F32": torch.float32,
+            "C64": torch.complex64, "F64": torch.float64, "I64": torch.int64, "U64": torch.uint64}
+
+
 def tensors_to_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
     """Serialize a dict of tensors (safetensors format)."""
     from safetensors.torch import save as st_save
@@ -32,11 +45,53 @@ def tensors_to_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
     return st_save({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
 
 
-def bytes_to_tensors(data: bytes) -> dict[str, torch.Tensor]:
-    """Inverse of ``tensors_to_bytes``."""
-    from safetensors.torch import load as st_load
+MAX_HEADER_BYTES = 100 << 20
+"""Largest safetensors header parsed (safetensors' own limit)."""
 
-    return st_load(data)
+
+def bytes_to_tensors(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
+    """Inverse of ``tensors_to_bytes``. A writable buffer (``bytearray``, as the store reads artifacts) is not
+    copied: the tensors are views of it; ``bytes`` go through safetensors, which copies them."""
+    if isinstance(data, bytes):
+        from safetensors.torch import load as st_load
+
+        return st_load(data)
+    return _tensors_in(memoryview(data).cast("B"))
+
+
+def _tensors_in(view: memoryview) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors buffer as views of it; InvalidInput when the layout is not one it can hold."""
+    import torch
+
+    if view.readonly:
+        raise InvalidInput("a read-only buffer cannot be viewed as tensors")
+    if len(view) < 8:
+        raise InvalidInput("not a safetensors buffer: shorter than its header length")
+    (hlen,) = struct.unpack("<Q", view[:8])
+    if hlen > min(MAX_HEADER_BYTES, len(view) - 8):
+        raise InvalidInput(f"safetensors header of {hlen} bytes does not fit a buffer of {len(view)}")
+    try:
+        header = json.loads(bytes(view[8:8 + hlen]))
+    except ValueError as e:
+        raise InvalidInput(f"safetensors header does not parse: {e}") from None
+    if not isinstance(header, dict):
+        raise InvalidInput("safetensors header is not an object")
+    base, body = 8 + hlen, len(view) - 8 - hlen
+    out: dict[str, torch.Tensor] = {}
+    for name, e in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (lo, hi) = _torch_dtypes()[e["dtype"]], [int(d) for d in e["shape"]], e["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise InvalidInput(f"tensor {name!r}: bad safetensors entry") from None
+        numel = math.prod(shape)
+        if (min(shape, default=0) < 0 or not isinstance(lo, int) or not isinstance(hi, int)
+                or not 0 <= lo <= hi <= body or hi - lo != numel * dtype.itemsize):
+            raise InvalidInput(f"tensor {name!r}: shape {shape} and offsets [{lo}, {hi}) do not fit the buffer")
+        out[name] = (torch.frombuffer(view, dtype=dtype, count=numel, offset=base + lo).reshape(shape) if numel
+                     else torch.empty(shape, dtype=dtype))
+    return out
 
 
 def new_digest() -> hashlib.blake2b:
@@ -66,11 +121,7 @@ class _Entry:
 
 
 def _entry(t: torch.Tensor) -> _Entry:
-    import torch
-
-    names = {torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.uint16: "U16",
-             torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32", torch.uint32: "U32",
-             torch.float32: "F32", torch.float64: "F64", torch.int64: "I64", torch.uint64: "U64"}
+    names = {dtype: name for name, dtype in _torch_dtypes().items()}
     if t.dtype not in names:
         raise InvalidInput(f"tensors of dtype {t.dtype} cannot be stored in an artifact")
     return _Entry(dtype=names[t.dtype], shape=tuple(t.shape), nbytes=t.numel() * t.element_size())

@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 
 from store.artifacts import digest
+from store.hashed_read import read_hashed
 from store.manifest import Manifest
 from store.pages import HASH_CHUNK, layer_file_name
 
@@ -151,21 +152,21 @@ def file_problem(directory: Path, manifest: Manifest) -> str | None:
     return None
 
 
-def read_artifact(directory: Path, manifest: Manifest, name: str) -> bytes | None:
+def read_artifact(directory: Path, manifest: Manifest, name: str) -> bytearray | None:
     """The bytes of the artifact ``name`` (None when the manifest lists none), checked against the manifest's
-    size and digest; InvalidRecord otherwise. Reads at most the manifest's size + 1 bytes."""
+    size and digest as they are read; InvalidRecord otherwise. Reads at most the manifest's size + 1 bytes."""
     index = next((i for i, a in enumerate(manifest.artifacts) if a.name == name), None)
     if index is None:
         return None
     info = manifest.artifacts[index]
     try:
         with open(directory / artifact_file_name(index), "rb") as f:
-            data = f.read(info.size + 1)
+            data, got = read_hashed(f, info.size)
     except OSError as e:
         raise InvalidRecord(f"artifact {name!r} unreadable: {e.strerror or e}") from None
-    if len(data) != info.size:
+    if got is None:
         raise InvalidRecord(f"artifact {name!r} is not {info.size} bytes long")
-    if digest(data) != info.blake2b:
+    if got != info.blake2b:
         raise InvalidRecord(f"artifact {name!r} failed its checksum")
     return data
 

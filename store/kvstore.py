@@ -65,6 +65,13 @@ __all__ = ["KVStore", "PrefixWriter", "PAGE_CRC_ARTIFACT", "Lease", "PrefixUsage
 log = logging.getLogger(__name__)
 
 
+def read_only_u32(data: bytearray, shape: tuple[int, ...]) -> np.ndarray:
+    """``data`` as a read-only uint32 array of ``shape`` (a view: the page CRCs callers share)."""
+    a = np.frombuffer(data, dtype=np.uint32).reshape(shape)
+    a.flags.writeable = False
+    return a
+
+
 def _owned(m: Manifest, tenant: str, secret: str | None) -> bool:
     """The tenant-visibility rule: the prefix was committed for ``tenant`` (and, when the caller's salt
     secret is given, its key carries the salt that secret gives ``tenant``).
@@ -480,7 +487,7 @@ class KVStore:
         return info.bytes
 
     # -- reads ---------------------------------------------------------------------------------
-    def artifact(self, prefix_id: str, name: str, *, manifest: Manifest | None = None) -> bytes:
+    def artifact(self, prefix_id: str, name: str, *, manifest: Manifest | None = None) -> bytearray:
         """An artifact's bytes, read from its file in the prefix directory and checked against the manifest's
         size and digest (CorruptData otherwise; never more than its size + 1 bytes are read). PrefixNotFound when
         the manifest lists no artifact ``name``."""
@@ -497,8 +504,7 @@ class KVStore:
         """Per-page keyed CRCs ``[layers, kv_heads, pages]``."""
         m = self._read_manifest(prefix_id, manifest)
         shape = (m.layout.n_layers, m.layout.n_kv_heads, m.layout.n_pages(m.n_tokens))
-        data = self.artifact(prefix_id, PAGE_CRC_ARTIFACT, manifest=m)
-        return np.frombuffer(data, dtype=np.uint32).reshape(shape)
+        return read_only_u32(self.artifact(prefix_id, PAGE_CRC_ARTIFACT, manifest=m), shape)
 
     def read_pages(self, prefix_id: str, layer: int, head: int, pages: list[int], out: torch.Tensor, *,
                    verify: bool = False, manifest: Manifest | None = None, crcs: np.ndarray | None = None) -> None:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
 import torch
 
 from store.errors import Cancelled
+from store.kvstore import KVStore
 from workers.decode_batch import EngineConfig
 from workers.engine import GenerationStream, Worker, drain_together
 from workers.methods.registry import METHODS, NEEDS_ADAPTER, compression_methods
@@ -283,3 +285,20 @@ def test_a_generation_joins_the_engine_when_it_is_asked_for_not_when_first_pulle
     for s in streams[1:]:
         s.close()  # never pulled
     assert worker.engine.running() == 0 and all(worker.store.leases(pid) == [] for pid in pids)
+
+
+def test_time_to_first_token_counts_the_open(worker: Worker, pids: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ttft_s`` runs from the call, so a slow open (here: summaries that take 0.3 s to read) is in it, and
+    ``open_s`` / ``summaries_s`` say how much of it was opening."""
+    slow = 0.3
+    read = KVStore.artifact
+
+    def slow_read(self: KVStore, *a: object, **k: object) -> bytearray:
+        time.sleep(slow)
+        return read(self, *a, **k)
+
+    worker.summaries.drop(pids[0])
+    monkeypatch.setattr(KVStore, "artifact", slow_read)
+    st = _alone(worker, pids[0], QUERIES[0], "quest", DecodeConfig(budget=0.5))
+    e = st.extra
+    assert slow <= e["summaries_s"] <= e["open_s"] <= e["ttft_s"] <= st.seconds, e

@@ -141,6 +141,10 @@ def test_artifact_reads_are_bounded_by_the_manifest(store: KVStore, monkeypatch:
             asked.append(n)
             return self.f.read(n)
 
+        def readinto(self, b: memoryview) -> int:
+            asked.append(len(b))
+            return self.f.readinto(b)
+
     monkeypatch.setattr(disk_record, "open", lambda *a, **k: Spy(real_open(*a, **k)), raising=False)
     for call in (lambda: store.artifact(pid, "extra"), lambda: store.verify(pid)):
         with pytest.raises(CorruptData, match="extra"):

@@ -197,6 +197,7 @@ class Worker:
         The query is wrapped in the model's query template unless ``raw``. The generation joins the
         worker's decode engine: concurrent generations advance together, one batched step at a time.
         """
+        t0 = time.perf_counter()
         params = params or SamplingParams()
         m = self.open_prefix(prefix_id, tenant)
         if not isinstance(query, str) or not query.strip():
@@ -228,9 +229,10 @@ class Worker:
             if self.engine.config.cuda_graphs and isinstance(attn, UsesCudaGraphs):
                 attn.use_cuda_graphs()
             gen = self._generation(attn, source, q_ids, params, min(room, params.max_new_tokens),
-                                   stats if stats is not None else GenerationStats(), tenant)
+                                   stats if stats is not None else GenerationStats(), tenant, started=t0)
             gen.meter = DeviceMeter(own=gen.own, source=source, method=attn, device=self.lm.device)
             gen.meter.sample()
+            gen.stats.extra["open_s"] = time.perf_counter() - t0  # summaries and setup, before any step
             # Joins the engine now, not at the consumer's first pull: it rides the next step whoever drives it
             # (a consumer pulling several streams in turn would otherwise add one generation per step).
             self.engine.start(gen)
@@ -244,7 +246,7 @@ class Worker:
         return LookaheadModel(self.lm.model, self.lm.lookahead) if self.lm.lookahead is not None else None
 
     def _generation(self, attn: PrefixAttention, source: PrefixSource, q_ids: list[int], params: SamplingParams,
-                    max_new: int, stats: GenerationStats, tenant: str) -> Generation:
+                    max_new: int, stats: GenerationStats, tenant: str, started: float) -> Generation:
         lm, lay = self.lm, self.lm.layout
         own = OwnKV(lay, len(q_ids) + max_new, lm.device, lm.model.dtype, initial=len(q_ids) + FIRST_STEPS)
         if has_decaying_memory(lm.model.config):  # its first own token continues the prefix's memory state
@@ -253,7 +255,7 @@ class Worker:
         text = TextStream(lm.tokenizer, params.stop or lm.prompt.stop)
         return Generation(prefix=attn, own=own, pending=list(q_ids), position=source.n_tokens,
                           sampler=Sampler(params, lm.device), text=text, eos_ids=lm.eos_ids, max_new=max_new,
-                          stats=stats, tenant=tenant,
+                          stats=stats, tenant=tenant, started=started,
                           full_step_bytes=source.n_tokens * lay.token_kv_bytes() * lay.n_kv_heads * lay.n_layers)
 
     def _run(self, gen: Generation, source: PrefixSource, lease: LeaseHandle) -> Generator[str, None, None]:
@@ -340,6 +342,7 @@ def _finish_stats(gen: Generation, source: PrefixSource) -> None:
     else:
         st.bytes_fetched = source.bytes_read
         st.prefix_tokens_per_step = [source.n_tokens * lay.n_layers * lay.n_kv_heads] * st.steps
+    st.extra["summaries_s"] = source.artifact_s  # part of open_s (and of later steps', if a method reads late)
     st.extra["own_kv_bytes"] = float(gen.own.nbytes)  # what its own tokens' K/V came to
     st.extra["graph_steps"] = float(gen.graph_steps)  # steps replayed from a whole-step CUDA graph
     if gen.meter is not None:  # device memory it held at its peak (workers.device_bytes)

@@ -357,9 +357,11 @@ class GenerationStats:
     prefix_tokens_per_step: list[int] = field(default_factory=list)
     """Exact prefix tokens each step attended, summed over layers and KV heads (all of them for "full")."""
     extra: dict[str, float] = field(default_factory=dict)
-    """Named counters every interface carries: ``ttft_s``, ``ms_per_token``, ``batch_*``, the tiers'
-    ``offload_*``, and ``device_bytes`` (device memory the generation held at its peak; its parts
-    ``device_bytes_<part>``, defined in ``workers/device_bytes.py``), among others."""
+    """Named counters every interface carries: ``ttft_s`` (from the worker's ``generate`` call, opening the prefix
+    included), ``open_s`` (its part before the first step: the prefix's summaries, ``summaries_s``, and the
+    generation's setup), ``ms_per_token``, ``batch_*``, the tiers' ``offload_*``, and ``device_bytes`` (device
+    memory the generation held at its peak; its parts ``device_bytes_<part>``, defined in
+    ``workers/device_bytes.py``), among others."""
 
     def to_json(self) -> dict[str, Any]:
         """The wire counters as one flat JSON object (``extra`` merged in)."""

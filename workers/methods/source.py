@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -45,6 +46,9 @@ class PrefixSource:
         self.view_switch: Callable[[], HostPageView | None] | None = None
         """Polled at steps while ``host_view`` is None, as ``switch`` (``FastOpen.poll_view``)."""
         self.bytes_read = 0
+        self.artifact_s = 0.0
+        """Seconds spent getting artifacts: read, checked and parsed (or found in the summary cache), then
+        copied to the device (the copy's launch; a device copy from pageable memory is synchronous)."""
 
     def shared_key(self, name: str) -> tuple[str, str, str] | None:
         """Key under which the generations over this prefix on this device may share read-only state derived
@@ -116,11 +120,15 @@ class PrefixSource:
 
     def artifact(self, name: str) -> dict[str, torch.Tensor]:
         """An artifact's tensors (checksum-verified) on the device."""
-        if self.summaries is None:
-            data = self.store.artifact(self.manifest.prefix_id, name)
-            self.bytes_read += len(data)
-            return {k: t.to(self.device) for k, t in bytes_to_tensors(data).items()}
-        cached = self.summaries.tensors(self.store, self.manifest, name)
-        info = self.manifest.artifact(name)
-        self.bytes_read += info.size if info is not None else 0
-        return {k: t.to(self.device, copy=True) for k, t in cached.items()}  # a copy: callers may modify theirs
+        t0 = time.perf_counter()
+        try:
+            if self.summaries is None:
+                data = self.store.artifact(self.manifest.prefix_id, name)
+                self.bytes_read += len(data)
+                return {k: t.to(self.device) for k, t in bytes_to_tensors(data).items()}
+            cached = self.summaries.tensors(self.store, self.manifest, name)
+            info = self.manifest.artifact(name)
+            self.bytes_read += info.size if info is not None else 0
+            return {k: t.to(self.device, copy=True) for k, t in cached.items()}  # a copy: callers may modify theirs
+        finally:
+            self.artifact_s += time.perf_counter() - t0

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from store.artifacts import bytes_to_tensors
-from store.kvstore import PAGE_CRC_ARTIFACT, KVStore
+from store.kvstore import PAGE_CRC_ARTIFACT, KVStore, read_only_u32
 from store.manifest import Manifest
 
 T = TypeVar("T")
@@ -48,7 +48,7 @@ class SummaryCache:
         lay = manifest.layout
         shape = (lay.n_layers, lay.n_kv_heads, lay.n_pages(manifest.n_tokens))
         return self._get(store, manifest, PAGE_CRC_ARTIFACT,
-                         lambda data: np.frombuffer(data, dtype=np.uint32).reshape(shape), lambda a: a.nbytes)
+                         lambda data: read_only_u32(data, shape), lambda a: a.nbytes)
 
     def drop(self, prefix_id: str) -> int:
         """Forget every entry of ``prefix_id`` (e.g. it was deleted); returns the bytes freed."""
