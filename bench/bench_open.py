@@ -75,6 +75,7 @@ from workers.offload import OffloadConfig  # noqa: E402
 from workers.requests import DecodeConfig, GenerationStats, SamplingParams  # noqa: E402
 
 QUERY = " What does the text say about the river?"
+SECTIONS = {"crc", "reads", "open", "ssd"}
 PID = "0123456789abcdef0123456789abcdef"
 
 
@@ -212,25 +213,31 @@ def generate(worker: Worker, pid: str, n: int, query_pages: str = "token"
     return st, at[0] - t0, at[1] - t0, end - t0
 
 
+OPEN_ROWS = ("before", "blocking", "fast", "ssd-before", "ssd", "shared", "warm")
+"""The open section's rows, in order (``--open-rows`` picks some)."""
+
+
 def open_section(store: KVStore, lm: LoadedModel, pid: str, base: OffloadConfig, n: int, drop: bool,
-                 reps: int) -> tuple[list[dict], bool]:
-    """Time to first token of each way of opening the prefix (see the module docstring); each row's
-    fastest of ``reps`` runs (every run on a fresh worker)."""
+                 reps: int, which: tuple[str, ...] = OPEN_ROWS) -> tuple[list[dict], bool]:
+    """Time to first token of each way of opening the prefix (see the module docstring) named in ``which``; each
+    row's fastest of ``reps`` runs (every run on a fresh worker), printed as soon as it is measured."""
     blocking = dataclasses.replace(base, warm_in_background=False)
     ssd_only = dataclasses.replace(base, warm_host_fraction=0.0)
-    # (name, config, the old per-page CRC, the old summary read, query_pages)
-    rows_cfg: list[tuple[str, OffloadConfig, bool, bool, str]] = [
-        ("before: warm whole prefix first, per-page zlib CRC, summaries read then hashed", blocking, True, True,
-         "token"),
-        ("blocking warm, batched CRC", blocking, False, False, "token"),
-        ("fast open: background warm, SSD on demand", base, False, False, "token"),
-        ("SSD only (no warm-up), summaries read then hashed (before)", ssd_only, False, True, "token"),
-        ("SSD only (no warm-up)", ssd_only, False, False, "token"),
-        ("SSD only, the query's tokens share their pages (query_pages=shared)", ssd_only, False, False, "shared"),
-    ]
+    # key: (name, config, the old per-page CRC, the old summary read, query_pages)
+    cold_rows: dict[str, tuple[str, OffloadConfig, bool, bool, str]] = {
+        "before": ("before: warm whole prefix first, per-page zlib CRC, summaries read then hashed", blocking, True,
+                   True, "token"),
+        "blocking": ("blocking warm, batched CRC", blocking, False, False, "token"),
+        "fast": ("fast open: background warm, SSD on demand", base, False, False, "token"),
+        "ssd-before": ("SSD only (no warm-up), summaries read then hashed (before)", ssd_only, False, True, "token"),
+        "ssd": ("SSD only (no warm-up)", ssd_only, False, False, "token"),
+        "shared": ("SSD only, the query's tokens share their pages (query_pages=shared)", ssd_only, False, False,
+                   "shared"),
+    }
     rows, dropped = [], False
     generate(Worker(store, lm, progress=False, offload=blocking), pid, 2)  # untimed: kernel compilation, allocator
-    for name, cfg, old_crc, old_read, query_pages in rows_cfg:
+    for key in (k for k in OPEN_ROWS if k in which and k in cold_rows):
+        name, cfg, old_crc, old_read, query_pages = cold_rows[key]
         runs = []
         for _ in range(reps):
             dropped = drop and drop_os_cache()
@@ -246,18 +253,27 @@ def open_section(store: KVStore, lm: LoadedModel, pid: str, base: OffloadConfig,
                     "query_pages": query_pages})
             finally:
                 page_io.verify_pages, disk_record.read_artifact = saved
-        rows.append(_fastest(runs))
-    runs = []
-    for _ in range(reps):  # host-warm: a second query on a worker whose tier holds the prefix (a first query warmed it)
-        worker = Worker(store, lm, progress=False, offload=blocking)
-        generate(worker, pid, 1)
-        runs.append(_open_row("host-warm: prefix in the host tier, summaries cached", *generate(worker, pid, n),
-                              cold=False))
-    rows.append(_fastest(runs))
+        rows.append(_shown(_fastest(runs)))
+    if "warm" in which:
+        runs = []
+        for _ in range(reps):  # a second query on a worker whose tier holds the prefix (a first query warmed it)
+            worker = Worker(store, lm, progress=False, offload=blocking)
+            generate(worker, pid, 1)
+            runs.append(_open_row("host-warm: prefix in the host tier, summaries cached", *generate(worker, pid, n),
+                                  cold=False))
+        rows.append(_shown(_fastest(runs)))
     for r in rows:
         r["open_vs_before"] = r["open_s"] / rows[0]["open_s"]
         r["ttft_vs_before"] = r["ttft_s"] / rows[0]["ttft_s"]
     return rows, dropped
+
+
+def _shown(row: dict) -> dict:
+    """``row``, printed at once (a run stopped by a time limit keeps what it measured)."""
+    print(f"  {row['name']}: open {row['open_s']:.3f} s (summaries {row['summaries_s']:.3f} s), time to first "
+          f"token {row['ttft_s']:.3f} s, total {row['total_s']:.3f} s, SSD pages {row['ssd_pages']:.0f}; "
+          + ", ".join(f"{k.removeprefix('offload_')} {row['stats'].get(k, 0.0):.3f}" for k in STEP_PARTS), flush=True)
+    return row
 
 
 def _fastest(runs: list[dict]) -> dict:
@@ -284,7 +300,7 @@ def read_then_hash(directory: Path, manifest: Manifest, name: str) -> bytes | No
 def _open_row(name: str, st: GenerationStats, open_s: float, ttft: float, total: float, *, cold: bool) -> dict:
     x = st.extra
     return {"name": name, "cold": cold, "open_s": open_s, "ttft_s": ttft, "total_s": total, "steps": st.steps,
-            "tokens": st.token_ids, "summaries_s": x.get("summaries_s", 0.0), "stats_ttft_s": x.get("ttft_s", 0.0),
+            "tokens": st.token_ids, "summaries_s": x.get("summaries_s", 0.0), "stats": dict(x),
             "ssd_pages": x.get("offload_ssd_pages", 0.0), "host_pages": x.get("offload_host_pages", 0.0),
             "device_plan_pages": x.get("offload_device_plan_pages", 0.0)}
 
@@ -359,37 +375,54 @@ def build(args: argparse.Namespace, work: Path) -> tuple[LoadedModel, KVStore, s
 
 
 def report(res: dict) -> None:
-    """Print the three tables."""
+    """Print the tables of the sections that ran."""
     print(f"\ndevice: {res['device']}; CRC-32 implementation: {res['crc_impl']}; prefix {res['n_tokens']} tokens, "
           f"{res['kv_bytes'] / 1e9:.3f} GB of page files ({res['page_bytes']} B pages), prefill+write "
           f"{res['prefill_s']:.1f} s; OS page cache dropped before cold rows: {res['cache_dropped']}\n")
-    print("| CRC verification | page bytes | GB/s | vs before (per page, 1 thread) |\n|---|---|---|---|")
-    for r in res["crc"]:
-        print(f"| {r['variant']} | {r['page_bytes']} | {r['gbps']:.2f} | {r['vs_before']:.2f} |")
-    print("\n| random page reads in flight | reads | IOPS | GB/s | vs depth 1 |\n|---|---|---|---|---|")
-    for r in res["reads"]:
-        print(f"| {r['depth']} | {r['reads']} | {r['iops']:.0f} | {r['gbps']:.3f} | {r['vs_depth1']:.2f} |")
-    print(f"\n| open + first token ({res['tokens']} tokens, quest 2%) | open s | of which summaries s | vs before "
-          "| time to first token s | TTFT / prefill | vs before | total s | SSD pages | host pages "
+    if res["crc"]:
+        print("| CRC verification | page bytes | GB/s | vs before (per page, 1 thread) |\n|---|---|---|---|")
+        for r in res["crc"]:
+            print(f"| {r['variant']} | {r['page_bytes']} | {r['gbps']:.2f} | {r['vs_before']:.2f} |")
+    if res["reads"]:
+        print("\n| random page reads in flight | reads | IOPS | GB/s | vs depth 1 |\n|---|---|---|---|---|")
+        for r in res["reads"]:
+            print(f"| {r['depth']} | {r['reads']} | {r['iops']:.0f} | {r['gbps']:.3f} | {r['vs_depth1']:.2f} |")
+    if res["open"]:
+        _report_open(res)
+    if res["ssd_decode"]:
+        c = res["ceiling"]
+        print(f"\n| SSD-only decode, {res['ssd_tokens']} tokens, cold disk (reader) | SSD pages | read calls | GB read "
+              "| s reading | GB/s while reading | vs random-read ceiling | read calls/s | GB/s over the decode |\n"
+              + "|---" * 9 + "|")
+        for r in res["ssd_decode"]:
+            print(f"| {r['name']} | {r['ssd_pages']:.0f} | {r['read_calls']:.0f} | {r['ssd_bytes'] / 1e9:.3f} "
+                  f"| {r['ssd_read_s']:.3f} | {r['gbps_reading']:.3f} | **{r['vs_ceiling']:.2f}** "
+                  f"| {r['calls_per_s']:.0f} | {r['gbps_whole']:.3f} |")
+        print(f"(ceiling: single-page random reads at {c['depth']} in flight above, {c['gbps']:.3f} GB/s, "
+              f"{c['iops']:.0f} IOPS)")
+    shared = [r for r in res["open"] if r.get("query_pages") == "shared"]
+    print(f"\nall rows give identical tokens: {res['same_tokens']}"
+          + "".join(f"; the shared-query row's tokens equal the others': {r['tokens'] == res['open'][0]['tokens']}"
+                    for r in shared))
+
+
+STEP_PARTS = ("offload_select_s", "offload_ssd_read_s", "offload_verify_s", "offload_sources_s", "offload_fetch_s",
+              "offload_attend_s")
+"""The fetch path's timers (summed over the generation's steps) shown per open row."""
+
+
+def _report_open(res: dict) -> None:
+    print(f"\n| open + first token ({res['tokens']} tokens, quest 2%) | open s | of which summaries s | vs first row "
+          "| time to first token s | TTFT / prefill | vs first row | total s | SSD pages | host pages "
           "| device-planned pages |\n" + "|---" * 11 + "|")
     for r in res["open"]:
         print(f"| {r['name']} | {r['open_s']:.3f} | {r['summaries_s']:.3f} | {r['open_vs_before']:.3f} "
               f"| {r['ttft_s']:.3f} | {100 * r['ttft_s'] / res['prefill_s']:.1f} % | {r['ttft_vs_before']:.3f} "
               f"| {r['total_s']:.3f} | {r['ssd_pages']:.0f} | {r['host_pages']:.0f} | {r['device_plan_pages']:.0f} |")
-    c = res["ceiling"]
-    print(f"\n| SSD-only decode, {res['ssd_tokens']} tokens, cold disk (reader) | SSD pages | read calls | GB read "
-          "| s reading | GB/s while reading | vs random-read ceiling | read calls/s | GB/s over the decode |\n"
-          + "|---" * 9 + "|")
-    for r in res["ssd_decode"]:
-        print(f"| {r['name']} | {r['ssd_pages']:.0f} | {r['read_calls']:.0f} | {r['ssd_bytes'] / 1e9:.3f} "
-              f"| {r['ssd_read_s']:.3f} | {r['gbps_reading']:.3f} | **{r['vs_ceiling']:.2f}** | {r['calls_per_s']:.0f} "
-              f"| {r['gbps_whole']:.3f} |")
-    print(f"(ceiling: single-page random reads at {c['depth']} in flight above, {c['gbps']:.3f} GB/s, "
-          f"{c['iops']:.0f} IOPS)")
-    shared = [r for r in res["open"] if r.get("query_pages") == "shared"]
-    print(f"\nall rows give identical tokens: {res['same_tokens']}"
-          + "".join(f"; the shared-query row's tokens equal the others': {r['tokens'] == res['open'][0]['tokens']}"
-                    for r in shared))
+    print("\n| the same rows: fetch-path seconds over the whole generation | "
+          + " | ".join(k.removeprefix("offload_") for k in STEP_PARTS) + " |\n" + "|---" * (1 + len(STEP_PARTS)) + "|")
+    for r in res["open"]:
+        print(f"| {r['name']} | " + " | ".join(f"{r['stats'].get(k, 0.0):.3f}" for k in STEP_PARTS) + " |")
 
 
 def main() -> None:
@@ -407,8 +440,18 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="small shape on the CPU (about a minute)")
     p.add_argument("--drop-cache", choices=("auto", "yes", "no"), default="auto",
                    help="drop the OS page cache before cold rows (root only; auto: not with --quick, a shared CPU)")
+    p.add_argument("--sections", default="crc,reads,open,ssd",
+                   help="which sections to run, comma-separated (ssd needs reads: its ceiling)")
+    p.add_argument("--open-rows", default=",".join(OPEN_ROWS),
+                   help=f"the open section's rows, comma-separated, of: {', '.join(OPEN_ROWS)}")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
+    args.open_rows = tuple(args.open_rows.split(","))
+    if not set(args.open_rows) <= set(OPEN_ROWS):
+        p.error(f"--open-rows: of {', '.join(OPEN_ROWS)}")
+    args.sections = set(args.sections.split(","))
+    if not args.sections <= SECTIONS or ("ssd" in args.sections and "reads" not in args.sections):
+        p.error(f"--sections: a subset of {sorted(SECTIONS)}, with reads when ssd is in it")
     if args.quick:
         args.ctx, args.layers, args.tokens, args.crc_mb, args.reads, args.ssd_tokens = 4096, 4, 4, 32, 4000, 4
         args.gpu_cache_mb, args.host_cache_mb = 8, 512  # the CPU reference kernel converts whole pools
@@ -427,18 +470,27 @@ def run(args: argparse.Namespace, drop: bool, work: Path) -> bool:
     base = OffloadConfig(gpu_cache_bytes=args.gpu_cache_mb << 20, host_cache_bytes=args.host_cache_mb << 20,
                          warm_host_fraction=1.0)
     print(f"prefix {m.n_tokens} tokens saved in {prefill_s:.1f} s", flush=True)
-    crc = crc_section(sorted({m.layout.page_bytes, 8192}), args.crc_mb << 20, base.io_threads)
-    print("CRC done", flush=True)
-    reads, dropped = read_section(store, pid, sorted({1, 4, base.io_depth, 2 * base.io_depth}), args.reads, drop)
-    print("reads done", flush=True)
-    opened, dropped2 = open_section(store, lm, pid, base, args.tokens, drop, args.reps)
-    ceiling = max(reads, key=lambda r: r["gbps"])
-    ssd = ssd_decode_section(store, lm, pid, base, args.ssd_tokens, drop, ceiling)
-    print("SSD decode done", flush=True)
+    crc, reads, opened, ssd, ceiling, dropped, dropped2 = [], [], [], [], {}, drop, drop
+    if "crc" in args.sections:
+        crc = crc_section(sorted({m.layout.page_bytes, 8192}), args.crc_mb << 20, base.io_threads)
+        print("CRC done", flush=True)
+    if "reads" in args.sections:
+        reads, dropped = read_section(store, pid, sorted({1, 4, base.io_depth, 2 * base.io_depth}), args.reads,
+                                      drop)
+        ceiling = max(reads, key=lambda r: r["gbps"])
+        print("reads done", flush=True)
+    if "open" in args.sections:
+        opened, dropped2 = open_section(store, lm, pid, base, args.tokens, drop, args.reps, args.open_rows)
+        print("open done", flush=True)
+    if "ssd" in args.sections:
+        ssd = ssd_decode_section(store, lm, pid, base, args.ssd_tokens, drop, ceiling)
+        print("SSD decode done", flush=True)
     # A shared query selection attends other pages: its tokens may differ (reported apart, not checked).
     same = all(r["tokens"] == opened[0]["tokens"] and r["same_tokens_across_reps"] for r in opened
                if r.get("query_pages", "token") == "token")
     same = same and all(r["tokens"] == ssd[0]["tokens"] for r in ssd)
+    if opened and ssd:
+        same = same and ssd[0]["tokens"][:len(opened[0]["tokens"])] == opened[0]["tokens"]
     res = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "crc_impl": CRC32_IMPL,
            "n_tokens": m.n_tokens, "kv_bytes": sum(f.size for f in m.files), "page_bytes": m.layout.page_bytes,
            "prefill_s": prefill_s, "cache_dropped": dropped and dropped2, "tokens": args.tokens,

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +28,14 @@ from transformers import DynamicCache
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import describe_device, document, llama8b_attention_spec, load_random_model, sync  # noqa: E402
+from bench.common import (  # noqa: E402
+    describe_device,
+    document,
+    in_scratch_dir,
+    llama8b_attention_spec,
+    load_random_model,
+    sync,
+)
 from lab.tiny_random import TinyLlamaSpec  # noqa: E402
 from store.config import StoreConfig  # noqa: E402
 from store.kvstore import KVStore  # noqa: E402
@@ -140,8 +146,9 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.ctx, args.layers, args.dynamic = 4096, 2, True
-    with tempfile.TemporaryDirectory() as tmp:
-        r = run(args, Path(tmp))
+    out: list[dict] = []
+    in_scratch_dir(lambda work: out.append(run(args, work)), prefix="kvstash-prefill-")  # removed on SIGTERM too
+    r = out[0]
     print(f"\ndevice: {r['device']}; {r['ctx']} tokens, {r['layers']} layers (MLP {r['mlp']}), chunks of {r['chunk']}")
     print("\n| prefill | s | tokens/s | vs forward only |")
     print("|---|---|---|---|")

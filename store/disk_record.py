@@ -160,8 +160,7 @@ def read_artifact(directory: Path, manifest: Manifest, name: str) -> bytearray |
         return None
     info = manifest.artifacts[index]
     try:
-        with open(directory / artifact_file_name(index), "rb") as f:
-            data, got = read_hashed(f, info.size)
+        data, got = read_hashed(directory / artifact_file_name(index), info.size)
     except OSError as e:
         raise InvalidRecord(f"artifact {name!r} unreadable: {e.strerror or e}") from None
     if got is None:

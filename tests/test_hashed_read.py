@@ -5,8 +5,8 @@ tensors and refusals as reading then hashing, then parsing with safetensors."""
 from __future__ import annotations
 
 import hashlib
-import io
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -27,51 +27,63 @@ def _b2(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=32).hexdigest()
 
 
+def _file(tmp_path: Path, data: bytes) -> Path:
+    p = tmp_path / "f.bin"
+    p.write_bytes(data)
+    return p
+
+
 @pytest.mark.parametrize("size", [0, 1, 7, 8, 9, 64, 1000])
-@pytest.mark.parametrize("chunk", [1, 8, 4096])
-def test_digest_and_bytes_equal_a_plain_read(size: int, chunk: int) -> None:
-    data = bytes(range(256)) * 4
-    data = data[:size]
-    got, dig = read_hashed(io.BytesIO(data), size, chunk=chunk)
+@pytest.mark.parametrize(("chunk", "threads"), [(1, 1), (8, 3), (7, 16), (4096, 4)])
+def test_digest_and_bytes_equal_a_plain_read(tmp_path: Path, size: int, chunk: int, threads: int) -> None:
+    data = (bytes(range(256)) * 4)[:size]
+    got, dig = read_hashed(_file(tmp_path, data), size, chunk=chunk, threads=threads)
     assert bytes(got) == data
     assert dig == _b2(data)
 
 
-@pytest.mark.parametrize("chunk", [1, 5, 4096])
-def test_a_short_or_long_file_has_no_digest(chunk: int) -> None:
-    data = b"x" * 100
-    short, dig = read_hashed(io.BytesIO(data), 101, chunk=chunk)
+@pytest.mark.parametrize(("chunk", "threads"), [(1, 2), (5, 4), (30, 2), (4096, 4)])
+def test_a_short_or_long_file_has_no_digest(tmp_path: Path, chunk: int, threads: int) -> None:
+    data = bytes(range(100))
+    path = _file(tmp_path, data)
+    short, dig = read_hashed(path, 131, chunk=chunk, threads=threads)
     assert (bytes(short), dig) == (data, None)
-    long_, dig = read_hashed(io.BytesIO(data), 99, chunk=chunk)
+    long_, dig = read_hashed(path, 99, chunk=chunk, threads=threads)
     assert (bytes(long_), dig) == (data[:99], None)
 
 
-def test_hashing_runs_beside_the_reads() -> None:
-    """With more than one chunk, a hash runs in the helper thread (it is the overlap being bought)."""
-    threads: set[str] = set()
+def test_a_missing_file_raises_oserror(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        read_hashed(tmp_path / "none", 10)
 
-    class Spy:
-        def __init__(self) -> None:
-            self.h = hashlib.blake2b(digest_size=32)
 
-        def update(self, b: memoryview) -> None:
-            import threading
+def test_several_reads_are_in_flight_while_the_caller_hashes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    """The reads run on the pool's threads, more than one at a time (the overlap being bought)."""
+    import threading
+    import time
 
-            threads.add(threading.current_thread().name)
-            self.h.update(b)
+    real, lock = os.preadv, threading.Lock()
+    live, peak, names = [0], [0], set()
 
-        def hexdigest(self) -> str:
-            return self.h.hexdigest()
+    def slow_preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
+        with lock:
+            live[0] += 1
+            peak[0] = max(peak[0], live[0])
+            names.add(threading.current_thread().name)
+        time.sleep(0.02)
+        try:
+            return real(fd, buffers, offset)
+        finally:
+            with lock:
+                live[0] -= 1
 
-    data = bytes(10_000)
-    orig = hashed_read.new_digest
-    hashed_read.new_digest = Spy  # type: ignore[assignment]
-    try:
-        _, dig = read_hashed(io.BytesIO(data), len(data), chunk=1000)
-    finally:
-        hashed_read.new_digest = orig
-    assert dig == _b2(data)
-    assert threads and all(t.startswith("kvstash-hash") for t in threads)
+    data = bytes(range(256)) * 40
+    path = _file(tmp_path, data)
+    monkeypatch.setattr(os, "preadv", slow_preadv)
+    got, dig = read_hashed(path, len(data), chunk=1000, threads=4)
+    assert bytes(got) == data and dig == _b2(data)
+    assert peak[0] > 1 and all(n.startswith("kvstash-read") for n in names), (peak, names)
 
 
 DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.float16, torch.bfloat16,

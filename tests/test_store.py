@@ -125,7 +125,7 @@ def test_artifact_reads_are_bounded_by_the_manifest(store: KVStore, monkeypatch:
     with open(path, "ab") as f:
         f.write(b"x" * (1 << 20))
     asked: list[int] = []
-    real_open = open
+    real_open, real_preadv, real_pread = open, os.preadv, os.pread
 
     class Spy:
         def __init__(self, f) -> None:  # noqa: ANN001
@@ -141,11 +141,17 @@ def test_artifact_reads_are_bounded_by_the_manifest(store: KVStore, monkeypatch:
             asked.append(n)
             return self.f.read(n)
 
-        def readinto(self, b: memoryview) -> int:
-            asked.append(len(b))
-            return self.f.readinto(b)
+    def preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
+        asked.append(offset + sum(len(b) for b in buffers))  # the farthest byte asked for
+        return real_preadv(fd, buffers, offset)
+
+    def pread(fd: int, n: int, offset: int) -> bytes:
+        asked.append(offset + n)
+        return real_pread(fd, n, offset)
 
     monkeypatch.setattr(disk_record, "open", lambda *a, **k: Spy(real_open(*a, **k)), raising=False)
+    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(os, "pread", pread)
     for call in (lambda: store.artifact(pid, "extra"), lambda: store.verify(pid)):
         with pytest.raises(CorruptData, match="extra"):
             call()
