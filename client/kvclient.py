@@ -263,7 +263,7 @@ class KVClient:
         when its budget is matched (1: the conservative worst case); ``ratio`` is the fraction of the
         prefix's KV pairs a compression method's cache keeps (kvzip, hybridkv, streamingllm);
         ``query_pages="shared"`` lets the query's tokens share one page selection per chunk (page methods: fewer
-        pages read before the first token; embedded workers only).
+        pages read before the first token; every interface carries it).
         """
         req = GenerateRequest(prefix_id=self._prefix_id(prefix), query=query, method=method, raw=raw,
                               decode=DecodeConfig(budget=budget, budget_tokens=budget_tokens, ratio=ratio,

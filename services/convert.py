@@ -8,7 +8,15 @@ import grpc
 
 from services.gen import kvstash_pb2 as pb
 from store.manifest import Manifest
-from workers.requests import LIMITS, DecodeConfig, GenerateRequest, GenerationStats, PrefillRequest, SamplingParams
+from workers.requests import (
+    LIMITS,
+    QUERY_PAGES,
+    DecodeConfig,
+    GenerateRequest,
+    GenerationStats,
+    PrefillRequest,
+    SamplingParams,
+)
 
 HTTP_OF_GRPC = {grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.UNAUTHENTICATED: 401,
                 grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 413,
@@ -94,6 +102,8 @@ def generate_request_to_pb(req: GenerateRequest) -> pb.GenerateRequest:
         msg.budget_tokens = d.budget_tokens
     if d.ratio is not None:
         msg.ratio = d.ratio
+    if d.query_pages != QUERY_PAGES[0]:
+        msg.query_pages = d.query_pages
     if s.seed is not None:
         msg.seed = s.seed
     return msg
@@ -106,7 +116,8 @@ def generate_request_from_pb(msg: pb.GenerateRequest) -> GenerateRequest:
         decode=DecodeConfig(budget=msg.budget if msg.HasField("budget") else None,
                             budget_tokens=msg.budget_tokens if msg.HasField("budget_tokens") else None,
                             ratio=msg.ratio if msg.HasField("ratio") else None,
-                            gen_len=msg.gen_len or LIMITS.gen_len_default),
+                            gen_len=msg.gen_len or LIMITS.gen_len_default,
+                            query_pages=msg.query_pages if msg.HasField("query_pages") else QUERY_PAGES[0]),
         sampling=SamplingParams(max_new_tokens=msg.max_new_tokens or LIMITS.max_new_tokens_default,
                                 temperature=msg.temperature,
                                 top_p=msg.top_p if msg.HasField("top_p") else LIMITS.top_p_default,

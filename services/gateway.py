@@ -10,7 +10,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import grpc
 from fastapi import FastAPI, Header, Request
@@ -51,6 +51,7 @@ from workers.requests import (
     FILE_PATH_REFUSED,
     GENERATE_JSON_FIELDS,
     LIMITS,
+    QUERY_PAGES,
     DecodeConfig,
     GenerateRequest,
     GenerationStats,
@@ -122,6 +123,9 @@ class DecodeFields(BaseModel):
     stream: bool = False
     gen_len: int = Field(LIMITS.gen_len_default, ge=1, le=LIMITS.gen_len_max)
     """Steps the one-time φ fetch is amortized over when matching the budget (appendix D)."""
+    query_pages: Literal[QUERY_PAGES] = QUERY_PAGES[0]  # type: ignore[valid-type]
+    """Page methods: each query token selects its own pages ("token") or a query chunk shares one selection
+    ("shared": fewer reads before the first token)."""
 
 
 class GenerateBody(DecodeFields):
@@ -348,7 +352,8 @@ def create_app(cfg: GatewayConfig, keys: ApiKeys, service_token: ServiceToken | 
         prefix_id, query = _prefix_and_query(body.prefix_id, prompt)
         req = GenerateRequest(prefix_id=prefix_id, query=query, method=body.method,
                               decode=DecodeConfig(budget=body.budget, budget_tokens=body.budget_tokens,
-                                                  ratio=body.ratio, gen_len=body.gen_len),
+                                                  ratio=body.ratio, gen_len=body.gen_len,
+                                                  query_pages=body.query_pages),
                               sampling=SamplingParams(max_new_tokens=body.max_tokens, temperature=body.temperature,
                                                       top_p=body.top_p, seed=body.seed, stop=_stops(body.stop)))
         call, events = await start(req, meta, request)

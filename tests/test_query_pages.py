@@ -4,12 +4,19 @@ definition, by what a chunk reads, and end to end through a worker reading pages
 
 from __future__ import annotations
 
+import grpc
 import pytest
 import torch
 
-from services.convert import generate_request_to_pb
+from services.auth import ApiKeys
+from services.convert import generate_request_from_pb, generate_request_to_pb
+from services.gen import kvstash_pb2 as pb
+from services.gen import kvstash_pb2_grpc as pb_grpc
+from services.grpc_common import ServerConfig
+from services.worker_server import WorkerLimits, build_worker_server
 from store.errors import InvalidInput
 from store.kvstore import KVStore
+from tests.services_harness import free_port
 from workers.engine import Worker
 from workers.methods.key_index import dequantize_keys
 from workers.methods.layer_kv import ResidentKV
@@ -20,18 +27,50 @@ from workers.methods.selector import LayerContext
 from workers.methods.topk import IndexedTopKSelector, TopK
 from workers.model import LoadedModel
 from workers.offload import OffloadConfig
-from workers.requests import DecodeConfig, GenerateRequest, GenerationStats, SamplingParams
+from workers.requests import QUERY_PAGES, DecodeConfig, GenerateRequest, GenerationStats, SamplingParams
 
 
-def test_query_pages_is_validated_and_not_sent_over_the_wire() -> None:
+def test_query_pages_is_validated_and_carried_by_both_wires() -> None:
+    with pytest.raises(InvalidInput, match="query_pages") as e:
+        DecodeConfig(query_pages="x" * 100_000)
+    assert len(str(e.value)) < 200  # a hostile value is not echoed whole
+    for mode in QUERY_PAGES:
+        req = GenerateRequest(prefix_id="0" * 32, query="q", method="quest", decode=DecodeConfig(query_pages=mode))
+        assert GenerateRequest.from_json(req.prefix_id, req.to_json()).decode.query_pages == mode
+        msg = generate_request_to_pb(req)
+        assert msg.HasField("query_pages") == (mode != QUERY_PAGES[0])  # the default is left unset
+        assert generate_request_from_pb(msg).decode.query_pages == mode
     with pytest.raises(InvalidInput, match="query_pages"):
-        DecodeConfig(query_pages="some")
-    req = GenerateRequest(prefix_id="0" * 32, query="q", method="quest", decode=DecodeConfig(query_pages="shared"))
-    with pytest.raises(InvalidInput, match="query_pages is not sent"):
-        req.to_json()
-    with pytest.raises(InvalidInput, match="query_pages is not sent"):
-        generate_request_to_pb(req)
-    assert GenerateRequest(prefix_id="0" * 32, query="q").to_json()["query"] == "q"
+        generate_request_from_pb(pb.GenerateRequest(prefix_id="0" * 32, query="q", query_pages="some"))
+    with pytest.raises(InvalidInput, match="query_pages"):
+        GenerateRequest.from_json("0" * 32, {"query": "q", "query_pages": "some"})
+
+
+def test_the_worker_server_decodes_with_the_query_pages_asked(worker: Worker, monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    """A remote generation's ``query_pages`` reaches ``Worker.generate`` (and the default when unset)."""
+    cfg = ServerConfig(port=free_port())
+    server, _ = build_worker_server(worker, cfg, ApiKeys(), WorkerLimits())
+    server.start()
+    try:
+        pid = worker.prefill("A short memo about the vault. " * 8).prefix_id
+        seen: list[str] = []
+        real = worker.generate
+
+        def spy(*a: object, **k: object) -> object:
+            seen.append(k["decode"].query_pages)  # type: ignore[union-attr]
+            return real(*a, **k)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(worker, "generate", spy)
+        stub = pb_grpc.WorkerStub(grpc.insecure_channel(cfg.address))
+        for mode in (*QUERY_PAGES, None):
+            fields = {} if mode is None else {"query_pages": mode}
+            events = list(stub.Generate(pb.GenerateRequest(prefix_id=pid, query="q", method="quest", budget=0.5,
+                                                           max_new_tokens=2, **fields), timeout=60))
+            assert events[-1].HasField("done")
+        assert seen == [*QUERY_PAGES, QUERY_PAGES[0]]
+    finally:
+        server.stop(0)
 
 
 def _top_ids(mass: torch.Tensor, n: int) -> list[list[int]]:

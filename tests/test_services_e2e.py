@@ -106,6 +106,14 @@ def test_three_frontends_match_embedded(topo, tmp_path: Path, tiny_model_dir: Pa
     sparse = httpx.post(f"{topo.gateway_url}/v1/prefixes/{pid}/generate", headers=_h(), timeout=60,
                         json={"query": QUERIES[0], "max_new_tokens": 3, "method": "quest", "budget": 0.2}).json()
     assert sparse["stats"]["offload_pages_requested"] > 0
+    # The query's tokens sharing one page selection rides both wires (the worker decodes with what it is sent:
+    # tests/test_query_pages.py), and gives the same tokens either way in.
+    shared = httpx.post(f"{topo.gateway_url}/v1/prefixes/{pid}/generate", headers=_h(), timeout=60,
+                        json={"query": QUERIES[0], "max_new_tokens": 3, "method": "quest", "budget": 0.2,
+                              "query_pages": "shared"})
+    assert shared.status_code == 200, shared.text
+    assert via_grpc.generate(QUERIES[0], prefix=pid, max_new_tokens=3, method="quest", budget=0.2,
+                             query_pages="shared").text == shared.json()["text"]
     # Device memory per generation, by part. The page cache part is 0 once a CPU worker attends the warm prefix
     # in the host tier (``HostPageView``), and the fetcher's pool before that: either way no more than the whole.
     stats = sparse["stats"]

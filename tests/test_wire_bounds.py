@@ -26,6 +26,7 @@ HOSTILE_BODIES = [
     {"max_new_tokens": 0}, {"max_new_tokens": LIMITS.max_new_tokens_cap + 1}, {"max_new_tokens": 2**63},
     {"stop": [""]}, {"stop": ["s"] * (LIMITS.stop_max_count + 1)}, {"stop": ["s" * (LIMITS.stop_max_chars + 1)]},
     {"method": ""}, {"method": "m" * (LIMITS.method_max_chars + 1)}, {"query": "q" * (LIMITS.query_max_chars + 1)},
+    {"query_pages": "some"}, {"query_pages": "s" * 100_000}, {"query_pages": 1},
 ]
 
 
@@ -90,6 +91,7 @@ def test_worker_refuses_hostile_requests(worker_stub, worker: Worker) -> None:
         {"gen_len": -1}, {"max_new_tokens": -1}, {"max_new_tokens": 33},  # over this worker's cap of 32
         {"stop": [""]}, {"stop": ["s"] * (LIMITS.stop_max_count + 1)}, {"method": "m" * 1000},
         {"query": "q" * (LIMITS.query_max_chars + 1)}, {"prefix_id": "p" * 100_000},
+        {"query_pages": "some"}, {"query_pages": "s" * 100_000},
     ]
     for field in hostile:
         with pytest.raises(grpc.RpcError) as e:

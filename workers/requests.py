@@ -207,16 +207,13 @@ class DecodeConfig:
         _set(self, "tail", _int("tail", self.tail, 0, LIMITS.anchor_max))
         _set(self, "gen_len", _int("gen_len", self.gen_len, 1, LIMITS.gen_len_max))
         if self.query_pages not in QUERY_PAGES:
-            raise InvalidInput(f"query_pages must be one of {QUERY_PAGES}, got {self.query_pages!r}")
+            raise InvalidInput(f"query_pages must be one of {QUERY_PAGES}, got {_show(self.query_pages)}")
 
     def check_wire_settings(self) -> None:
-        """Refuse sink, tail and query_pages other than the defaults: the wire does not carry them (remote decode
-        uses those)."""
+        """Refuse sink and tail other than the defaults: the wire does not carry them (remote decode uses those)."""
         if (self.sink, self.tail) != (LIMITS.sink_default, LIMITS.tail_default):
             raise InvalidInput(f"sink and tail are not sent to remote workers (they use {LIMITS.sink_default} "
                                f"and {LIMITS.tail_default})")
-        if self.query_pages != QUERY_PAGES[0]:
-            raise InvalidInput(f"query_pages is not sent to remote workers (they use {QUERY_PAGES[0]!r})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -268,8 +265,8 @@ FILE_PATH_REFUSED = ("file_path is not accepted: servers read no files for a cal
 """Why a body naming a server-side file is refused (the gateway says the same)."""
 
 
-GENERATE_JSON_FIELDS = ("query", "method", "budget", "budget_tokens", "ratio", "gen_len", "max_new_tokens",
-                        "temperature", "top_p", "seed", "stop", "raw")
+GENERATE_JSON_FIELDS = ("query", "method", "budget", "budget_tokens", "ratio", "gen_len", "query_pages",
+                        "max_new_tokens", "temperature", "top_p", "seed", "stop", "raw")
 """The fields of a generation's REST body (the prefix id travels in the URL)."""
 
 
@@ -300,7 +297,7 @@ class GenerateRequest:
         d, s = self.decode, self.sampling
         d.check_wire_settings()
         return {"query": self.query, "method": self.method, "budget": d.budget, "budget_tokens": d.budget_tokens,
-                "ratio": d.ratio, "gen_len": d.gen_len,
+                "ratio": d.ratio, "gen_len": d.gen_len, "query_pages": d.query_pages,
                 "max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed,
                 "stop": list(s.stop), "raw": self.raw}
 
@@ -314,7 +311,8 @@ class GenerateRequest:
         return cls(prefix_id=prefix_id, query=b["query"], method=b.get("method", LIMITS.method_default),
                    decode=DecodeConfig(budget=b.get("budget"), budget_tokens=b.get("budget_tokens"),
                                        ratio=b.get("ratio"),
-                                       gen_len=b.get("gen_len", LIMITS.gen_len_default)),
+                                       gen_len=b.get("gen_len", LIMITS.gen_len_default),
+                                       query_pages=b.get("query_pages", QUERY_PAGES[0])),
                    sampling=SamplingParams(max_new_tokens=b.get("max_new_tokens", LIMITS.max_new_tokens_default),
                                            temperature=b.get("temperature", LIMITS.temperature_default),
                                            top_p=b.get("top_p", LIMITS.top_p_default),

@@ -235,7 +235,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, prefix_id: _Optional[str] = ..., n_tokens: _Optional[int] = ..., cached: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prefix_id", "query", "method", "budget", "max_new_tokens", "temperature", "top_p", "seed", "stop", "raw", "gen_len", "budget_tokens", "ratio")
+    __slots__ = ("prefix_id", "query", "method", "budget", "max_new_tokens", "temperature", "top_p", "seed", "stop", "raw", "gen_len", "budget_tokens", "ratio", "query_pages")
     PREFIX_ID_FIELD_NUMBER: _ClassVar[int]
     QUERY_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
@@ -249,6 +249,7 @@ class GenerateRequest(_message.Message):
     GEN_LEN_FIELD_NUMBER: _ClassVar[int]
     BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RATIO_FIELD_NUMBER: _ClassVar[int]
+    QUERY_PAGES_FIELD_NUMBER: _ClassVar[int]
     prefix_id: str
     query: str
     method: str
@@ -262,7 +263,8 @@ class GenerateRequest(_message.Message):
     gen_len: int
     budget_tokens: int
     ratio: float
-    def __init__(self, prefix_id: _Optional[str] = ..., query: _Optional[str] = ..., method: _Optional[str] = ..., budget: _Optional[float] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., raw: _Optional[bool] = ..., gen_len: _Optional[int] = ..., budget_tokens: _Optional[int] = ..., ratio: _Optional[float] = ...) -> None: ...
+    query_pages: str
+    def __init__(self, prefix_id: _Optional[str] = ..., query: _Optional[str] = ..., method: _Optional[str] = ..., budget: _Optional[float] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., raw: _Optional[bool] = ..., gen_len: _Optional[int] = ..., budget_tokens: _Optional[int] = ..., ratio: _Optional[float] = ..., query_pages: _Optional[str] = ...) -> None: ...
 
 class TokenStats(_message.Message):
     __slots__ = ("step", "bytes_fetched", "seconds")
