@@ -15,7 +15,9 @@ random page reads, before vs after. Everything measured side by side in one run;
    - *blocking warm*: the same with the new verification;
    - *fast open*: decoding starts at once, pages from SSD on demand while the tier warms in the
      background, switching to the device-planned cache when warm;
-   - *SSD only*: no warm-up at all; and the same with the summaries read as before ``store.hashed_read`` (the
+   - *SSD only*: no warm-up at all, the summaries streamed (each layer's used as it arrives, the digest
+     checked before the first token goes out: ``workers.offload.streamed_summary``); and the same with the
+     summaries read whole before use, by 4 readers beside the hash, or as before ``store.hashed_read`` (the
      whole file read, then hashed, then parsed by safetensors);
    - *SSD only, shared query pages*: the same with ``DecodeConfig.query_pages="shared"`` (the query's tokens share
      one page selection per chunk: fewer pages read before the first token; its tokens may differ, so the
@@ -70,6 +72,7 @@ from store.manifest import Manifest  # noqa: E402
 from store.page_io import PosixPageReader, plan_runs, run_all, verify_pages  # noqa: E402
 from store.pages import page_crc  # noqa: E402
 from workers.engine import Worker  # noqa: E402
+from workers.methods.source import PrefixSource  # noqa: E402
 from workers.model import LoadedModel  # noqa: E402
 from workers.offload import OffloadConfig  # noqa: E402
 from workers.requests import DecodeConfig, GenerationStats, SamplingParams  # noqa: E402
@@ -213,7 +216,7 @@ def generate(worker: Worker, pid: str, n: int, query_pages: str = "token"
     return st, at[0] - t0, at[1] - t0, end - t0
 
 
-OPEN_ROWS = ("before", "blocking", "fast", "ssd-before", "ssd", "shared", "warm")
+OPEN_ROWS = ("before", "blocking", "fast", "ssd-before", "ssd-whole", "ssd", "shared", "warm")
 """The open section's rows, in order (``--open-rows`` picks some)."""
 
 
@@ -223,36 +226,42 @@ def open_section(store: KVStore, lm: LoadedModel, pid: str, base: OffloadConfig,
     row's fastest of ``reps`` runs (every run on a fresh worker), printed as soon as it is measured."""
     blocking = dataclasses.replace(base, warm_in_background=False)
     ssd_only = dataclasses.replace(base, warm_host_fraction=0.0)
-    # key: (name, config, the old per-page CRC, the old summary read, query_pages)
-    cold_rows: dict[str, tuple[str, OffloadConfig, bool, bool, str]] = {
+    # key: (name, config, the old per-page CRC, how summaries are read, query_pages); summary reads: "old" = read
+    # then hashed, whole before use; "whole" = read by 4 threads beside the hash, whole before use; "streamed" =
+    # the product's: each layer's used as it arrives, the digest checked before the first token goes out
+    cold_rows: dict[str, tuple[str, OffloadConfig, bool, str, str]] = {
         "before": ("before: warm whole prefix first, per-page zlib CRC, summaries read then hashed", blocking, True,
-                   True, "token"),
-        "blocking": ("blocking warm, batched CRC", blocking, False, False, "token"),
-        "fast": ("fast open: background warm, SSD on demand", base, False, False, "token"),
-        "ssd-before": ("SSD only (no warm-up), summaries read then hashed (before)", ssd_only, False, True, "token"),
-        "ssd": ("SSD only (no warm-up)", ssd_only, False, False, "token"),
-        "shared": ("SSD only, the query's tokens share their pages (query_pages=shared)", ssd_only, False, False,
-                   "shared"),
+                   "old", "token"),
+        "blocking": ("blocking warm, batched CRC", blocking, False, "streamed", "token"),
+        "fast": ("fast open: background warm, SSD on demand", base, False, "streamed", "token"),
+        "ssd-before": ("SSD only (no warm-up), summaries read then hashed (before)", ssd_only, False, "old", "token"),
+        "ssd-whole": ("SSD only, summaries read whole first (4 readers beside the hash)", ssd_only, False, "whole",
+                      "token"),
+        "ssd": ("SSD only (no warm-up), summaries streamed", ssd_only, False, "streamed", "token"),
+        "shared": ("SSD only, summaries streamed, the query's tokens share their pages (query_pages=shared)",
+                   ssd_only, False, "streamed", "shared"),
     }
     rows, dropped = [], False
     generate(Worker(store, lm, progress=False, offload=blocking), pid, 2)  # untimed: kernel compilation, allocator
     for key in (k for k in OPEN_ROWS if k in which and k in cold_rows):
-        name, cfg, old_crc, old_read, query_pages = cold_rows[key]
+        name, cfg, old_crc, summary_read, query_pages = cold_rows[key]
         runs = []
         for _ in range(reps):
             dropped = drop and drop_os_cache()
             worker = Worker(store, lm, progress=False, offload=cfg)
             worker.host_tier()  # a serving worker pins its host tier at start, before any request
-            saved = page_io.verify_pages, disk_record.read_artifact
+            saved = page_io.verify_pages, disk_record.read_artifact, PrefixSource.artifact_streamed
             if old_crc:
                 page_io.verify_pages = verify_per_page  # type: ignore[assignment]
-            if old_read:
+            if summary_read == "old":
                 disk_record.read_artifact = read_then_hash  # type: ignore[assignment]
+            if summary_read != "streamed":
+                PrefixSource.artifact_streamed = PrefixSource.artifact  # type: ignore[assignment,method-assign]
             try:
                 runs.append(_open_row(name, *generate(worker, pid, n, query_pages), cold=True) | {
                     "query_pages": query_pages})
             finally:
-                page_io.verify_pages, disk_record.read_artifact = saved
+                page_io.verify_pages, disk_record.read_artifact, PrefixSource.artifact_streamed = saved
         rows.append(_shown(_fastest(runs)))
     if "warm" in which:
         runs = []

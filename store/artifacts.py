@@ -61,36 +61,64 @@ def bytes_to_tensors(data: bytes | bytearray | memoryview) -> dict[str, torch.Te
 
 def _tensors_in(view: memoryview) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors buffer as views of it; InvalidInput when the layout is not one it can hold."""
-    import torch
-
     if view.readonly:
         raise InvalidInput("a read-only buffer cannot be viewed as tensors")
+    return {name: span.tensor(view) for name, span in safetensors_layout(view).items()}
+
+
+@dataclass(frozen=True)
+class TensorSpan:
+    """Where one tensor of a safetensors buffer lies: ``[start, end)`` of the whole buffer."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    def tensor(self, view: memoryview) -> torch.Tensor:
+        """The tensor as a view of ``view`` (a writable buffer of the whole artifact)."""
+        import torch
+
+        numel = math.prod(self.shape)
+        return (torch.frombuffer(view, dtype=self.dtype, count=numel, offset=self.start).reshape(self.shape)
+                if numel else torch.empty(self.shape, dtype=self.dtype))
+
+
+def header_end(view: memoryview) -> int:
+    """The end of a safetensors buffer's header (the 8-byte length field must be in ``view``); InvalidInput when
+    the header cannot fit the buffer (``view`` is the whole of it)."""
     if len(view) < 8:
         raise InvalidInput("not a safetensors buffer: shorter than its header length")
     (hlen,) = struct.unpack("<Q", view[:8])
     if hlen > min(MAX_HEADER_BYTES, len(view) - 8):
         raise InvalidInput(f"safetensors header of {hlen} bytes does not fit a buffer of {len(view)}")
+    return 8 + hlen
+
+
+def safetensors_layout(view: memoryview) -> dict[str, TensorSpan]:
+    """Each tensor's span in a safetensors buffer (``view`` is the whole of it; only its header is read, so the
+    data may still be arriving); InvalidInput when the layout is not one it can hold."""
+    base = header_end(view)
     try:
-        header = json.loads(bytes(view[8:8 + hlen]))
+        header = json.loads(bytes(view[8:base]))
     except ValueError as e:
         raise InvalidInput(f"safetensors header does not parse: {e}") from None
     if not isinstance(header, dict):
         raise InvalidInput("safetensors header is not an object")
-    base, body = 8 + hlen, len(view) - 8 - hlen
-    out: dict[str, torch.Tensor] = {}
-    for name, e in header.items():
+    body = len(view) - base
+    out: dict[str, TensorSpan] = {}
+    for name, entry in header.items():
         if name == "__metadata__":
             continue
         try:
-            dtype, shape, (lo, hi) = _torch_dtypes()[e["dtype"]], [int(d) for d in e["shape"]], e["data_offsets"]
+            dtype, shape, (lo, hi) = (_torch_dtypes()[entry["dtype"]], [int(d) for d in entry["shape"]],
+                                      entry["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise InvalidInput(f"tensor {name!r}: bad safetensors entry") from None
-        numel = math.prod(shape)
         if (min(shape, default=0) < 0 or not isinstance(lo, int) or not isinstance(hi, int)
-                or not 0 <= lo <= hi <= body or hi - lo != numel * dtype.itemsize):
+                or not 0 <= lo <= hi <= body or hi - lo != math.prod(shape) * dtype.itemsize):
             raise InvalidInput(f"tensor {name!r}: shape {shape} and offsets [{lo}, {hi}) do not fit the buffer")
-        out[name] = (torch.frombuffer(view, dtype=dtype, count=numel, offset=base + lo).reshape(shape) if numel
-                     else torch.empty(shape, dtype=dtype))
+        out[name] = TensorSpan(dtype=dtype, shape=tuple(shape), start=base + lo, end=base + hi)
     return out
 
 

@@ -20,10 +20,11 @@ import contextlib
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from store.artifacts import digest
-from store.hashed_read import read_hashed
+from store.hashed_read import HashedRead
 from store.manifest import Manifest
 from store.pages import HASH_CHUNK, layer_file_name
 
@@ -155,19 +156,61 @@ def file_problem(directory: Path, manifest: Manifest) -> str | None:
 def read_artifact(directory: Path, manifest: Manifest, name: str) -> bytearray | None:
     """The bytes of the artifact ``name`` (None when the manifest lists none), checked against the manifest's
     size and digest as they are read; InvalidRecord otherwise. Reads at most the manifest's size + 1 bytes."""
+    read = start_artifact_read(directory, manifest, name)
+    return None if read is None else read.data()
+
+
+class ArtifactRead:
+    """An artifact's bytes being read and hashed in the background (``store.hashed_read``): ``wait_for`` gives
+    the bytes that have arrived, unchecked; ``data`` the whole, checked against the manifest (``fail``'s error,
+    InvalidRecord by default, otherwise)."""
+
+    def __init__(self, read: HashedRead, name: str, size: int, blake2b: str,
+                 fail: Callable[[str], Exception] = InvalidRecord):
+        self._read, self.name, self.size, self._blake2b = read, name, size, blake2b
+        self._fail = fail
+        """Makes the error raised for a problem (the store's callers get CorruptData)."""
+
+    @property
+    def buffer(self) -> bytearray:
+        """The artifact's bytes: final below ``wait_for``'s mark, unchecked until ``data`` returns."""
+        return self._read.buffer
+
+    def wait_for(self, end: int) -> None:
+        """Wait until bytes ``[0, end)`` are read; InvalidRecord when the file ends sooner or cannot be read."""
+        try:
+            whole = self._read.wait_for(end)
+        except OSError as e:
+            raise self._fail(f"artifact {self.name!r} unreadable: {e.strerror or e}") from None
+        if not whole:
+            raise self._fail(f"artifact {self.name!r} is not {self.size} bytes long")
+
+    def data(self) -> bytearray:
+        """The whole artifact once read, checked against the manifest's size and digest (InvalidRecord)."""
+        try:
+            data, got = self._read.result()
+        except OSError as e:
+            raise self._fail(f"artifact {self.name!r} unreadable: {e.strerror or e}") from None
+        if got is None:
+            raise self._fail(f"artifact {self.name!r} is not {self.size} bytes long")
+        if got != self._blake2b:
+            raise self._fail(f"artifact {self.name!r} failed its checksum")
+        return data
+
+
+def start_artifact_read(directory: Path, manifest: Manifest, name: str,
+                        fail: Callable[[str], Exception] = InvalidRecord) -> ArtifactRead | None:
+    """The artifact ``name`` being read in the background (None when the manifest lists none); ``fail``'s error
+    when its file cannot be opened. Reads at most the manifest's size + 1 bytes."""
     index = next((i for i, a in enumerate(manifest.artifacts) if a.name == name), None)
     if index is None:
         return None
     info = manifest.artifacts[index]
     try:
-        data, got = read_hashed(directory / artifact_file_name(index), info.size)
+        read = HashedRead(directory / artifact_file_name(index), info.size)
     except OSError as e:
-        raise InvalidRecord(f"artifact {name!r} unreadable: {e.strerror or e}") from None
-    if got is None:
-        raise InvalidRecord(f"artifact {name!r} is not {info.size} bytes long")
-    if got != info.blake2b:
-        raise InvalidRecord(f"artifact {name!r} failed its checksum")
-    return data
+        raise fail(f"artifact {name!r} unreadable: {e.strerror or e}") from None
+    return ArtifactRead(read, name, info.size, info.blake2b, fail)
 
 
 def artifact_problem(directory: Path, manifest: Manifest) -> str | None:

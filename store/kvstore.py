@@ -30,6 +30,7 @@ from store.added_artifact import StagedArtifact
 from store.artifacts import ArtifactData
 from store.capacity import EvictionResult, LeaseHandle, default_holder
 from store.config import StoreConfig
+from store.disk_record import ArtifactRead
 from store.errors import (
     CorruptData,
     InvalidInput,
@@ -499,6 +500,18 @@ class KVStore:
         if data is None:
             raise PrefixNotFound(f"prefix {prefix_id!r} has no artifact {name!r}")
         return data
+
+    def artifact_read(self, prefix_id: str, name: str, *, manifest: Manifest | None = None
+                      ) -> ArtifactRead:
+        """An artifact being read in the background: its bytes usable as they arrive (unchecked), the whole then
+        checked against the manifest (``data()``; CorruptData otherwise, as from any of its calls).
+        PrefixNotFound when the manifest lists no artifact ``name``."""
+        m = self._read_manifest(prefix_id, manifest)
+        read = disk_record.start_artifact_read(self.prefix_dir(prefix_id), m, name,
+                                               lambda msg: CorruptData(f"prefix {prefix_id}: {msg}"))
+        if read is None:
+            raise PrefixNotFound(f"prefix {prefix_id!r} has no artifact {name!r}")
+        return read
 
     def page_crcs(self, prefix_id: str, manifest: Manifest | None = None) -> np.ndarray:
         """Per-page keyed CRCs ``[layers, kv_heads, pages]``."""

@@ -47,6 +47,16 @@ class ObservesQuery(Protocol):
 
 
 @runtime_checkable
+class VerifiesSummaries(Protocol):
+    """A ``PrefixAttention`` whose summaries may still be checked after its query's forward used them."""
+
+    def verify_summaries(self) -> None:
+        """Raise (CorruptData) unless the summaries used so far matched their digests; called once the query is in,
+        before the first sampled token is handed out (a wait on the disk, not model work: outside the turn)."""
+        ...
+
+
+@runtime_checkable
 class GraphablePrefix(Protocol):
     """A ``PrefixAttention`` whose single-token decode step can run inside a CUDA graph of the whole model step.
 

@@ -139,6 +139,6 @@ def tokens_to_bytes(ids: list[int]) -> bytes:
     return tensors_to_bytes({"ids": torch.tensor(ids, dtype=torch.int32)})
 
 
-def tokens_from_bytes(data: bytes) -> list[int]:
+def tokens_from_bytes(data: bytes | bytearray) -> list[int]:
     """Inverse of ``tokens_to_bytes``."""
     return [int(i) for i in bytes_to_tensors(data)["ids"].tolist()]

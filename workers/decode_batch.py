@@ -27,7 +27,7 @@ from typing import Literal
 import torch
 
 from store.errors import Cancelled
-from workers.attention import STEP_KWARG, GraphablePrefix, ObservesQuery, PrefixAttention
+from workers.attention import STEP_KWARG, GraphablePrefix, ObservesQuery, PrefixAttention, VerifiesSummaries
 from workers.device_bytes import DeviceMeter
 from workers.model import LoadedModel
 from workers.own_kv import OwnKV
@@ -121,7 +121,7 @@ class Generation:
     """Whether its consumer waits on ``wake``."""
     batch_sizes: list[int] = field(default_factory=list)
     query_told: bool = False
-    """Whether its query-time cache was told the query is in (``ObservesQuery``)."""
+    """Whether its method was told the query is in (``VerifiesSummaries``, ``ObservesQuery``)."""
     single_steps: int = 0
     """Steps that fed it one token (the first runs eagerly: it warms what a captured step replays)."""
     graph_steps: int = 0
@@ -459,16 +459,21 @@ class DecodeEngine:
         return groups, [f for f in feeds if f[0] not in static_gens]
 
     def _queries_done(self, sampled: list[Generation]) -> set[Generation]:
-        """Tell query-time caches whose query just went in (their first token is not out yet); returns the
-        generations whose method failed there (each fails alone)."""
+        """For generations whose query just went in (their first token is not out yet): check the summaries their
+        query's forward used, and tell query-time caches; returns the generations whose method failed there (each
+        fails alone)."""
         failed: set[Generation] = set()
         for g in sampled:
-            if g.stats.new_tokens or g.query_told or not isinstance(g.prefix, ObservesQuery):
+            if g.stats.new_tokens or g.query_told:
                 continue
             g.query_told = True
-            if g.meter is not None:  # a query-time cache holds the whole layers now, until query_done
-                g.meter.sample()
             try:
+                if isinstance(g.prefix, VerifiesSummaries):  # a wait on the disk at most: outside the model's turn
+                    g.prefix.verify_summaries()
+                if not isinstance(g.prefix, ObservesQuery):
+                    continue
+                if g.meter is not None:  # a query-time cache holds the whole layers now, until query_done
+                    g.meter.sample()
                 with self.turn(), torch.inference_mode():
                     g.prefix.query_done(g.own, g.position)
             except Exception as e:  # noqa: BLE001 - the method's failure is its generation's

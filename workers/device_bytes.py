@@ -160,6 +160,8 @@ class DeviceMeter:
                                  device=self._device)
         if self.last.total > self.peak.total:
             self.peak = self.last
+        if self.last.shared > self.peak.shared:  # reported apart from the total: its own peak (streamed-in bounds
+            self.peak = dataclasses.replace(self.peak, shared=self.last.shared)  # arrive after the open)
 
     def to_extra(self) -> dict[str, float]:
         """The peak as ``DeviceBytes.to_extra`` (parts at the peak), and ``device_bytes_end``: held at the last

@@ -357,8 +357,9 @@ class GenerationStats:
     extra: dict[str, float] = field(default_factory=dict)
     """Named counters every interface carries: ``ttft_s`` (from the worker's ``generate`` call, opening the prefix
     included), ``open_s`` (its part before the first step: the prefix's summaries, ``summaries_s``, and the
-    generation's setup), ``ms_per_token``, ``batch_*``, the tiers' ``offload_*``, and ``device_bytes`` (device
-    memory the generation held at its peak; its parts ``device_bytes_<part>``, defined in
+    generation's setup; summaries that stream in are only started there, and the query's step waits for the
+    layers it reaches and for their digest), ``ms_per_token``, ``batch_*``, the tiers' ``offload_*``, and
+    ``device_bytes`` (device memory the generation held at its peak; its parts ``device_bytes_<part>``, defined in
     ``workers/device_bytes.py``), among others."""
 
     def to_json(self) -> dict[str, Any]:

@@ -71,6 +71,10 @@ class MemorySource(PrefixSource):
         self.bytes_read += 2 * k.numel() * k.element_size()
         return k, v
 
+    def artifact_streamed(self, name: str) -> dict[str, torch.Tensor]:
+        """``artifact``: tensors in memory, nothing to stream in."""
+        return self.artifact(name)
+
     def artifact(self, name: str) -> dict[str, torch.Tensor]:
         """A summarizer's tensors."""
         tensors = self._artifacts[name]

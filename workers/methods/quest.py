@@ -9,6 +9,7 @@ the budget.
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from typing import ClassVar
 
 import torch
@@ -29,6 +30,7 @@ from workers.methods.selector import (
 from workers.methods.shared_state import shared_by_prefix
 from workers.methods.source import PrefixSource
 from workers.methods.sparse import SparseMethod
+from workers.offload.streamed_summary import StreamedArtifact
 from workers.pages import page_count, page_of, page_span
 from workers.requests import DecodeConfig
 
@@ -57,13 +59,21 @@ class StackedBounds:
     a page range served as a view of it. A layer's kmax and kmin are dropped once it is stacked. Read-only once
     built, so the generations over one stored prefix share one (``shared_bounds``), whatever their page ranges."""
 
-    def __init__(self, bounds: dict[str, torch.Tensor]):
-        self.bounds = dict(bounds)  # its own dict: ``get`` drops entries a caller's dict still holds
+    def __init__(self, bounds: Mapping[str, torch.Tensor] | StreamedArtifact):
+        # Its own dict (``get`` drops entries a caller's dict still holds); a streamed artifact is its own already.
+        self.bounds = bounds if isinstance(bounds, StreamedArtifact) else dict(bounds)
         self.page = int(self.bounds["0.meta"][0])
+        for name in [n for n in self.bounds if n.endswith(".meta")]:  # read; held by neither kind of source
+            self.bounds.pop(name)
         self._stacked: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
         self.shared_across_generations = False
         """Whether ``shared_bounds`` hands it out (its device bytes are then no one generation's own)."""
+
+    def verify(self) -> None:
+        """Raise CorruptData unless the bounds it was made from matched their digest (waits for a streamed read)."""
+        if isinstance(self.bounds, StreamedArtifact):
+            self.bounds.verify()
 
     def get(self, layer: int, p0: int, p1: int) -> torch.Tensor:
         """The stacked bounds of ``layer``'s pages ``[p0, p1)``: ``[Hkv, 2D, p1 - p0]``, pages contiguous (a view:
@@ -81,7 +91,7 @@ class StackedBounds:
 def shared_bounds(source: PrefixSource) -> StackedBounds:
     """The stacked page bounds of ``source``'s prefix: those another generation over it holds (nothing is read
     then), else read now."""
-    return shared_by_prefix(source, QuestBounds.name, StackedBounds)
+    return shared_by_prefix(source, QuestBounds.name, StackedBounds, streamed=True)
 
 
 class QuestSelector(Selector):
@@ -97,6 +107,10 @@ class QuestSelector(Selector):
         self.bounds = self.stacked.bounds
         self.page = self.page_size = self.stacked.page
         self._stacked: dict[tuple[int, int, int], torch.Tensor] = {}  # a subclass's own stacked summaries
+
+    def verify_summaries(self) -> None:
+        """The page bounds it scores against (streamed in while the query ran) must match their digest."""
+        self.stacked.verify()
 
     def _bounds_t(self, layer: int, p0: int, p1: int) -> torch.Tensor:
         """``[Hkv, 2D, p1 - p0]``: kmax over kmin of pages ``[p0, p1)`` (``StackedBounds.get``)."""

@@ -103,6 +103,10 @@ class Selector(abc.ABC):
         """Prefix bytes the selector itself must hold for this layer (exhaustive Top-K: the keys)."""
         return 0
 
+    def verify_summaries(self) -> None:  # noqa: B027 - optional hook
+        """Raise CorruptData unless the summaries it selected with so far matched their digests (a selector whose
+        summaries stream in waits here for the whole read)."""
+
     page_size: int | None = None
     """Set by selectors that can also pick whole pages of this size (``select_pages``)."""
 

@@ -12,9 +12,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Protocol, TypeVar
-
-import torch
+from typing import Any, Protocol, TypeVar
 
 from workers.methods.source import PrefixSource
 
@@ -33,16 +31,19 @@ _HELD: weakref.WeakValueDictionary[tuple[str, str, str], SharedState] = weakref.
 _LOCK = threading.Lock()
 
 
-def shared_by_prefix(source: PrefixSource, artifact: str, make: Callable[[dict[str, torch.Tensor]], S]) -> S:
+def shared_by_prefix(source: PrefixSource, artifact: str, make: Callable[[Any], S], *, streamed: bool = False
+                     ) -> S:
     """``make(artifact's tensors)`` for ``source``'s prefix: the one another generation over it holds, else made
-    now (one read per prefix when generations over it open at once); unshared when the prefix lacks a digest."""
+    now (one read per prefix when generations over it open at once); unshared when the prefix lacks a digest.
+    ``streamed``: ``make`` takes ``source.artifact_streamed``'s mapping (verified later by its user)."""
+    load = source.artifact_streamed if streamed else source.artifact
     key = source.shared_key(artifact)
     if key is None:
-        return make(source.artifact(artifact))
+        return make(load(artifact))
     with _LOCK:
         held = _HELD.get(key)
         if held is None:
-            made = make(source.artifact(artifact))
+            made = make(load(artifact))
             made.shared_across_generations = True
             _HELD[key] = made
             return made

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -16,6 +16,7 @@ from workers.methods.layer_kv import FetchedKV, LayerKV, ResidentKV
 from workers.offload.device_plan import DevicePageCache
 from workers.offload.fetcher import PageFetcher
 from workers.offload.host_view import HostPageView
+from workers.offload.streamed_summary import StreamedArtifact
 from workers.offload.summaries import SummaryCache
 
 
@@ -46,9 +47,13 @@ class PrefixSource:
         self.view_switch: Callable[[], HostPageView | None] | None = None
         """Polled at steps while ``host_view`` is None, as ``switch`` (``FastOpen.poll_view``)."""
         self.bytes_read = 0
+        self.stream_summaries = False
+        """Hand out summaries as they are read (``artifact_streamed``): only for a caller that verifies them before
+        anything derived from them goes out (the worker's engine does, when the query is in)."""
         self.artifact_s = 0.0
         """Seconds spent getting artifacts: read, checked and parsed (or found in the summary cache), then
-        copied to the device (the copy's launch; a device copy from pageable memory is synchronous)."""
+        copied to the device (a device copy from pageable memory is synchronous); for a streamed one, starting
+        its read and parsing its header."""
 
     def shared_key(self, name: str) -> tuple[str, str, str] | None:
         """Key under which the generations over this prefix on this device may share read-only state derived
@@ -118,6 +123,24 @@ class PrefixSource:
                              host_view=self.current_host_view)
         return ResidentKV(*self.layer_kv(layer), page_size=self.layout.page_size)
 
+    def artifact_streamed(self, name: str) -> Mapping[str, torch.Tensor] | StreamedArtifact:
+        """An artifact's tensors on the device: as ``artifact`` unless ``stream_summaries`` and the summary cache
+        lacks them; then each tensor as its bytes arrive, the whole verified by ``StreamedArtifact.verify``."""
+        if not self.stream_summaries:
+            return self.artifact(name)
+        t0 = time.perf_counter()
+        try:
+            cache = self.summaries
+            if cache is not None and (cached := cache.cached_tensors(self.manifest, name)) is not None:
+                return self._copies(name, cached)
+            read = self.store.artifact_read(self.manifest.prefix_id, name, manifest=self.manifest)
+            self.bytes_read += read.size
+            manifest = self.manifest
+            return StreamedArtifact(read, self.device, None if cache is None else
+                                    lambda tensors: cache.add_tensors(manifest, name, tensors))
+        finally:
+            self.artifact_s += time.perf_counter() - t0
+
     def artifact(self, name: str) -> dict[str, torch.Tensor]:
         """An artifact's tensors (checksum-verified) on the device."""
         t0 = time.perf_counter()
@@ -126,9 +149,13 @@ class PrefixSource:
                 data = self.store.artifact(self.manifest.prefix_id, name)
                 self.bytes_read += len(data)
                 return {k: t.to(self.device) for k, t in bytes_to_tensors(data).items()}
-            cached = self.summaries.tensors(self.store, self.manifest, name)
-            info = self.manifest.artifact(name)
-            self.bytes_read += info.size if info is not None else 0
-            return {k: t.to(self.device, copy=True) for k, t in cached.items()}  # a copy: callers may modify theirs
+            return self._copies(name, self.summaries.tensors(self.store, self.manifest, name))
         finally:
             self.artifact_s += time.perf_counter() - t0
+
+    def _copies(self, name: str, cached: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The summary cache's tensors of artifact ``name`` copied to the device (callers may modify theirs), its
+        bytes counted as read."""
+        info = self.manifest.artifact(name)
+        self.bytes_read += info.size if info is not None else 0
+        return {k: t.to(self.device, copy=True) for k, t in cached.items()}

@@ -114,6 +114,11 @@ class SparsePrefixAttention:
         if self.source.device.type == "cuda":
             self.graphs = StepGraphs()
 
+    def verify_summaries(self) -> None:
+        """Before the first token goes out: the summaries the query's forward selected with must be the recorded
+        ones (they may have been read while it ran: ``workers.offload.streamed_summary``)."""
+        self.selector.verify_summaries()
+
     def read_report(self) -> ReadReport:
         """Reads made so far (per step and one-time)."""
         report = self.counter.report()

@@ -50,6 +50,23 @@ class SummaryCache:
         return self._get(store, manifest, PAGE_CRC_ARTIFACT,
                          lambda data: read_only_u32(data, shape), lambda a: a.nbytes)
 
+    def cached_tensors(self, manifest: Manifest, name: str) -> dict[str, torch.Tensor] | None:
+        """Artifact ``name``'s tensors when the cache holds them (counted as a hit), else None (not counted: the
+        caller reads them, then ``add_tensors``)."""
+        with self._lock:
+            hit = self._entries.get(self._key(manifest, name))
+            if hit is None:
+                return None
+            self._entries.move_to_end(self._key(manifest, name))
+            self.hits += 1
+            return hit[0]
+
+    def add_tensors(self, manifest: Manifest, name: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Keep artifact ``name``'s tensors, read and checked by the caller (a miss)."""
+        with self._lock:
+            self.misses += 1
+        self._put(self._key(manifest, name), tensors, sum(t.numel() * t.element_size() for t in tensors.values()))
+
     def drop(self, prefix_id: str) -> int:
         """Forget every entry of ``prefix_id`` (e.g. it was deleted); returns the bytes freed."""
         with self._lock:
@@ -61,10 +78,14 @@ class SummaryCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _get(self, store: KVStore, manifest: Manifest, name: str, parse: Callable[[bytes], T],
-             size_of: Callable[[T], int]) -> T:
+    @staticmethod
+    def _key(manifest: Manifest, name: str) -> tuple[str, str, str]:
         info = manifest.artifact(name)
-        key = (manifest.prefix_id, name, info.blake2b if info is not None else "")
+        return manifest.prefix_id, name, info.blake2b if info is not None else ""
+
+    def _get(self, store: KVStore, manifest: Manifest, name: str, parse: Callable[[bytearray], T],
+             size_of: Callable[[T], int]) -> T:
+        key = self._key(manifest, name)
         with self._lock:
             hit = self._entries.get(key)
             if hit is not None:

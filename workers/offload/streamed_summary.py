@@ -1,0 +1,73 @@
+"""A summary artifact used as it arrives: each tensor as soon as its bytes are read, the whole checked later.
+
+Quest's page bounds are written layer by layer (``store.layer_artifact``), so a query's forward can score layer 0
+while the later layers are still being read (``store.hashed_read``). Nothing derived from them leaves the worker
+before the whole artifact has matched its digest: the generation calls ``verify`` once its query is in, before
+its first token goes out (``workers.attention.ObservesQuery``), and fails there when the bytes were not the
+recorded ones.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+
+import torch
+
+from store.artifacts import TensorSpan, header_end, safetensors_layout
+from store.errors import CorruptData, InvalidInput
+from store.kvstore import ArtifactRead
+
+
+class StreamedArtifact:
+    """An artifact's tensors on ``device``, each read-only view handed out once its bytes have arrived (unchecked
+    until ``verify``); ``on_verified`` gets the parsed host tensors once the whole matched its digest."""
+
+    def __init__(self, read: ArtifactRead, device: torch.device,
+                 on_verified: Callable[[dict[str, torch.Tensor]], None] | None = None):
+        self._read, self._device, self._on_verified = read, device, on_verified
+        self._view = memoryview(read.buffer)
+        read.wait_for(min(8, read.size))
+        try:
+            read.wait_for(header_end(self._view))
+            self._spans: dict[str, TensorSpan] = safetensors_layout(self._view)
+        except InvalidInput as e:
+            self._fail_now(str(e))
+        self._lock = threading.Lock()
+        self._verified = False
+
+    def _fail_now(self, why: str) -> None:
+        """A header that does not parse: the digest says whether the bytes are damaged or were never valid."""
+        self._read.data()  # raises CorruptData when the bytes are not the recorded ones
+        raise CorruptData(f"artifact {self._read.name!r}: {why}")
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        span = self._spans[name]
+        self._read.wait_for(span.end)
+        return span.tensor(self._view).to(self._device, copy=True)
+
+    def pop(self, name: str) -> torch.Tensor:
+        """``self[name]``, no longer listed afterwards."""
+        value = self[name]
+        del self._spans[name]
+        return value
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._spans
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._spans))
+
+    def __len__(self) -> int:
+        return len(self._spans)
+
+    def verify(self) -> None:
+        """Wait for the whole artifact and check it against the manifest (CorruptData otherwise)."""
+        with self._lock:
+            if self._verified:
+                return
+            data = self._read.data()
+            self._verified = True
+        if self._on_verified is not None:
+            view = memoryview(data)
+            self._on_verified({name: span.tensor(view) for name, span in safetensors_layout(view).items()})
