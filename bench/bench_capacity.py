@@ -79,14 +79,21 @@ def measure(store: KVStore, lm: LoadedModel, pid: str, path: EngineRow, args: ar
     between the largest N that finished and the smallest that failed until they are at most ``--refine`` apart.
     One worker (its host tier warmed once) until a trial fails; a fresh one for each trial after that, so what a
     failed trial left behind cannot fail the next. Every trial, and the largest N that finished."""
+    def release(held: list[Worker]) -> None:
+        """Drop the live worker and what it held on the device."""
+        held.clear()
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
     def fresh() -> Worker:
         return Worker(store, lm, progress=False, offload=path.offload, engine=EngineConfig(max_batch=args.max_n))
 
-    worker = fresh()
+    held = [fresh()]  # the live worker, in a list so ``release`` drops the last reference to it
     trials: list[dict] = []
     lo, hi, n = 0, None, args.start_n
     while n <= args.max_n:
-        t = trial(worker, pid, path, n, args.budget, args.tokens, cuda)
+        t = trial(held[0], pid, path, n, args.budget, args.tokens, cuda)
         trials.append(t)
         shown = f"{t['peak_bytes'] / 2**30:.1f} GiB peak" + (f", {t['ms_per_step']:.1f} ms/step" if t["ok"] else "")
         print(f"  {path.name}: N={n} {'ok' if t['ok'] else 'FAILED ' + t.get('error', '')} ({shown})", flush=True)
@@ -100,15 +107,9 @@ def measure(store: KVStore, lm: LoadedModel, pid: str, path: EngineRow, args: ar
         if not args.refine or hi - lo <= args.refine:
             break
         n = (lo + hi) // 2
-        del worker
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-        worker = fresh()
-    del worker
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
+        release(held)
+        held.append(fresh())
+    release(held)
     return {"name": path.name, "method": path.method, "trials": trials, "capacity": lo,
             "limit_reached": hi is not None, "first_failure": hi}
 
