@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from store import hashed_read
-from store.disk_record import artifact_file_name
+from store.artifacts import safetensors_layout
+from store.disk_record import ArtifactRead, artifact_file_name
 from store.errors import CorruptData
 from store.hashed_read import HashedRead
 from store.kvstore import KVStore
 from workers.engine import Worker
-from workers.methods.quest import QuestBounds
+from workers.methods.quest import QuestBounds, StackedBounds
 from workers.methods.source import PrefixSource
 from workers.offload.streamed_summary import StreamedArtifact
 from workers.requests import DecodeConfig, GenerationStats, SamplingParams
@@ -141,3 +142,28 @@ def test_a_damaged_header_is_refused_at_open(worker: Worker) -> None:
     with pytest.raises(CorruptData):
         "".join(worker.generate(pid, QUERY, SamplingParams(max_new_tokens=4), method="quest",
                                 decode=DecodeConfig(budget=0.3)))
+
+
+def test_stacked_bounds_serve_layer_0_before_the_file_is_read(worker: Worker, monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    """Making the selector's stacked bounds and scoring layer 0 wait for layer 0's bytes only (not for another
+    layer's meta, say): the rest of the file may still be on its way."""
+    pid = worker.prefill(DOC).prefix_id
+    m = worker.store.manifest(pid)
+    waited: list[int] = []
+    real = ArtifactRead.wait_for
+
+    def wait_for(self: ArtifactRead, end: int) -> None:
+        waited.append(end)
+        real(self, end)
+
+    monkeypatch.setattr(ArtifactRead, "wait_for", wait_for)
+    source = PrefixSource(worker.store, m, torch.device("cpu"))
+    source.stream_summaries = True
+    stacked = StackedBounds(source.artifact_streamed(QuestBounds.name))
+    layer0 = stacked.get(0, 0, 1)
+    spans = safetensors_layout(memoryview(worker.store.artifact(pid, QuestBounds.name)))
+    assert max(waited) == max(spans[f"0.{n}"].end for n in ("meta", "kmax", "kmin"))
+    assert max(waited) <= min(span.start for name, span in spans.items() if not name.startswith("0."))
+    assert layer0.shape[-1] == 1 and stacked.page == QuestBounds.page_size
+    stacked.verify()

@@ -60,11 +60,13 @@ class StackedBounds:
     built, so the generations over one stored prefix share one (``shared_bounds``), whatever their page ranges."""
 
     def __init__(self, bounds: Mapping[str, torch.Tensor] | StreamedArtifact):
-        # Its own dict (``get`` drops entries a caller's dict still holds); a streamed artifact is its own already.
-        self.bounds = bounds if isinstance(bounds, StreamedArtifact) else dict(bounds)
-        self.page = int(self.bounds["0.meta"][0])
-        for name in [n for n in self.bounds if n.endswith(".meta")]:  # read; held by neither kind of source
-            self.bounds.pop(name)
+        self.page = int(bounds["0.meta"][0])
+        metas = [n for n in bounds if n.endswith(".meta")]  # read above: held by neither kind of source
+        if isinstance(bounds, StreamedArtifact):  # its own already; its later layers may still be on their way
+            bounds.forget(metas)
+            self.bounds: dict[str, torch.Tensor] | StreamedArtifact = bounds
+        else:  # its own dict: ``get`` drops entries a caller's dict still holds
+            self.bounds = {n: t for n, t in bounds.items() if n not in metas}
         self._stacked: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
         self.shared_across_generations = False

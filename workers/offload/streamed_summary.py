@@ -52,6 +52,11 @@ class StreamedArtifact:
         del self._spans[name]
         return value
 
+    def forget(self, names: list[str]) -> None:
+        """No longer list ``names`` (without waiting for their bytes)."""
+        for name in names:
+            self._spans.pop(name, None)
+
     def __contains__(self, name: object) -> bool:
         return name in self._spans
 
