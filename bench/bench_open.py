@@ -250,18 +250,18 @@ def open_section(store: KVStore, lm: LoadedModel, pid: str, base: OffloadConfig,
             dropped = drop and drop_os_cache()
             worker = Worker(store, lm, progress=False, offload=cfg)
             worker.host_tier()  # a serving worker pins its host tier at start, before any request
-            saved = page_io.verify_pages, disk_record.read_artifact, PrefixSource.artifact_streamed
+            saved = page_io.verify_pages, KVStore.artifact, PrefixSource.artifact_streamed
             if old_crc:
                 page_io.verify_pages = verify_per_page  # type: ignore[assignment]
             if summary_read == "old":
-                disk_record.read_artifact = read_then_hash  # type: ignore[assignment]
+                KVStore.artifact = read_then_hash  # type: ignore[assignment,method-assign]
             if summary_read != "streamed":
                 PrefixSource.artifact_streamed = PrefixSource.artifact  # type: ignore[assignment,method-assign]
             try:
                 runs.append(_open_row(name, *generate(worker, pid, n, query_pages), cold=True) | {
                     "query_pages": query_pages})
             finally:
-                page_io.verify_pages, disk_record.read_artifact, PrefixSource.artifact_streamed = saved
+                page_io.verify_pages, KVStore.artifact, PrefixSource.artifact_streamed = saved
         rows.append(_shown(_fastest(runs)))
     if "warm" in which:
         runs = []
@@ -292,17 +292,16 @@ def _fastest(runs: list[dict]) -> dict:
     return best
 
 
-def read_then_hash(directory: Path, manifest: Manifest, name: str) -> bytes | None:
-    """The summary read before ``store.hashed_read``: the whole file read, then hashed (no overlap), as bytes
+def read_then_hash(store: KVStore, prefix_id: str, name: str, *, manifest: Manifest | None = None) -> bytes:
+    """``KVStore.artifact`` as before ``store.hashed_read``: the whole file read, then hashed (no overlap), as bytes
     (parsed by safetensors, a copy)."""
-    index = next((i for i, a in enumerate(manifest.artifacts) if a.name == name), None)
-    if index is None:
-        return None
-    info = manifest.artifacts[index]
-    with open(directory / disk_record.artifact_file_name(index), "rb") as f:
+    m = manifest or store.manifest(prefix_id)
+    index = next(i for i, a in enumerate(m.artifacts) if a.name == name)
+    info = m.artifacts[index]
+    with open(store.prefix_dir(prefix_id) / disk_record.artifact_file_name(index), "rb") as f:
         data = f.read(info.size + 1)
     if len(data) != info.size or digest(data) != info.blake2b:
-        raise disk_record.InvalidRecord(f"artifact {name!r} failed its checksum")
+        raise CorruptData(f"prefix {prefix_id}: artifact {name!r} failed its checksum")
     return data
 
 

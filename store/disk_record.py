@@ -153,13 +153,6 @@ def file_problem(directory: Path, manifest: Manifest) -> str | None:
     return None
 
 
-def read_artifact(directory: Path, manifest: Manifest, name: str) -> bytearray | None:
-    """The bytes of the artifact ``name`` (None when the manifest lists none), checked against the manifest's
-    size and digest as they are read; InvalidRecord otherwise. Reads at most the manifest's size + 1 bytes."""
-    read = start_artifact_read(directory, manifest, name)
-    return None if read is None else read.data()
-
-
 class ArtifactRead:
     """An artifact's bytes being read and hashed in the background (``store.hashed_read``): ``wait_for`` gives
     the bytes that have arrived, unchecked; ``data`` the whole, checked against the manifest (``fail``'s error,

@@ -492,14 +492,7 @@ class KVStore:
         """An artifact's bytes, read from its file in the prefix directory and checked against the manifest's
         size and digest (CorruptData otherwise; never more than its size + 1 bytes are read). PrefixNotFound when
         the manifest lists no artifact ``name``."""
-        m = self._read_manifest(prefix_id, manifest)
-        try:
-            data = disk_record.read_artifact(self.prefix_dir(prefix_id), m, name)
-        except disk_record.InvalidRecord as e:
-            raise CorruptData(f"prefix {prefix_id}: {e}") from None
-        if data is None:
-            raise PrefixNotFound(f"prefix {prefix_id!r} has no artifact {name!r}")
-        return data
+        return self.artifact_read(prefix_id, name, manifest=manifest).data()
 
     def artifact_read(self, prefix_id: str, name: str, *, manifest: Manifest | None = None
                       ) -> ArtifactRead:

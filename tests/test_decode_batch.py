@@ -291,18 +291,13 @@ def test_time_to_first_token_counts_the_open(worker: Worker, pids: list[str], mo
     """``ttft_s`` runs from the call, so a slow open (here: summaries that take 0.3 s to read) is in it, and
     ``open_s`` / ``summaries_s`` say how much of it was opening."""
     slow = 0.3
-    read, start = KVStore.artifact, KVStore.artifact_read
-
-    def slow_read(self: KVStore, *a: object, **k: object) -> bytearray:
-        time.sleep(slow)
-        return read(self, *a, **k)
+    start = KVStore.artifact_read  # every artifact read starts here, streamed or whole
 
     def slow_start(self: KVStore, *a: object, **k: object) -> object:
         time.sleep(slow)
         return start(self, *a, **k)
 
     worker.summaries.drop(pids[0])
-    monkeypatch.setattr(KVStore, "artifact", slow_read)
     monkeypatch.setattr(KVStore, "artifact_read", slow_start)
     st = _alone(worker, pids[0], QUERIES[0], "quest", DecodeConfig(budget=0.5))
     e = st.extra

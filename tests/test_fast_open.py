@@ -167,17 +167,12 @@ def test_summaries_of_a_hot_prefix_are_read_once(stored, lm, monkeypatch: pytest
     store, pid = stored
     w = Worker(store, lm, progress=False, offload=_tiers(lm, store, pid))
     reads: list[str] = []
-    real, real_start = KVStore.artifact, KVStore.artifact_read
-
-    def artifact(self: KVStore, prefix_id: str, name: str) -> bytes:
-        reads.append(name)
-        return real(self, prefix_id, name)
+    real = KVStore.artifact_read
 
     def artifact_read(self: KVStore, prefix_id: str, name: str, **k: object) -> object:
-        reads.append(name)  # a summary streamed in (Quest's bounds)
-        return real_start(self, prefix_id, name, **k)  # type: ignore[arg-type]
+        reads.append(name)  # every artifact read starts here (``KVStore.artifact`` and streamed summaries)
+        return real(self, prefix_id, name, **k)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(KVStore, "artifact", artifact)
     monkeypatch.setattr(KVStore, "artifact_read", artifact_read)
     first = _run(w, pid)
     assert sorted(reads) == ["bounds", "page_crc"] and w.summaries.misses == 2

@@ -211,7 +211,7 @@ class Worker:
         impl = get_method(method, self.lm.phi_map, self._lookahead(), self.lm.head_scores)
         decode = decode or DecodeConfig()
         source = PrefixSource(self.store, m, self.lm.device, summaries=self.summaries)
-        source.stream_summaries = True  # the engine verifies them when the query is in (ObservesQuery)
+        source.stream_summaries = True  # the engine verifies them when the query is in (VerifiesSummaries)
         held = contextlib.ExitStack()
         # Leased before anything is read: eviction, and a delete that respects leases, keep away from here on.
         lease = held.enter_context(self.store.lease(m.prefix_id))

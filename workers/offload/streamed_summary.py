@@ -30,9 +30,10 @@ class StreamedArtifact:
         read.wait_for(min(8, read.size))
         try:
             read.wait_for(header_end(self._view))
-            self._spans: dict[str, TensorSpan] = safetensors_layout(self._view)
+            self._all: dict[str, TensorSpan] = safetensors_layout(self._view)
         except InvalidInput as e:
             self._fail_now(str(e))
+        self._spans = dict(self._all)  # those still listed (``pop`` and ``forget`` drop names)
         self._lock = threading.Lock()
         self._verified = False
 
@@ -75,4 +76,4 @@ class StreamedArtifact:
             self._verified = True
         if self._on_verified is not None:
             view = memoryview(data)
-            self._on_verified({name: span.tensor(view) for name, span in safetensors_layout(view).items()})
+            self._on_verified({name: span.tensor(view) for name, span in self._all.items()})

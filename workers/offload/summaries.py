@@ -40,8 +40,7 @@ class SummaryCache:
 
     def tensors(self, store: KVStore, manifest: Manifest, name: str) -> dict[str, torch.Tensor]:
         """Artifact ``name`` of the prefix as CPU tensors (shared by callers: do not modify them)."""
-        return self._get(store, manifest, name, bytes_to_tensors,
-                         lambda d: sum(t.numel() * t.element_size() for t in d.values()))
+        return self._get(store, manifest, name, bytes_to_tensors, _tensor_bytes)
 
     def page_crcs(self, store: KVStore, manifest: Manifest) -> np.ndarray:
         """The prefix's keyed page CRCs ``[layers, kv_heads, pages]`` (read-only)."""
@@ -53,19 +52,13 @@ class SummaryCache:
     def cached_tensors(self, manifest: Manifest, name: str) -> dict[str, torch.Tensor] | None:
         """Artifact ``name``'s tensors when the cache holds them (counted as a hit), else None (not counted: the
         caller reads them, then ``add_tensors``)."""
-        with self._lock:
-            hit = self._entries.get(self._key(manifest, name))
-            if hit is None:
-                return None
-            self._entries.move_to_end(self._key(manifest, name))
-            self.hits += 1
-            return hit[0]
+        return self._hit(self._key(manifest, name))
 
     def add_tensors(self, manifest: Manifest, name: str, tensors: dict[str, torch.Tensor]) -> None:
         """Keep artifact ``name``'s tensors, read and checked by the caller (a miss)."""
         with self._lock:
             self.misses += 1
-        self._put(self._key(manifest, name), tensors, sum(t.numel() * t.element_size() for t in tensors.values()))
+        self._put(self._key(manifest, name), tensors, _tensor_bytes(tensors))
 
     def drop(self, prefix_id: str) -> int:
         """Forget every entry of ``prefix_id`` (e.g. it was deleted); returns the bytes freed."""
@@ -86,16 +79,23 @@ class SummaryCache:
     def _get(self, store: KVStore, manifest: Manifest, name: str, parse: Callable[[bytearray], T],
              size_of: Callable[[T], int]) -> T:
         key = self._key(manifest, name)
+        if (hit := self._hit(key)) is not None:
+            return hit
         with self._lock:
-            hit = self._entries.get(key)
-            if hit is not None:
-                self._entries.move_to_end(key)
-                self.hits += 1
-                return hit[0]
             self.misses += 1
         value = parse(store.artifact(manifest.prefix_id, name))  # digest-checked (raises when absent)
         self._put(key, value, int(size_of(value)))
         return value
+
+    def _hit(self, key: tuple[str, str, str]) -> Any | None:
+        """The entry under ``key``, made the most recent and counted as a hit; None (not counted) when absent."""
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is None:
+                return None
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return hit[0]
 
     def _put(self, key: tuple[str, str, str], value: Any, size: int) -> None:
         if size > self.max_bytes:
@@ -108,3 +108,8 @@ class SummaryCache:
                 self.used_bytes -= old
             self._entries[key] = (value, size)
             self.used_bytes += size
+
+
+def _tensor_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    """Bytes the tensors' elements take."""
+    return sum(t.numel() * t.element_size() for t in tensors.values())
