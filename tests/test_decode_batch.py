@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 import time
 from collections.abc import Iterator
@@ -14,7 +15,10 @@ from store.errors import Cancelled
 from store.kvstore import KVStore
 from workers.decode_batch import EngineConfig
 from workers.engine import GenerationStream, Worker, drain_together
+from workers.methods.quest import QuestBounds
 from workers.methods.registry import METHODS, NEEDS_ADAPTER, compression_methods
+from workers.methods.shared_state import is_held
+from workers.methods.source import PrefixSource
 from workers.model import load_model
 from workers.requests import DecodeConfig, GenerationStats, SamplingParams
 
@@ -298,6 +302,12 @@ def test_time_to_first_token_counts_the_open(worker: Worker, pids: list[str], mo
         return start(self, *a, **k)
 
     worker.summaries.drop(pids[0])
+    # A finished generation's shared bounds may linger in a reference cycle until a collection: then nothing
+    # is read (and summaries_s is rightly 0); collect so this generation reads them.
+    gc.collect()
+    key = PrefixSource(worker.store, worker.store.manifest(pids[0]), worker.lm.device).shared_key(
+        QuestBounds.name)
+    assert not is_held(key)
     monkeypatch.setattr(KVStore, "artifact_read", slow_start)
     st = _alone(worker, pids[0], QUERIES[0], "quest", DecodeConfig(budget=0.5))
     e = st.extra
