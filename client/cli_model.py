@@ -6,13 +6,17 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from client.cli_store import store_client
 from store.errors import InvalidInput
 from workers.methods.compressed_names import PREFILL_SCORERS
 from workers.requests import LIMITS, QUERY_PAGES
+
+if TYPE_CHECKING:
+    from lab.eval.accuracy import EvalRow, EvalSpec
 
 METHOD_HELP = {
     "full": "exact attention over every prefix token (reads it all; ignores --budget)",
@@ -111,21 +115,33 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
                         budgets=tuple(args.budget) if args.budget else (None,),
                         budget_tokens=tuple(args.budget_tokens) if args.budget_tokens else (None,),
                         ratios=tuple(args.ratio) if args.ratio else (None,), samples=args.samples,
-                        max_new_tokens=args.max_new_tokens, gen_len=args.gen_len, query_pages=args.query_pages)
+                        max_new_tokens=args.max_new_tokens, gen_len=args.gen_len, query_pages=args.query_pages,
+                        concurrency=args.concurrency)
     except ValueError as e:
         raise InvalidInput(str(e)) from None
     with tempfile.TemporaryDirectory(prefix="kvstash-eval-") as tmp:
         if not args.home:  # evaluation prefixes are throwaway unless a data dir is named
             args.home = tmp
         # One bar over the samples: per-prefill bars would interleave with it.
-        rows = run_eval(_model_client(args, progress=False), spec, progress=not args.json and sys.stderr.isatty())
+        rows = run_eval(_model_client(args, progress=False), spec, progress=not args.json and sys.stderr.isatty(),
+                        on_rows=None if not args.output else lambda rows: _write_result(args.output, spec, rows))
     result = {**summary(rows), "query_pages": spec.query_pages}
     if args.output:
-        Path(args.output).write_text(json.dumps(result, indent=2))
+        _write_result(args.output, spec, rows)
     if not args.json:
         print(table(rows))
         print(f"overall accuracy {result['accuracy']:.3f} over {result['samples']} samples")
     return result
+
+
+def _write_result(path: str, spec: EvalSpec, rows: Sequence[EvalRow]) -> None:
+    """Write the eval's JSON result (the rows so far) whole or not at all: a stopped run leaves the last one."""
+    from lab.eval.accuracy import summary
+
+    out = Path(path)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps({**summary(rows), "query_pages": spec.query_pages}, indent=2))
+    tmp.replace(out)
 
 
 def _methods_epilog() -> str:
@@ -181,6 +197,7 @@ def add_model_commands(sub: Any, model_opts: argparse.ArgumentParser) -> None:
 
 
 def _add_eval(sub: Any, model_opts: argparse.ArgumentParser, fmt: type[argparse.HelpFormatter]) -> None:
+    from lab.eval.accuracy import EVAL_CONCURRENCY_DEFAULT, EVAL_CONCURRENCY_MAX
     from lab.synth.registry import TASKS
 
     s = sub.add_parser("eval", parents=[model_opts], help="accuracy on the synthetic long-context suite",
@@ -206,7 +223,11 @@ def _add_eval(sub: Any, model_opts: argparse.ArgumentParser, fmt: type[argparse.
     s.add_argument("--max-new-tokens", type=_positive_int, default=48, metavar="TOKENS",
                    help="answer length cap (default 48)")
     _add_query_pages(s)
-    s.add_argument("--output", metavar="FILE", help="also write the JSON result to this file")
+    s.add_argument("--concurrency", type=_positive_int, default=EVAL_CONCURRENCY_DEFAULT, metavar="N",
+                   help=f"generations in flight at once, batched by the engine (the same answers as one at a time; "
+                        f"1 to {EVAL_CONCURRENCY_MAX}, default {EVAL_CONCURRENCY_DEFAULT})")
+    s.add_argument("--output", metavar="FILE", help="also write the JSON result to this file (rewritten after each "
+                                                    "group of samples, so a stopped run keeps what it measured)")
     s.set_defaults(func=cmd_eval)
 
 

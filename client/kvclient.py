@@ -87,6 +87,12 @@ class Generation:
                 pass
         return "".join(self._parts)
 
+    def close(self) -> None:
+        """Stop the generation now and release what it holds (its prefix lease, its fetch engines)."""
+        close = getattr(self._pieces, "close", None)
+        if close is not None:
+            close()
+
     def __str__(self) -> str:
         return self.text
 

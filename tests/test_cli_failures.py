@@ -50,6 +50,7 @@ ARGUMENT_ERRORS = [
     (["generate", "--prefix", "", "Q?"], "32 lowercase hex"),
     (["eval", "--task", "bogus", "--length", "100"], "invalid choice: 'bogus'"),
     (["eval", "--task", "niah_single", "--length", "100", "--samples", "0"], "--samples: must be at least 1"),
+    (["eval", "--task", "niah_single", "--length", "100", "--concurrency", "257"], "concurrency must be 1 to 256"),
     (["info", ""], "32 lowercase hex"),
     (["rm", "a" * 32, "--model", "x"], "kvstash rm: unrecognized arguments: --model x"),
     (["ls", "--device", "cpu"], "kvstash ls: unrecognized arguments: --device cpu"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 
 from store.kvstore import KVStore
@@ -20,18 +21,24 @@ def _source(store: KVStore, pid: str) -> PrefixSource:
     return PrefixSource(store, store.manifest(pid), torch.device("cpu"))
 
 
-def test_generations_over_one_prefix_share_its_stacked_bounds(worker: Worker, store: KVStore) -> None:
+def test_generations_over_one_prefix_share_its_stacked_bounds(worker: Worker, store: KVStore,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The second generation reads no bounds and scores against the first one's stacked tensors; another prefix
     gets its own; once no generation holds them they are freed."""
     pid = worker.prefill(DOC).prefix_id
     other = worker.prefill(DOC + " And the sea was calm.").prefix_id
     cfg = DecodeConfig(budget=0.2)
+    reads: list[str] = []
+    start = KVStore.artifact_read
+    monkeypatch.setattr(KVStore, "artifact_read",
+                        lambda self, prefix_id, *a, **k: reads.append(prefix_id) or start(self, prefix_id, *a, **k))
     a_src, b_src, c_src = _source(store, pid), _source(store, pid), _source(store, other)
     a = Quest().selector(a_src, cfg)
     b = Quest().selector(b_src, cfg)
     c = Quest().selector(c_src, cfg)
     size = store.manifest(pid).artifact(QuestBounds.name).size  # type: ignore[union-attr]
-    assert a_src.bytes_read == size and b_src.bytes_read == 0 and c_src.bytes_read > 0
+    assert reads == [pid, other]  # the second generation over pid read nothing...
+    assert a_src.bytes_read == b_src.bytes_read == size and c_src.bytes_read > 0  # ...and is charged alike
     assert a.stacked is b.stacked and a.stacked is not c.stacked  # type: ignore[attr-defined]
     pages = a.stacked.bounds["0.kmax"].shape[1]  # type: ignore[attr-defined]  # before layer 0 is stacked
     t = a._bounds_t(0, 0, pages)  # type: ignore[attr-defined]

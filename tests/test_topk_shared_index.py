@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 
 from store.kvstore import KVStore
@@ -21,18 +22,24 @@ def _source(store: KVStore, pid: str) -> PrefixSource:
     return PrefixSource(store, store.manifest(pid), torch.device("cpu"))
 
 
-def test_generations_over_one_prefix_share_the_index_and_its_decoded_keys(worker: Worker, store: KVStore) -> None:
+def test_generations_over_one_prefix_share_the_index_and_its_decoded_keys(worker: Worker, store: KVStore,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The second selector reads no index and scores on the first one's decoded keys (decoded once); another
     prefix gets its own; once no generation holds it, it is freed."""
     pid = worker.prefill(DOC).prefix_id
     other = worker.prefill(DOC + " And the sea was calm.").prefix_id
     cfg = DecodeConfig(budget=0.2)
+    reads: list[str] = []
+    start = KVStore.artifact_read
+    monkeypatch.setattr(KVStore, "artifact_read",
+                        lambda self, prefix_id, *a, **k: reads.append(prefix_id) or start(self, prefix_id, *a, **k))
     a_src, b_src, c_src = _source(store, pid), _source(store, pid), _source(store, other)
     a = TopK().selector(a_src, cfg)
     b = TopKToken().selector(b_src, cfg)  # the token-granular form over the same artifact shares it too
     c = TopK().selector(c_src, cfg)
     size = store.manifest(pid).artifact(KeyIndexSummarizer.name).size  # type: ignore[union-attr]
-    assert a_src.bytes_read == size and b_src.bytes_read == 0 and c_src.bytes_read > 0
+    assert reads == [pid, other]  # the second generation over pid read nothing...
+    assert a_src.bytes_read == b_src.bytes_read == size and c_src.bytes_read > 0  # ...and is charged alike
     assert a.shared is b.shared and a.shared is not c.shared  # type: ignore[attr-defined]
     decoded = a.decoded  # type: ignore[attr-defined]
     assert decoded is not None and decoded is b.decoded  # type: ignore[attr-defined]

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol
 
 from workers.requests import QUERY_PAGES
@@ -38,6 +39,10 @@ class Answer(Protocol):
 
     @property
     def stats(self) -> ReadStats: ...
+
+    def __iter__(self) -> Iterator[str]: ...
+
+    def close(self) -> None: ...
 
 
 class EvalTarget(Protocol):

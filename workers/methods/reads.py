@@ -13,7 +13,9 @@ over the same steps (every prefix token's K and V, per layer and KV head, per st
   their query step's whole-layer read in tokens: every token of the prefix, the same bytes as its pages but
   for a partial last page);
 - once per generation: every summary and index read at open (Quest's page bounds, the key index,
-  Double-P's clusters, the φ cache) and prefix K/V a selector holds (``topk-exact``'s keys).
+  Double-P's clusters, the φ cache), also when the summary cache or another generation over the prefix served
+  it (as page-cache hits count: a generation's reads do not depend on what else runs), and prefix K/V a
+  selector holds (``topk-exact``'s keys).
 
 One-time bytes are thus amortized over the generation's actual steps (a step is one model
 forward; the first may carry several query tokens, and counts the union of what its rows read).

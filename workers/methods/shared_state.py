@@ -47,7 +47,8 @@ def shared_by_prefix(source: PrefixSource, artifact: str, make: Callable[[Any], 
             made.shared_across_generations = True
             _HELD[key] = made
             return made
-        return held  # type: ignore[return-value]  # the key names the artifact, and one maker serves each
+    source.count_hit(artifact)  # charged as if read: a query's reads do not depend on what else runs
+    return held  # type: ignore[return-value]  # the key names the artifact, and one maker serves each
 
 
 def is_held(key: tuple[str, str, str] | None) -> bool:

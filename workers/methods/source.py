@@ -153,9 +153,14 @@ class PrefixSource:
         finally:
             self.artifact_s += time.perf_counter() - t0
 
+    def count_hit(self, name: str) -> None:
+        """Count artifact ``name``'s bytes as read though a faster tier served them (the summary cache, or the
+        state another generation shares): a generation's reads do not depend on what else runs."""
+        info = self.manifest.artifact(name)
+        self.bytes_read += info.size if info is not None else 0
+
     def _copies(self, name: str, cached: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The summary cache's tensors of artifact ``name`` copied to the device (callers may modify theirs), its
         bytes counted as read."""
-        info = self.manifest.artifact(name)
-        self.bytes_read += info.size if info is not None else 0
+        self.count_hit(name)
         return {k: t.to(self.device, copy=True) for k, t in cached.items()}
