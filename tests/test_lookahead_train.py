@@ -3,6 +3,7 @@ adapter tied to its model."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -44,7 +45,8 @@ def test_cli_writes_an_adapter_the_loader_takes(tiny_model_dir: Path, tmp_path: 
     model = tmp_path / "m"
     shutil.copytree(tiny_model_dir, model)
     main(["--model", str(model), "--minutes", "1", "--steps", "2", "--lengths", "400", "--n-lookahead", "3",
-          "--rank", "2", "--updates-per-sample", "1"])
+          "--rank", "2", "--updates-per-sample", "1", "--device", "cpu"])
     assert (model / "lookahead.safetensors").is_file() and (model / "lookahead.json").is_file()
+    assert json.loads((model / "lookahead.json").read_text())["train"]["device"] == "cpu"
     lm = load_model(str(model), page_size=TEST_PAGE_SIZE, progress=False)
     assert lm.lookahead is not None and lm.lookahead.config.n_lookahead == 3

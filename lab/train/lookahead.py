@@ -1,6 +1,7 @@
 """Train LookaheadKV's lookahead embeddings and lookahead-only LoRA for a shipped model (its weights stay frozen).
 
 python -m lab.train.lookahead --model models/kvstash-tiny --minutes 20 --lengths 2048 3072 4096
+python -m lab.train.lookahead --model models/kvstash-tiny --device cuda --lengths 4096 8192   # a GPU: longer samples
 
 Per step, one sample of the synthetic suite's training split: the document is prefilled; the model
 answers the query greedily with exact attention; the ground truth is the attention of that answer's
@@ -70,8 +71,9 @@ def _forward(lm: LoadedModel, prefix: list, ids: list[int], position: int, score
     """Ordinary tokens ``ids`` at ``position`` over the prefix (exact attention): the pass and the last logits."""
     empty = prefix[0][0][:, :0]
     step = LookaheadPass(lambda layer: (empty, empty), lambda layer: prefix[layer], score_from=score_from, keep_kv=True)
-    out = lm.model(input_ids=torch.tensor([ids]), position_ids=torch.arange(position, position + len(ids))[None],
-                   use_cache=False, logits_to_keep=1, **{STEP_KWARG: step})
+    positions = torch.arange(position, position + len(ids), device=lm.device)[None]
+    out = lm.model(input_ids=torch.tensor([ids], device=lm.device), position_ids=positions, use_cache=False,
+                   logits_to_keep=1, **{STEP_KWARG: step})
     return step, out.logits[0, -1]
 
 
@@ -170,13 +172,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--n-lookahead", type=int, default=LookaheadConfig.n_lookahead)
     p.add_argument("--rank", type=int, default=LookaheadConfig.rank)
     p.add_argument("--lr", type=float, default=LookaheadTrainConfig.lr)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="CPU threads (on the CPU)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the model and adapter train (default: cuda when there is a GPU)")
     p.add_argument("--save-every", type=int, default=20)
     p.add_argument("--updates-per-sample", type=int, default=LookaheadTrainConfig.updates_per_sample)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    lm = load_model(str(a.model), dtype="float32", progress=False)
+    lm = load_model(str(a.model), device=a.device, dtype="float32", progress=False)
     if lm.lookahead is not None:  # retraining: start fresh, without the shipped adapter's hooks
         lm.lookahead.detach_hooks()
     base = model_fingerprint(lm.model, str(a.model))
@@ -190,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def save(steps: int) -> None:
         info = {"steps": steps, "train": {**cfg.__dict__, "tasks": list(cfg.tasks), "lengths": list(cfg.lengths),
-                                          "split": "train", "threads": a.threads},
+                                          "split": "train", "threads": a.threads, "device": str(lm.device)},
                 **_summary(log), "log": [{k: round(v, 4) for k, v in r.items()} for r in log]}
         save_adapter(adapter, out, base_fingerprint=base, info=info)
 
