@@ -167,3 +167,27 @@ def test_stacked_bounds_serve_layer_0_before_the_file_is_read(worker: Worker, mo
     assert max(waited) <= min(span.start for name, span in spans.items() if not name.startswith("0."))
     assert layer0.shape[-1] == 1 and stacked.page == QuestBounds.page_size
     stacked.verify()
+
+
+def test_the_host_bytes_go_once_verified_and_every_layer_is_taken(worker: Worker) -> None:
+    """Shared bounds live as long as their generations: the streamed artifact under them lets go of the host
+    buffer once it is verified and every layer has been stacked (in either order), not before."""
+    pid = worker.prefill(DOC).prefix_id
+    source = PrefixSource(worker.store, worker.store.manifest(pid), torch.device("cpu"))
+    source.stream_summaries = True
+    for verify_first in (False, True):
+        streamed = source.artifact_streamed(QuestBounds.name)
+        assert isinstance(streamed, StreamedArtifact)
+        stacked = StackedBounds(streamed)
+        layers = worker.lm.layout.n_layers
+        for layer in range(layers - 1):
+            stacked.get(layer, 0, 1)
+        if verify_first:
+            stacked.verify()
+        assert streamed.holds_bytes  # the last layer is still to come
+        last = stacked.get(layers - 1, 0, 1)
+        if not verify_first:
+            assert streamed.holds_bytes  # every layer taken, not checked yet
+            stacked.verify()
+        assert not streamed.holds_bytes and last.shape[-1] == 1
+        stacked.verify()  # again: nothing to do
