@@ -1,0 +1,11 @@
+"""Top-K's page mass on the CPU, scored on the key index's low-bit codes by a fused C++ kernel.
+
+``index_page_mass`` is the launcher (the kernel, built once per machine by ``build.py``; it raises when the
+kernel is unavailable, so callers check ``cpu_kernel_available`` and keep the torch path); ``CodeTiles`` the
+layout of a layer's codes it reads; ``page_mass_ref`` the torch reference.
+"""
+
+from .ops import CodeTiles, cpu_kernel_available, index_page_mass
+from .reference import page_mass_ref
+
+__all__ = ["CodeTiles", "cpu_kernel_available", "index_page_mass", "page_mass_ref"]
