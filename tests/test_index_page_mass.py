@@ -16,7 +16,13 @@ import logging
 import pytest
 import torch
 
-from workers.kernels.index_page_mass import CodeTiles, cpu_kernel_available, index_page_mass, page_mass_ref
+from workers.kernels.index_page_mass import (
+    CodeTiles,
+    IndexPageMassConfig,
+    cpu_kernel_available,
+    index_page_mass,
+    page_mass_ref,
+)
 from workers.kernels.index_page_mass import build as kernel_build
 from workers.kernels.unit_topk import top_units
 from workers.methods.key_index import KeyIndexConfig, index_logits, quantize_keys
@@ -170,3 +176,16 @@ def test_the_build_is_cached_per_source_and_cpu(tmp_path) -> None:  # noqa: ANN0
     mtime = lib.stat().st_mtime_ns
     assert kernel_build.build(cfg) == lib and lib.stat().st_mtime_ns == mtime
     assert [p.name for p in tmp_path.iterdir()] == [lib.name]  # no temporary left behind
+
+
+@pytest.mark.parametrize("threads", [2, 3, 8])
+def test_heads_split_over_threads_give_the_same_bits(threads: int) -> None:
+    """A call split over threads (by KV heads, here forced on a small call) equals the one-thread call exactly."""
+    art = quantize_keys(_keys(5, 1500, 64, seed=11))
+    q = torch.randn(2, 5, 4, 64, generator=torch.Generator().manual_seed(12))
+    tiles = CodeTiles.from_index(art["codes"], art["lo"], art["step"], 4, 64)
+    one = index_page_mass(q, tiles, 0.125, 7, 1490, 16, config=IndexPageMassConfig(parallel_macs=1 << 62))
+    split = index_page_mass(q, tiles, 0.125, 7, 1490, 16, config=IndexPageMassConfig(parallel_macs=0,
+                                                                                        threads=threads))
+    assert torch.equal(one, split)
+    torch.testing.assert_close(one, _reference(q, art, 4, 64, 0.125, 7, 1490, 16), rtol=RTOL, atol=ATOL)

@@ -39,7 +39,7 @@ class CpuKernelBuild:
 
     compiler: str = field(default_factory=lambda: os.environ.get("CXX", "g++"))
     """The C++ compiler (``$CXX``, else ``g++``)."""
-    flags: tuple[str, ...] = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
+    flags: tuple[str, ...] = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-pthread")
     """``-fopenmp-simd``: only the vectorization pragmas, no OpenMP runtime (torch brings its own)."""
     cache_dir: Path = field(default_factory=_default_cache_dir)
     """Where built libraries are kept (``$KVSTASH_KERNEL_CACHE``, else ``~/.cache/kvstash/cpu_kernels``)."""
@@ -110,6 +110,6 @@ def load(config: CpuKernelBuild | None = None) -> ctypes._CFuncPtr | None:  # ty
             log.warning("CPU index page-mass kernel unavailable (%s): Top-K scores with torch on the CPU", e)
             return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr] * 5 + [i64] * 13 + [ctypes.c_float]
+    fn.argtypes = [ptr] * 5 + [i64] * 13 + [ctypes.c_float, i64]
     fn.restype = ctypes.c_int
     return fn

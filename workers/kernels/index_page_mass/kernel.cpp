@@ -6,12 +6,14 @@
 // once to a per-page (max, sum of exp) pair per row: the per-token logits never leave the cache.
 //
 // Plain C++ with an extern "C" entry point, loaded through ctypes: no torch or pybind headers, so a build takes
-// about a second. Loops are written over the 16 lanes of a tile so that g++ -O3 vectorizes them.
+// about a second. Threads are std::threads over KV heads, only for calls large enough to pay for them (ops.py:
+// IndexPageMassConfig), not OpenMP: torch brings its own OpenMP runtime, and a second one in the process is trouble. Loops are written over the 16 lanes of a tile so that g++ -O3 vectorizes them.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -258,22 +260,33 @@ void head_page_mass(const uint8_t* tiles, const float* lo, const float* step, co
 }  // namespace
 
 // tiles [H, n_tiles, bytes, 16] uint8; lo, step [H, blocks, D] float32; q [H, R, D] float32 (rows r = t * G + g);
-// out [T, H, n_pages] float32, zeroed by the caller. Returns 0, or -1 for unsupported bits.
+// out [T, H, n_pages] float32, zeroed by the caller; KV heads split over up to n_threads threads (each head's
+// pages are its own: the same bits whatever the split). Returns 0, or -1 for unsupported bits.
 extern "C" int kvstash_index_page_mass(const uint8_t* tiles, const float* lo, const float* step, const float* q,
                                        float* out, int64_t n_heads, int64_t n_tiles, int64_t d, int64_t bits,
                                        int64_t block, int64_t blocks, int64_t rows, int64_t group, int64_t start,
-                                       int64_t end, int64_t page, int64_t p0, int64_t n_pages, float scale) {
+                                       int64_t end, int64_t page, int64_t p0, int64_t n_pages, float scale,
+                                       int64_t n_threads) {
   if (bits != 4 && bits != 8) return -1;
   const int64_t bytes = d * bits / 8;
-  for (int64_t h = 0; h < n_heads; ++h) {
-    const uint8_t* th = tiles + h * n_tiles * bytes * kLanes;
-    const float* lh = lo + h * blocks * d;
-    const float* sh = step + h * blocks * d;
-    const float* qh = q + h * rows * d;
-    if (bits == 4)
-      head_page_mass<4>(th, lh, sh, qh, out, n_heads, h, d, block, rows, group, start, end, page, p0, n_pages, scale);
-    else
-      head_page_mass<8>(th, lh, sh, qh, out, n_heads, h, d, block, rows, group, start, end, page, p0, n_pages, scale);
-  }
+  auto heads = [&](int64_t h0, int64_t h1) {
+    for (int64_t h = h0; h < h1; ++h) {
+      const uint8_t* th = tiles + h * n_tiles * bytes * kLanes;
+      const float* lh = lo + h * blocks * d;
+      const float* sh = step + h * blocks * d;
+      const float* qh = q + h * rows * d;
+      if (bits == 4)
+        head_page_mass<4>(th, lh, sh, qh, out, n_heads, h, d, block, rows, group, start, end, page, p0, n_pages,
+                          scale);
+      else
+        head_page_mass<8>(th, lh, sh, qh, out, n_heads, h, d, block, rows, group, start, end, page, p0, n_pages,
+                          scale);
+    }
+  };
+  const int64_t n = std::max<int64_t>(1, std::min(n_threads, n_heads));
+  std::vector<std::thread> pool;
+  for (int64_t i = 1; i < n; ++i) pool.emplace_back(heads, i * n_heads / n, (i + 1) * n_heads / n);
+  heads(0, n_heads / n);  // the calling thread takes the first share
+  for (auto& th : pool) th.join();
   return 0;
 }

@@ -14,10 +14,30 @@ import torch
 
 from .build import load
 
-__all__ = ["LANES", "CodeTiles", "cpu_kernel_available", "index_page_mass"]
+__all__ = ["DEFAULT_PAGE_MASS", "LANES", "CodeTiles", "IndexPageMassConfig", "cpu_kernel_available",
+           "index_page_mass"]
 
 LANES = 16
 """Tokens per tile of ``CodeTiles`` (the kernel's vector width in tokens; fixed in ``kernel.cpp``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class IndexPageMassConfig:
+    """Threading of the kernel (results do not depend on it: each KV head is computed alone)."""
+
+    parallel_macs: int = 1 << 24
+    """Multiply-adds (rows x tokens x channels) from which a call splits its KV heads over threads: starting
+    threads costs tens of microseconds, a call of 2^24 takes about half a millisecond on one core (the shipped
+    model's 16k tokens: 2^23, one thread; Llama-3.1-8B's 32k: 2^27)."""
+    threads: int | None = None
+    """Most threads a large call uses; None: ``torch.get_num_threads()`` (the caller's intra-op setting)."""
+
+    def __post_init__(self) -> None:
+        if self.parallel_macs < 0 or (self.threads is not None and self.threads < 1):
+            raise ValueError(f"bad IndexPageMassConfig {self}")
+
+
+DEFAULT_PAGE_MASS = IndexPageMassConfig()
 
 
 def cpu_kernel_available() -> bool:
@@ -55,8 +75,8 @@ class CodeTiles:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.lo, self.step))
 
 
-def index_page_mass(q: torch.Tensor, tiles: CodeTiles, scale: float, start: int, end: int, page: int
-                    ) -> torch.Tensor:
+def index_page_mass(q: torch.Tensor, tiles: CodeTiles, scale: float, start: int, end: int, page: int, *,
+                    config: IndexPageMassConfig = DEFAULT_PAGE_MASS) -> torch.Tensor:
     """Each KV head's group-mean softmax mass of ``scale * q . k`` over the index's tokens ``[start, end)``,
     summed per page: ``[T, Hkv, pages]`` float32 (pages ``start // page`` to ``ceil(end / page)``), as
     ``page_mass_ref`` gives on the same logits up to float32 rounding. ``q``: ``[T, Hkv, G, D]`` on the CPU."""
@@ -73,9 +93,12 @@ def index_page_mass(q: torch.Tensor, tiles: CodeTiles, scale: float, start: int,
     rows = q.detach().float().permute(1, 0, 2, 3).contiguous()  # [Hkv, T, G, D]: rows r = t * G + g per head
     out = torch.zeros(t, h, p1 - p0)
     blocks = tiles.lo.shape[1]
+    threads = 1
+    if t * g * (end - start) * d * h >= config.parallel_macs:
+        threads = config.threads if config.threads is not None else torch.get_num_threads()
     rc = fn(tiles.codes.data_ptr(), tiles.lo.data_ptr(), tiles.step.data_ptr(), rows.data_ptr(), out.data_ptr(),
             h, n_tiles, d, tiles.bits, tiles.block, blocks, t * g, g, start, end, page, p0, p1 - p0,
-            ctypes.c_float(scale))
+            ctypes.c_float(scale), threads)
     if rc:
         raise ValueError(f"the CPU index page-mass kernel refused bits={tiles.bits}")
     return out
