@@ -189,3 +189,18 @@ def test_heads_split_over_threads_give_the_same_bits(threads: int) -> None:
                                                                                         threads=threads))
     assert torch.equal(one, split)
     torch.testing.assert_close(one, _reference(q, art, 4, 64, 0.125, 7, 1490, 16), rtol=RTOL, atol=ATOL)
+
+
+def test_layers_past_the_cap_take_the_torch_path() -> None:
+    """The laid-out codes are bounded (``IndexTiles.max_bytes``): a layer that does not fit is not laid out (nor
+    copied each step) and scores on the torch path, with the same pages."""
+    kernel, torch_path, ctx = _selector_pair(2000, 64, seed=21)
+    assert kernel.tiles is not None
+    idx = kernel.index
+    need = CodeTiles.bytes_for(idx["0.codes"], idx["0.lo"])
+    assert need == CodeTiles.from_index(idx["0.codes"], idx["0.lo"], idx["0.step"], 4, 64).nbytes
+    kernel.tiles.max_bytes = need - 1
+    q = torch.randn(1, 2, 4, 64, generator=torch.Generator().manual_seed(22))
+    got, _ = kernel._page_mass(0, ctx, q, 0.125)
+    assert not kernel.tiles.tiles and kernel.tiles.nbytes == 0
+    assert torch.equal(got, torch_path._page_mass(0, ctx, q, 0.125)[0])

@@ -92,7 +92,8 @@ launches). In elements, not tokens, so a small model's index is not cut into man
 
 
 CPU_DECODED_INDEX_BYTES = 512 << 20
-"""Bytes of float32 keys a CPU generation may hold decoded from its index (``DecodedIndex``): on the CPU, unpacking
+"""Bytes of float32 keys a CPU generation may hold decoded from its index (``DecodedIndex``; the same cap bounds the
+codes' copy laid out for the page-mass kernel, ``IndexTiles``, an eighth of the decoded keys): on the CPU, unpacking
 the codes every step costs about 4.5x a float32 matmul over the decoded keys (at 4k and 16k tokens of a 2-head,
 64-channel index: 0.60 / 2.07 ms against 0.13 / 0.62 ms per layer, one thread). 512 MiB holds 16k tokens of 8B-shaped
 layers (32 x 8 heads x 128 channels) or the shipped model's whole 32k context; past it, layers score from their
@@ -148,9 +149,9 @@ class IndexTiles:
         with self._lock:  # generations sharing it may step on different threads: lay each layer out once
             tiles = self.tiles.get(layer)
             if tiles is None:
-                tiles = CodeTiles.from_index(codes, lo, step, bits, block)
-                if self.nbytes + tiles.nbytes > self.max_bytes:
+                if self.nbytes + CodeTiles.bytes_for(codes, lo) > self.max_bytes:
                     return None
+                tiles = CodeTiles.from_index(codes, lo, step, bits, block)
                 self.tiles[layer] = tiles
                 self.nbytes += tiles.nbytes
             return tiles

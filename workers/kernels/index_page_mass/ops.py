@@ -69,6 +69,12 @@ class CodeTiles:
         laid = padded.view(h, tiles, LANES, nb).transpose(2, 3).contiguous()
         return CodeTiles(laid, lo.float().contiguous(), step.float().contiguous(), bits, block, n)
 
+    @staticmethod
+    def bytes_for(codes: torch.Tensor, lo: torch.Tensor) -> int:
+        """What ``from_index`` of this index would hold, without laying it out."""
+        h, n, nb = codes.shape
+        return h * -(-n // LANES) * LANES * nb + 2 * lo.numel() * 4
+
     @property
     def nbytes(self) -> int:
         """Bytes held."""
