@@ -20,10 +20,12 @@ from workers.kernels.index_page_mass import (
     CodeTiles,
     IndexPageMassConfig,
     cpu_kernel_available,
+    cpu_kernel_preferred,
     index_page_mass,
     page_mass_ref,
 )
 from workers.kernels.index_page_mass import build as kernel_build
+from workers.kernels.index_page_mass import ops as kernel_ops
 from workers.kernels.unit_topk import top_units
 from workers.methods.key_index import KeyIndexConfig, index_logits, quantize_keys
 from workers.methods.layer_kv import ResidentKV
@@ -93,7 +95,9 @@ def _selector_pair(n: int, d: int, seed: int) -> tuple[IndexedTopKSelector, Inde
     src = MemorySource.build([(k, k)], get_method("topk").summarizers)
     kernel, torch_path = (get_method("topk").selector(src, DecodeConfig()) for _ in range(2))
     assert isinstance(kernel, IndexedTopKSelector) and isinstance(torch_path, IndexedTopKSelector)
-    assert kernel.tiles is not None  # the kernel builds here: it is the path taken
+    # the kernel is the path taken where it builds with AVX-512; elsewhere forced here, to test it all the same
+    assert (kernel.tiles is not None) == cpu_kernel_preferred()
+    kernel.tiles = kernel.shared.tiles
     torch_path.tiles = None
     return kernel, torch_path, LayerContext(ResidentKV(k, k, page_size=16), 4, n - 37)
 
@@ -132,7 +136,8 @@ def test_exact_ties_go_to_the_lower_page_on_both_paths() -> None:
     k[:, 64:128] = k[:, 128:192]  # blocks 1 and 2 (pages 4-7 and 8-11) identical
     src = MemorySource.build([(k, k)], get_method("topk").summarizers)
     sel = get_method("topk").selector(src, DecodeConfig())
-    assert isinstance(sel, IndexedTopKSelector) and sel.tiles is not None
+    assert isinstance(sel, IndexedTopKSelector)
+    sel.tiles = sel.shared.tiles  # the kernel path (taken by default with AVX-512)
     ctx = LayerContext(ResidentKV(k, k, page_size=16), 0, 256)
     q = k[:, 70].reshape(1, 1, 1, 64).expand(1, 1, 4, 64) * 0.5  # aligned with page 4 (and its twin, page 8)
     mass, _ = sel._page_mass(0, ctx, q, 0.125)
@@ -167,6 +172,17 @@ def test_without_a_compiler_topk_takes_the_torch_reference(monkeypatch: pytest.M
         monkeypatch.undo()
         kernel_build.load.cache_clear()
     assert cpu_kernel_available()
+
+
+def test_a_build_without_avx512_leaves_topk_on_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the AVX-512 build is faster than torch: without it Top-K keeps the torch path (the kernel still
+    computes the same masses, tested above)."""
+    loaded = kernel_build.load()
+    assert loaded is not None
+    monkeypatch.setattr(kernel_ops, "load", lambda: kernel_build.Loaded(loaded.fn, avx512=False))
+    k = _keys(2, 500, 64, seed=5)
+    sel = get_method("topk").selector(MemorySource.build([(k, k)], get_method("topk").summarizers), DecodeConfig())
+    assert isinstance(sel, IndexedTopKSelector) and sel.tiles is None and cpu_kernel_available()
 
 
 def test_the_build_is_cached_per_source_and_cpu(tmp_path) -> None:  # noqa: ANN001 - pytest's tmp_path

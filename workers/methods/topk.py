@@ -17,7 +17,7 @@ from typing import ClassVar
 
 import torch
 
-from workers.kernels.index_page_mass import cpu_kernel_available, index_page_mass, page_mass_ref
+from workers.kernels.index_page_mass import cpu_kernel_preferred, index_page_mass, page_mass_ref
 from workers.kernels.unit_topk import top_units
 from workers.methods.base import Summarizer
 from workers.methods.key_index import (
@@ -88,8 +88,8 @@ class IndexedTopKSelector(Selector):
         # On the CPU the per-step unpacking of the codes dominates scoring in torch: keys decoded once (bounded).
         self.decoded = self.shared.decoded
         # The page ranking on the CPU: the fused kernel on the codes (8x fewer bytes per step than decoded
-        # float32 keys, no logits written), when it builds; else the torch path above (logged once).
-        self.tiles = self.shared.tiles if self.shared.tiles is not None and cpu_kernel_available() else None
+        # float32 keys, no logits written), when it builds with AVX-512; else the torch path above (logged once).
+        self.tiles = self.shared.tiles if self.shared.tiles is not None and cpu_kernel_preferred() else None
 
     def select_pages(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, n: int) -> torch.Tensor:
         """The ``n`` pages overlapping the mid region whose mid tokens hold the most group mass on the index

@@ -21,6 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -95,21 +96,34 @@ def build(config: CpuKernelBuild) -> Path:
 _LOCK = threading.Lock()
 
 
+@dataclass(frozen=True)
+class Loaded:
+    """The built kernel: its entry point, and whether the build has the AVX-512 paths (the measured fast ones)."""
+
+    fn: Any
+    avx512: bool
+
+
 @functools.cache
-def load(config: CpuKernelBuild | None = None) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """The kernel's entry point, built on first use; None (logged once) when disabled or it cannot be built, so
-    callers keep the torch path."""
+def load(config: CpuKernelBuild | None = None) -> Loaded | None:
+    """The kernel, built on first use; None (logged once) when disabled or it cannot be built, so callers keep
+    the torch path."""
     config = config or CpuKernelBuild()
     if not config.enabled:
         log.info("CPU index page-mass kernel disabled (KVSTASH_CPU_KERNEL=0): Top-K scores with torch on the CPU")
         return None
     with _LOCK:  # threads of one process: one build
         try:
-            fn = getattr(ctypes.CDLL(str(build(config))), SYMBOL)
+            lib = ctypes.CDLL(str(build(config)))
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             log.warning("CPU index page-mass kernel unavailable (%s): Top-K scores with torch on the CPU", e)
             return None
+    fn = getattr(lib, SYMBOL)
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr] * 5 + [i64] * 13 + [ctypes.c_float, i64]
     fn.restype = ctypes.c_int
-    return fn
+    avx512 = bool(lib.kvstash_index_page_mass_avx512())
+    if not avx512:
+        log.info("CPU index page-mass kernel built without AVX-512 (this CPU or compiler lacks it): no faster than "
+                 "torch here, so Top-K scores with torch on the CPU")
+    return Loaded(fn, avx512)

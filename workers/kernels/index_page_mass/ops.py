@@ -15,7 +15,7 @@ import torch
 from .build import load
 
 __all__ = ["DEFAULT_PAGE_MASS", "LANES", "CodeTiles", "IndexPageMassConfig", "cpu_kernel_available",
-           "index_page_mass"]
+           "cpu_kernel_preferred", "index_page_mass"]
 
 LANES = 16
 """Tokens per tile of ``CodeTiles`` (the kernel's vector width in tokens; fixed in ``kernel.cpp``)."""
@@ -43,6 +43,13 @@ DEFAULT_PAGE_MASS = IndexPageMassConfig()
 def cpu_kernel_available() -> bool:
     """Whether the kernel is built and loaded (built on the first call; False, logged once, without a compiler)."""
     return load() is not None
+
+
+def cpu_kernel_preferred() -> bool:
+    """Whether Top-K should score on the kernel: built, with its AVX-512 paths (elsewhere it is no faster than the
+    torch path, and Top-K keeps that; logged once)."""
+    loaded = load()
+    return loaded is not None and loaded.avx512
 
 
 @dataclass(frozen=True)
@@ -86,9 +93,10 @@ def index_page_mass(q: torch.Tensor, tiles: CodeTiles, scale: float, start: int,
     """Each KV head's group-mean softmax mass of ``scale * q . k`` over the index's tokens ``[start, end)``,
     summed per page: ``[T, Hkv, pages]`` float32 (pages ``start // page`` to ``ceil(end / page)``), as
     ``page_mass_ref`` gives on the same logits up to float32 rounding. ``q``: ``[T, Hkv, G, D]`` on the CPU."""
-    fn = load()
-    if fn is None:
+    loaded = load()
+    if loaded is None:
         raise RuntimeError("the CPU index page-mass kernel is unavailable (see the log); use page_mass_ref")
+    fn = loaded.fn
     t, h, g, d = q.shape
     hk, n_tiles, nb, _ = tiles.codes.shape
     if q.device.type != "cpu" or h != hk or nb * 8 // tiles.bits != d:
