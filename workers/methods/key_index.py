@@ -6,7 +6,8 @@ to ``lo + step * c``. Keys are quantized per channel, not per token, because pos
 a few large channels that would otherwise set every token's scale. The index is read once per
 prefix and device, held on the device and shared by the generations over the prefix
 (``shared_key_index``); a step scores every mid token on its codes (``index_logits``) without
-touching the exact keys, or on the CPU on keys decoded once from them (``DecodedIndex``).
+touching the exact keys, or on the CPU on keys decoded once from them (``DecodedIndex``), or, for the page
+ranking on the CPU, on the codes in a fused kernel (``IndexTiles``, ``workers/kernels/index_page_mass``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from workers.kernels.index_page_mass import CodeTiles
 from workers.methods.base import Summarizer
 from workers.methods.shared_state import shared_by_prefix
 from workers.pages import page_count
@@ -90,7 +92,8 @@ launches). In elements, not tokens, so a small model's index is not cut into man
 
 
 CPU_DECODED_INDEX_BYTES = 512 << 20
-"""Bytes of float32 keys a CPU generation may hold decoded from its index (``DecodedIndex``): on the CPU, unpacking
+"""Bytes of float32 keys a CPU generation may hold decoded from its index (``DecodedIndex``; the same cap bounds the
+codes' copy laid out for the page-mass kernel, ``IndexTiles``, an eighth of the decoded keys): on the CPU, unpacking
 the codes every step costs about 4.5x a float32 matmul over the decoded keys (at 4k and 16k tokens of a 2-head,
 64-channel index: 0.60 / 2.07 ms against 0.13 / 0.62 ms per layer, one thread). 512 MiB holds 16k tokens of 8B-shaped
 layers (32 x 8 heads x 128 channels) or the shipped model's whole 32k context; past it, layers score from their
@@ -127,13 +130,43 @@ class DecodedIndex:
             return keys
 
 
+class IndexTiles:
+    """A CPU-side cache of each layer's index laid out for the page-mass kernel (``CodeTiles``: the codes' own
+    bytes, re-ordered), built on first use within ``max_bytes`` (layers past the cap take the torch path); safe to
+    share between threads."""
+
+    def __init__(self, max_bytes: int = CPU_DECODED_INDEX_BYTES):
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self.tiles: dict[int, CodeTiles] = {}
+        self.nbytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, layer: int, codes: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, bits: int,
+            block: int) -> CodeTiles | None:
+        """The layer's ``CodeTiles`` (laid out on first use), or None past the cap."""
+        with self._lock:  # generations sharing it may step on different threads: lay each layer out once
+            tiles = self.tiles.get(layer)
+            if tiles is None:
+                if self.nbytes + CodeTiles.bytes_for(codes, lo) > self.max_bytes:
+                    return None
+                tiles = CodeTiles.from_index(codes, lo, step, bits, block)
+                self.tiles[layer] = tiles
+                self.nbytes += tiles.nbytes
+            return tiles
+
+
 class SharedKeyIndex:
     """A prefix's key index as the generations over it use it: the artifact (read once) and, on the CPU, its keys
-    decoded once (``DecodedIndex``)."""
+    decoded once (``DecodedIndex``, for token-granular scoring) and its codes laid out for the page-mass kernel
+    (``IndexTiles``)."""
 
     def __init__(self, index: dict[str, torch.Tensor]):
         self.index = index
-        self.decoded = DecodedIndex() if index["0.codes"].device.type == "cpu" else None
+        cpu = index["0.codes"].device.type == "cpu"
+        self.decoded = DecodedIndex() if cpu else None
+        self.tiles = IndexTiles() if cpu else None
         self.shared_across_generations = False
         """Whether ``shared_key_index`` hands it out (its bytes are then no one generation's own)."""
 
