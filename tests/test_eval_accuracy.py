@@ -24,7 +24,8 @@ def test_eval_cells_and_reuse(kv: KVClient) -> None:
     assert all(0.0 <= r.accuracy <= 1.0 and r.read_fraction == pytest.approx(1.0) for r in rows)  # full reads all
     assert len(kv.ls()) == 4  # one prefix per sample, each prefilled once
     res = summary(rows)
-    assert res["samples"] == 4 and "scores" not in res["rows"][0]
+    assert res["samples"] == 4 and [r["scores"] for r in res["rows"]] == [r.scores for r in rows]
+    assert all(len(r["scores"]) == 2 for r in res["rows"])
     assert table(rows).count("\n") == 3
 
 

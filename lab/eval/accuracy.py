@@ -160,10 +160,11 @@ def _rows(scores: dict[Key, list[float]], reads: dict[Key, list[float]]) -> list
 
 
 def summary(rows: Sequence[EvalRow]) -> dict[str, Any]:
-    """JSON-ready result: overall accuracy plus every row."""
+    """JSON-ready result: overall accuracy plus every row, with its per-sample scores in sample order (the same
+    samples in every cell of a task and length, so two methods compare sample by sample)."""
     all_scores = [x for r in rows for x in r.scores]
     return {"accuracy": statistics.fmean(all_scores) if all_scores else 0.0, "samples": len(all_scores),
-            "rows": [{k: v for k, v in asdict(r).items() if k != "scores"} for r in rows]}
+            "rows": [asdict(r) for r in rows]}
 
 
 def table(rows: Sequence[EvalRow]) -> str:
