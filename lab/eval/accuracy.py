@@ -39,7 +39,7 @@ class EvalSpec:
     """L_gen for budget matching (appendix D): 1 charges a one-time φ fetch to a single step."""
     query_pages: str = QUERY_PAGES[0]
     """``DecodeConfig.query_pages`` of every generation."""
-    concurrency: int = 1
+    concurrency: int = EVAL_CONCURRENCY_DEFAULT
     """Generations in flight at once, advanced together by the worker's engine (batched steps; the same tokens
     as one at a time): a sample's cells, and as many samples' as fit."""
 
