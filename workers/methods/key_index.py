@@ -13,8 +13,9 @@ ranking on the CPU, on the codes in a fused kernel (``IndexTiles``, ``workers/ke
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
 
@@ -91,6 +92,8 @@ tokens of a 2-head, 64-channel index, 2.1 ms against 3.0 ms for 1,024-token chun
 launches). In elements, not tokens, so a small model's index is not cut into many tiny chunks."""
 
 
+T = TypeVar("T")
+
 CPU_DECODED_INDEX_BYTES = 512 << 20
 """Bytes of float32 keys a CPU generation may hold decoded from its index (``DecodedIndex``; the same cap bounds the
 codes' copy laid out for the page-mass kernel, ``IndexTiles``, an eighth of the decoded keys): on the CPU, unpacking
@@ -100,61 +103,64 @@ layers (32 x 8 heads x 128 channels) or the shipped model's whole 32k context; p
 codes. It does not change what is read from the store: the index is read once, as before."""
 
 
-class DecodedIndex:
-    """A CPU-side cache of float32 keys decoded from a prefix's low-bit index, layer by layer as first scored,
-    within ``max_bytes`` (layers past the cap keep scoring from their codes); safe to share between threads."""
+class LayerCache(Generic[T]):
+    """Per-layer values derived from a prefix's index on first use, within ``max_bytes`` (a layer past the cap
+    gets None and its caller keeps another path); safe to share between threads."""
 
     def __init__(self, max_bytes: int = CPU_DECODED_INDEX_BYTES):
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
-        self.keys: dict[int, torch.Tensor] = {}
+        self.held: dict[int, T] = {}
         self.nbytes = 0
         self._lock = threading.Lock()
+
+    def _get(self, layer: int, need: int, make: Callable[[], T]) -> T | None:
+        """The layer's value, made now (``need`` bytes) unless held, or None past the cap."""
+        with self._lock:  # generations sharing it may step on different threads: make each layer's once
+            value = self.held.get(layer)
+            if value is None:
+                if self.nbytes + need > self.max_bytes:
+                    return None
+                value = self.held[layer] = make()
+                self.nbytes += need
+            return value
+
+
+class DecodedIndex(LayerCache[torch.Tensor]):
+    """Float32 keys decoded from a prefix's low-bit index, layer by layer as first scored (layers past the cap keep
+    scoring from their codes)."""
+
+    @property
+    def keys(self) -> dict[int, torch.Tensor]:
+        """The decoded layers' keys, by layer."""
+        return self.held
 
     def get(self, layer: int, codes: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, bits: int,
             block: int) -> torch.Tensor | None:
         """The layer's decoded keys ``[Hkv, N, D]`` (channel-major, decoded on first use), or None past the cap."""
-        with self._lock:  # generations sharing it may step on different threads: decode each layer once
-            keys = self.keys.get(layer)
-            if keys is None:
-                h, n = codes.shape[:2]
-                need = h * n * codes.shape[2] * (8 // bits) * 4
-                if self.nbytes + need > self.max_bytes:
-                    return None
-                # held channel-major ([Hkv, D, N] in memory, seen as [Hkv, N, D]): the scoring product then reads
-                # each channel's tokens contiguously, 2x faster on the CPU than token-major keys, same bits
-                keys = dequantize_keys(codes, lo, step, bits, block).transpose(1, 2).contiguous().transpose(1, 2)
-                self.keys[layer] = keys
-                self.nbytes += need
-            return keys
+        h, n = codes.shape[:2]
+        # held channel-major ([Hkv, D, N] in memory, seen as [Hkv, N, D]): the scoring product then reads each
+        # channel's tokens contiguously, 2x faster on the CPU than token-major keys, same bits
+        return self._get(layer, h * n * codes.shape[2] * (8 // bits) * 4,
+                         lambda: dequantize_keys(codes, lo, step, bits, block).transpose(1, 2).contiguous()
+                         .transpose(1, 2))
 
 
-class IndexTiles:
-    """A CPU-side cache of each layer's index laid out for the page-mass kernel (``CodeTiles``: the codes' own
-    bytes, re-ordered), built on first use within ``max_bytes`` (layers past the cap take the torch path); safe to
-    share between threads."""
+class IndexTiles(LayerCache[CodeTiles]):
+    """Each layer's index laid out for the page-mass kernel (``CodeTiles``: the codes' own bytes, re-ordered), on
+    first use (layers past the cap take the torch path)."""
 
-    def __init__(self, max_bytes: int = CPU_DECODED_INDEX_BYTES):
-        if max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
-        self.max_bytes = max_bytes
-        self.tiles: dict[int, CodeTiles] = {}
-        self.nbytes = 0
-        self._lock = threading.Lock()
+    @property
+    def tiles(self) -> dict[int, CodeTiles]:
+        """The laid-out layers, by layer."""
+        return self.held
 
     def get(self, layer: int, codes: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, bits: int,
             block: int) -> CodeTiles | None:
         """The layer's ``CodeTiles`` (laid out on first use), or None past the cap."""
-        with self._lock:  # generations sharing it may step on different threads: lay each layer out once
-            tiles = self.tiles.get(layer)
-            if tiles is None:
-                if self.nbytes + CodeTiles.bytes_for(codes, lo) > self.max_bytes:
-                    return None
-                tiles = CodeTiles.from_index(codes, lo, step, bits, block)
-                self.tiles[layer] = tiles
-                self.nbytes += tiles.nbytes
-            return tiles
+        return self._get(layer, CodeTiles.bytes_for(codes, lo),
+                         lambda: CodeTiles.from_index(codes, lo, step, bits, block))
 
 
 class SharedKeyIndex:
