@@ -63,3 +63,23 @@ def test_both_variants_train_equally_long_and_resume(plain_export: Path, tmp_pat
                                       ["train_config"])
     assert replace(rat_cfg, model=plain_cfg.model) == plain_cfg  # same run but for the memory module
     assert rat_cfg.model.memory_max_length == 64.0 and plain_cfg.model.memory_max_length is None
+
+
+@pytest.mark.slow
+def test_rat_alone_with_an_open_gate_held_at_its_init(plain_export: Path, tmp_path: Path) -> None:
+    torch.set_num_threads(2)
+    models = tmp_path / "models"
+    common = ["--steps", "3", "--init", str(plain_export), "--models", str(models), "--tiny", "--max-minutes", "5",
+              "--variants", "rat", "--memory-gate-bias", "2", "--memory-lr-scale", "1"]
+    main(["--out", str(tmp_path / "held"), *common, "--memory-hold-steps", "3"])
+    assert not (models / "kvstash-tiny-cont").exists()  # the plain baseline was not asked for
+    rat = AutoModelForCausalLM.from_pretrained(models / "kvstash-tiny-rat")
+    gate = rat.model.layers[0].self_attn.memory_gate
+    assert gate.weight.abs().max() == 0 and torch.all(gate.bias == 2.0)  # held for all three steps
+    card = (models / "kvstash-tiny-rat" / "README.md").read_text()
+    assert "b = 2 at the start" in card and "held at their init for the first 3 steps" in card
+    assert json.loads((models / "kvstash-tiny-rat" / ckpt.TRAINER_STATE).read_text())["step"] == 4
+
+    main(["--out", str(tmp_path / "free"), *common, "--memory-hold-steps", "1"])
+    gate = AutoModelForCausalLM.from_pretrained(models / "kvstash-tiny-rat").model.layers[0].self_attn.memory_gate
+    assert gate.weight.abs().max() > 0  # released after the first step

@@ -162,6 +162,9 @@ class TrainConfig:
     cross-entropy, added with this weight (see `objective.compute_loss`)."""
     memory_lr_scale: float = 10.0
     """Learning-rate multiplier of the RAT+ memory gates (new parameters; the paper: 10× the others)."""
+    memory_hold_steps: int = 0
+    """RAT+ only: the stage's first steps during which the memory gates stay at their init (learning rate 0),
+    so the rest of the model adapts to the memory before the gates may close it."""
     seed: int = 0
     checkpoint_every: int = 200
     log_every: int = 20

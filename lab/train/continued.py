@@ -53,13 +53,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, help="batch-generating processes")
     p.add_argument("--resume", action="store_true", help="continue the runs in OUT")
     p.add_argument("--tiny", action="store_true", help="the CPU-test model shape and batches (smoke tests)")
+    p.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=list(VARIANTS),
+                   help="which to train (rat alone: the plain baseline is already exported at the same steps)")
+    p.add_argument("--memory-gate-bias", type=float, help="RAT+ gates' initial logit (default: the config's)")
+    p.add_argument("--memory-lr-scale", type=float, help="RAT+ gates' learning-rate multiplier")
+    p.add_argument("--memory-hold-steps", type=int, help="first steps with the RAT+ gates held at their init")
     return p.parse_args(argv)
 
 
 def variant_config(base: TrainConfig, variant: str) -> TrainConfig:
     """The run config of ``variant``: identical for both but for the memory module."""
     if variant == "plain":
-        return base
+        return replace(base, memory_hold_steps=0)
     return replace(base, model=replace(base.model, memory_max_length=MEMORY_LENGTH))
 
 
@@ -69,8 +74,11 @@ def base_config(args: argparse.Namespace) -> TrainConfig:
     if args.tiny:
         cfg = replace(cfg, model=TINY_MODEL, tokens_per_batch=768, workers=0, log_every=1, checkpoint_every=2,
                       curriculum=(replace(cfg.curriculum[-1], lengths=(128,)),))
-    overrides = {"steps": args.steps, "workers": args.workers}
+    overrides = {"steps": args.steps, "workers": args.workers, "memory_lr_scale": args.memory_lr_scale,
+                 "memory_hold_steps": args.memory_hold_steps}
     cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+    if args.memory_gate_bias is not None:
+        cfg = replace(cfg, model=replace(cfg.model, memory_gate_bias=args.memory_gate_bias))
     start = ckpt.export_step(args.init)
     return replace(cfg, start_step=start, steps=start + cfg.steps)
 
@@ -92,22 +100,28 @@ def run_variant(cfg: TrainConfig, run: Path, args: argparse.Namespace, tok, *, u
 def main(argv: list[str] | None = None) -> None:
     """Entry point."""
     args = parse_args(argv)
-    if args.out.exists() and any(args.out.iterdir()) and not args.resume:
+    if any((args.out / v).exists() and any((args.out / v).iterdir()) for v in args.variants) and not args.resume:
         raise SystemExit(f"{args.out} already holds runs; pass --resume or another --out")
     t0 = time.time()
     limit = 60.0 * args.max_minutes
     tok = AutoTokenizer.from_pretrained(args.init)
     base = base_config(args)
     rat_cfg, plain_cfg = variant_config(base, "rat"), variant_config(base, "plain")
-    rat_step = run_variant(rat_cfg, args.out / "rat", args, tok, until=base.steps, seconds=RAT_SHARE * limit)
-    plain_step = run_variant(plain_cfg, args.out / "plain", args, tok, until=rat_step,
-                             seconds=limit - (time.time() - t0) - EXPORT_RESERVE_S)
+    steps: dict[str, int] = {}
+    if "rat" in args.variants:
+        share = RAT_SHARE if "plain" in args.variants else 1.0
+        steps["rat"] = run_variant(rat_cfg, args.out / "rat", args, tok, until=base.steps,
+                                   seconds=share * limit - (0.0 if "plain" in args.variants else EXPORT_RESERVE_S))
+    if "plain" in args.variants:  # up to RAT+'s step, so the two ship equally long
+        steps["plain"] = run_variant(plain_cfg, args.out / "plain", args, tok, until=steps.get("rat", base.steps),
+                                     seconds=limit - (time.time() - t0) - EXPORT_RESERVE_S)
     command = " ".join(shlex.quote(a) for a in ["python", "-m", "lab.train.continued", *sys.argv[1:]]) \
         if argv is None else " ".join(["python -m lab.train.continued", *map(shlex.quote, argv)])
-    for variant, cfg, step in (("rat", rat_cfg, rat_step), ("plain", plain_cfg, plain_step)):
-        export_variant(args, cfg, variant, step, command, tok)
-    print(json.dumps({"rat_step": rat_step, "plain_step": plain_step, "target": base.steps,
-                      "equal": rat_step == plain_step, "seconds": round(time.time() - t0, 1)}), flush=True)
+    for variant, cfg in (("rat", rat_cfg), ("plain", plain_cfg)):
+        if variant in steps:
+            export_variant(args, cfg, variant, steps[variant], command, tok)
+    print(json.dumps({"rat_step": steps.get("rat"), "plain_step": steps.get("plain"), "target": base.steps,
+                      "equal": len(set(steps.values())) == 1, "seconds": round(time.time() - t0, 1)}), flush=True)
 
 
 def export_variant(args: argparse.Namespace, cfg: TrainConfig, variant: str, step: int, command: str, tok) -> None:
@@ -150,7 +164,9 @@ def card(variant: str, cfg: TrainConfig, step: int, command: str, log: str) -> s
         f"From `kvstash-tiny` (step {cfg.start_step}), steps {cfg.start_step}-{step} of a {cfg.steps - cfg.start_step}"
         f"-step stage (`PRESETS['continued']` in `lab/train/config.py`: stage 3's data mix and curriculum, lr "
         f"{cfg.lr:g} with {cfg.warmup_steps} warm-up steps and cosine decay, "
-        + (f"memory gates at {cfg.memory_lr_scale:g}× the lr, " if variant == "rat" else "")
+        + (f"memory gates at {cfg.memory_lr_scale:g}× the lr"
+           + (f", held at their init for the first {cfg.memory_hold_steps} steps" if cfg.memory_hold_steps else "")
+           + ", " if variant == "rat" else "")
         + f"{cfg.tokens_per_batch} tokens per batch, seed {cfg.seed}).",
         "",
         "```",

@@ -42,8 +42,10 @@ def make_optimizer(cfg: TrainConfig, model) -> torch.optim.AdamW:
     for memory in (False, True):
         mine = [p for n, p in named if (MEMORY_PARAMS in n) == memory]
         scale = cfg.memory_lr_scale if memory else 1.0
-        groups += [{"params": [p for p in mine if p.ndim >= 2], "weight_decay": cfg.weight_decay, "lr_scale": scale},
-                   {"params": [p for p in mine if p.ndim < 2], "weight_decay": 0.0, "lr_scale": scale}]
+        groups += [{"params": [p for p in mine if p.ndim >= 2], "weight_decay": cfg.weight_decay, "lr_scale": scale,
+                    "memory": memory},
+                   {"params": [p for p in mine if p.ndim < 2], "weight_decay": 0.0, "lr_scale": scale,
+                    "memory": memory}]
     groups = [g for g in groups if g["params"]]
     fused = next(model.parameters()).is_cuda
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=fused)
@@ -91,8 +93,10 @@ def train(
     out.mkdir(parents=True, exist_ok=True)
     for batch in loader(cfg, tokenizer, step, pin=device == "cuda"):
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        held = step - cfg.start_step < cfg.memory_hold_steps
         for group in opt.param_groups:
-            group["lr"] = lr_at(cfg, step, restart) * group.get("lr_scale", 1.0)
+            frozen = held and group.get("memory", False)
+            group["lr"] = 0.0 if frozen else lr_at(cfg, step, restart) * group.get("lr_scale", 1.0)
         with autocast:
             parts = compute_loss(model, batch, cfg.lm_weight, cfg.agg_weight)
         parts.loss.backward()
