@@ -135,3 +135,13 @@ def test_concurrency_is_bounded() -> None:
     for bad in (0, EVAL_CONCURRENCY_MAX + 1):
         with pytest.raises(ValueError, match="concurrency"):
             EvalSpec(tasks=("vt",), lengths=(100,), concurrency=bad)
+
+
+def test_full_attention_runs_once_whatever_the_budgets(kv: KVClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Full attention ignores budgets: one cell (budget None) and one generation per sample, not one per budget."""
+    started = _recording(monkeypatch)
+    rows = run_eval(kv, EvalSpec(tasks=("niah_single",), lengths=(300,), samples=2, max_new_tokens=4,
+                                 methods=("full", "quest"), budgets=(0.25, 0.5)), progress=False)
+    assert [(r.method, r.budget, r.samples) for r in rows] == [("full", None, 2), ("quest", 0.25, 2),
+                                                                ("quest", 0.5, 2)]
+    assert len(started) == 2 * 3  # per sample: full once, quest at each budget

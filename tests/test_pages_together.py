@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from workers.methods.layer_kv import ResidentKV
@@ -15,10 +16,10 @@ from workers.methods.selector import LayerContext
 HKV, G, D, PAGE = 2, 3, 16, 4
 
 
-def _selector(n_tokens: int, seed: int) -> tuple[QuestSelector, LayerContext]:
+def _selector(n_tokens: int, seed: int, device: str = "cpu") -> tuple[QuestSelector, LayerContext]:
     """A Quest selector over random page bounds of an ``n_tokens`` prefix, and the layer's context (sink 4, tail 8)."""
     gen = torch.Generator().manual_seed(seed)
-    k = torch.randn(HKV, n_tokens, D, generator=gen)
+    k = torch.randn(HKV, n_tokens, D, generator=gen).to(device)
     pages = k.view(HKV, -1, PAGE, D)
     bounds = {"0.kmax": pages.amax(2), "0.kmin": pages.amin(2), "0.meta": torch.tensor([PAGE])}
     ctx = LayerContext(ResidentKV(k, k, PAGE), 4, n_tokens - 8)
@@ -62,6 +63,31 @@ def test_members_out_of_order_pick_with_their_own_rows() -> None:
     for i, (sel, ctx) in ((0, a), (2, b)):
         alone = sel.select_pages(0, ctx, q[0, :, i].reshape(1, HKV, G, D), 0.25, n)[0]
         assert torch.equal(picked[i][:, :n], alone)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
+def test_out_of_order_members_pick_inside_a_cuda_graph() -> None:
+    """Members that are not one contiguous run of the step (another method between them) pick in a captured
+    step: their rows are gathered with an index made before the capture, not copied from the host."""
+    n, dev = 3, "cuda"
+    anchors = torch.tensor([[0], [0]], device=dev)
+    a, b = _selector(64, 5, dev), _selector(64, 6, dev)
+    scorings: list[Any] = [lambda layer: _scoring(*a, n, anchors), None, lambda layer: _scoring(*b, n, anchors)]
+    together = PagesTogether(scorings, n_layers=1)
+    q = torch.randn(1, HKV * G, 3, D, generator=torch.Generator().manual_seed(3)).to(dev)
+    eager = together.pick(0, q, 0.25)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        together.pick(0, q, 0.25)  # warm-up outside the capture (kernel compilation, allocator)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = together.pick(0, q, 0.25)
+    graph.replay()
+    torch.cuda.synchronize()
+    for i in (0, 2):
+        assert torch.equal(captured[i], eager[i]), i
 
 
 def test_a_member_alone_or_of_another_shape_picks_alone() -> None:

@@ -86,12 +86,15 @@ def run_eval(client: EvalTarget, spec: EvalSpec, progress: bool = True,
     """Score every (task, length, method, budget) cell; each sample is prefilled once and reused. ``on_rows``
     gets the rows so far after each group of samples (a long run that is stopped keeps what it measured)."""
     from lab.synth import SynthContext, generate
+    from workers.methods.full import FullAttention
     from workers.methods.registry import compression_methods
 
     ctx = SynthContext(tokenizer=client.worker.lm.tokenizer, split="eval")
     compressing = set(compression_methods())
-    combos: list[Combo] = [(m, b, bt, r) for m in spec.methods for b in spec.budgets for bt in spec.budget_tokens
-                           for r in (spec.ratios if m in compressing else (None,))]
+    combos: list[Combo] = list(dict.fromkeys(  # full attention ignores budgets: one cell, not one per budget
+        (m, None, None, None) if m == FullAttention.name else (m, b, bt, r)
+        for m in spec.methods for b in spec.budgets for bt in spec.budget_tokens
+        for r in (spec.ratios if m in compressing else (None,))))
     scores: dict[Key, list[float]] = {}
     reads: dict[Key, list[float]] = {}
     total = len(spec.tasks) * len(spec.lengths) * spec.samples

@@ -74,6 +74,9 @@ class _Group:
     p0: int
     n_pages: int
     anchor_pages: torch.Tensor
+    rows: torch.Tensor | None
+    """``members`` as an index on the device when they are not one contiguous run (None when they are): a
+    Python list index would copy from pageable host memory, which a CUDA graph capture refuses."""
 
 
 class PagesTogether:
@@ -97,8 +100,12 @@ class PagesTogether:
                     continue
                 bounds = tuple(s.scored.bounds for _, s in like)
                 first = like[0][1]
-                groups.append(_Group(members=tuple(i for i, _ in like), bounds=bounds, offsets=member_offsets(bounds),
-                                     p0=first.scored.p0, n_pages=first.n_pages, anchor_pages=first.anchor_pages))
+                members = tuple(i for i, _ in like)
+                contiguous = members[-1] - members[0] + 1 == len(members)
+                rows = None if contiguous else torch.tensor(members, device=first.anchor_pages.device)
+                groups.append(_Group(members=members, bounds=bounds, offsets=member_offsets(bounds),
+                                     p0=first.scored.p0, n_pages=first.n_pages, anchor_pages=first.anchor_pages,
+                                     rows=rows))
             self._groups.append(groups)
 
     def members(self, layer: int) -> set[int]:
@@ -112,8 +119,8 @@ class PagesTogether:
         hq, d = q.shape[1], q.shape[3]
         for g in self._groups[layer]:
             m = len(g.members)
-            first, last = g.members[0], g.members[-1]
-            rows = q[0, :, first:last + 1] if last - first + 1 == m else q[0][:, list(g.members)]  # [Hq, m, D]
+            first = g.members[0]
+            rows = q[0, :, first:first + m] if g.rows is None else q[0].index_select(1, g.rows)  # [Hq, m, D]
             hkv = g.anchor_pages.shape[0]
             qg = rows.permute(1, 0, 2).reshape(m, hkv, hq // hkv, d)
             ub = quest_upper_bounds_members(qg, g.bounds, scale, offsets=g.offsets)  # [m, Hkv, G, U]
