@@ -101,3 +101,54 @@ def test_packed_generations_each_continue_their_own_memory(rat_worker: Worker, r
     assert max(stats[0].extra.get("batch_max", 1), stats[1].extra.get("batch_max", 1)) == 2
     for d, q, s in zip(docs, queries, stats, strict=True):
         assert s.token_ids == _reference_ids(reference, rat_lm, d, q, n_new)
+
+
+@pytest.mark.parametrize("method", ["full", "quest"])
+def test_static_steps_continue_each_members_memory(store: KVStore, rat_lm: LoadedModel, reference,
+                                                   method: str) -> None:
+    """The engine's whole-step path (static inputs, as a CUDA graph replays them; run eagerly here) serves a
+    model with a decaying memory: each member continues its own memory from its last own token, read on the
+    device, and the tokens equal the packed step's (and, for full attention, transformers' ``generate``)."""
+    from workers.decode_batch import EngineConfig
+    from workers.engine import drain_together
+    from workers.requests import DecodeConfig
+
+    docs, queries, n_new = [_document(25, 5), _document(12, 6)], [" first", " a much longer second query"], 10
+    got: dict[str, list[list[int]]] = {}
+    for whole_step in ("off", "eager"):
+        w = Worker(store, rat_lm, chunk_size=40, progress=False, offload=None,
+                   engine=EngineConfig(whole_step=whole_step))  # type: ignore[arg-type]
+        stats = [GenerationStats(), GenerationStats()]
+        drain_together([w.generate(w.prefill(d).prefix_id, q, SamplingParams(max_new_tokens=n_new), method=method,
+                                   decode=DecodeConfig(budget=None if method == "full" else 0.5), stats=s)
+                        for d, q, s in zip(docs, queries, stats, strict=True)])
+        got[whole_step] = [s.token_ids for s in stats]
+        if whole_step == "eager":
+            graphs = w.engine._graphs
+            assert graphs is not None and graphs.replays >= 5  # the static path really ran
+            assert all(s.extra["graph_steps"] >= 5 for s in stats)
+    assert got["eager"] == got["off"]
+    if method == "full":
+        assert got["eager"] == [_reference_ids(reference, rat_lm, d, q, n_new) for d, q in zip(docs, queries)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
+def test_captured_steps_continue_each_members_memory(store: KVStore, rat_dir: Path) -> None:
+    """On CUDA the whole step of a model with a decaying memory is captured and replayed (nothing it reads is
+    copied from the host during capture) and gives the eager engine's tokens."""
+    from workers.decode_batch import EngineConfig
+    from workers.engine import drain_together
+
+    lm = load_model(str(rat_dir), device="cuda", dtype="bfloat16", page_size=16, progress=False)
+    docs, queries, n_new = [_document(25, 5), _document(12, 6)], [" first", " a much longer second query"], 12
+    got = []
+    for graphs_on in (False, True):
+        w = Worker(store, lm, progress=False, offload=None, engine=EngineConfig(cuda_graphs=graphs_on))
+        stats = [GenerationStats(), GenerationStats()]
+        drain_together([w.generate(w.prefill(d).prefix_id, q, SamplingParams(max_new_tokens=n_new), stats=s)
+                        for d, q, s in zip(docs, queries, stats, strict=True)])
+        got.append([s.token_ids for s in stats])
+        if graphs_on:
+            graphs = w.engine._graphs
+            assert graphs is not None and graphs.captures >= 1 and graphs.replays >= 5 and not graphs.failed
+    assert got[1] == got[0]

@@ -67,8 +67,8 @@ class EngineConfig:
     whole_step: Literal["auto", "off", "eager"] = "auto"
     """Decode steps of stable groups of generations whose methods can run captured (``workers.step_graph``):
     ``auto`` captures each group's whole model step in one CUDA graph (with ``cuda_graphs``, on a CUDA
-    device, not for a model with a decaying memory); ``eager`` runs the same static-input step uncaptured
-    (tests it on the CPU); ``off`` never."""
+    device; for a model with a decaying memory too, each member continuing its memory on the device); ``eager``
+    runs the same static-input step uncaptured (tests it on the CPU); ``off`` never."""
 
     step_ahead: bool = True
     """Launch a stable captured batch's next step before this step's tokens reach the host, when every
@@ -152,7 +152,7 @@ class DecodeEngine:
         c = self.config
         on_cuda = c.whole_step == "auto" and c.cuda_graphs and lm.device.type == "cuda"
         self._graphs = (StepGraphCache(lm.model, lm.device, capture=on_cuda, streams=c.member_streams)
-                        if (on_cuda or c.whole_step == "eager") and not self._memory else None)
+                        if on_cuda or c.whole_step == "eager" else None)
         """Whole decode steps of stable batches (``workers.step_graph``); touched by the stepping thread, or
         under the lock while no step runs."""
         self._ahead: AheadStep | None = None

@@ -30,6 +30,7 @@ from workers.capture import graph_capture
 from workers.kernels.own_rows import own_rows_table, write_own_rows
 from workers.methods.pages_together import PagesTogether, PicksPagesTogether
 from workers.own_kv import OwnKV
+from workers.ratplus import MEMORY_KWARG, has_decaying_memory
 from workers.step_batch import own_and_prefix_attention
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ class StaticStepBatch:
     def __init__(self, members: list[StaticMember], lengths: torch.Tensor, streams: int = 1):
         self.members, self.lengths = members, lengths
         self.streams = streams
+        self._bounds = torch.arange(len(members) + 1, dtype=torch.int32, device=lengths.device)
+        """Member i's token is packed position i: one-token segments (a decaying memory's scan bounds)."""
         self.reads: list[list[torch.Tensor]] = [[] for _ in members]
         self._n_valid: torch.Tensor | None = None
         """``[B, Hkv]`` each member's own tokens this step, its new one included (made at the first layer)."""
@@ -85,6 +88,15 @@ class StaticStepBatch:
         """Before a forward: no reads collected yet."""
         self.reads = [[] for _ in self.members]
         self._n_valid = None
+
+    def memory_segments(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For a model with a decaying memory (``workers.ratplus.MemorySegments``): one-token segments, each
+        continuing from its member's last own K, V (at ``lengths - 1``, read on the device: a captured step replays
+        it with each step's lengths). A static member has fed its query, so it has an own token to continue."""
+        rows = [(m.own.buffer(layer), (self.lengths[i:i + 1] - 1).clamp_min(0)) for i, m in enumerate(self.members)]
+        k0 = torch.stack([kv[0].index_select(1, at)[:, 0] for kv, at in rows])
+        v0 = torch.stack([kv[1].index_select(1, at)[:, 0] for kv, at in rows])
+        return self._bounds, k0, v0
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q ``[1, Hq, B, D]``, k, v ``[1, Hkv, B, D]`` -> out ``[1, Hq, B, D]`` (q's dtype)."""
@@ -138,6 +150,9 @@ class StaticStep:
         """Whether member i's method returned read counts."""
         self.graph: torch.cuda.CUDAGraph | None = None
         self._batch = StaticStepBatch(members, self.inputs[2], streams)
+        self._memory = has_decaying_memory(getattr(model, "config", None))  # type: ignore[arg-type]  # test fakes have none
+        if self._memory and any(m.own.length < 1 for m in members):
+            raise ValueError("a model with a decaying memory runs a static step only after each member's query")
         if capture:
             self.graph = torch.cuda.CUDAGraph()
             with graph_capture(self.graph, device):  # records only: run() replays
@@ -146,7 +161,7 @@ class StaticStep:
     def _forward(self) -> None:
         batch = self._batch
         batch.reset()
-        hooks: dict[str, Any] = {STEP_KWARG: batch}
+        hooks: dict[str, Any] = {STEP_KWARG: batch, **({MEMORY_KWARG: batch} if self._memory else {})}
         out = self.model(input_ids=self.inputs[0:1], position_ids=self.inputs[1:2], use_cache=False,
                          logits_to_keep=0, **hooks)
         self.logits = out.logits[0].float()

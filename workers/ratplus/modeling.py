@@ -30,9 +30,10 @@ MEMORY_KWARG = "kvstash_memory"
 class MemorySegments(Protocol):
     """Where each packed generation's tokens start, and the memory state each continues from."""
 
-    def memory_segments(self, layer: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    def memory_segments(self, layer: int) -> tuple[list[int] | torch.Tensor, torch.Tensor, torch.Tensor]:
         """(bounds ``[0, e_1, ..., T]`` of the packed tokens, k̃ and ṽ ``[S, Hkv, D]`` before each segment's
-        first token: k̃ rotated at its own position, as stored; zeros where a segment starts a sequence)."""
+        first token: k̃ rotated at its own position, as stored; zeros where a segment starts a sequence). The
+        bounds may be an int32 tensor on the model's device (a captured step: nothing is copied from the host)."""
         ...
 
 
@@ -85,8 +86,7 @@ class RatAttention(llama.LlamaAttention):
         k = self.k_proj(hidden_states).view(b * t, hkv, d)
         v = self.v_proj(hidden_states).view(b * t, hkv, d)
         gate = self.memory_gate(hidden_states).view(b * t, hkv, d)
-        bounds, k0, v0 = self._initial_state(b, t, hidden_states, past_key_values, kwargs)
-        cu = torch.tensor(bounds, dtype=torch.int32, device=k.device)
+        cu, k0, v0 = self._initial_state(b, t, hidden_states, past_key_values, kwargs)
         k = decay_scan(k, gate, cu, k0.to(k.dtype)).view(b, t, hkv, d).transpose(1, 2)
         v = decay_scan(v, gate, cu, v0.to(v.dtype)).view(b, t, hkv, d).transpose(1, 2)
         cos, sin = position_embeddings
@@ -104,28 +104,31 @@ class RatAttention(llama.LlamaAttention):
         return int(self.config.num_key_value_heads or self.config.num_attention_heads), int(self.head_dim)
 
     def _initial_state(self, b: int, t: int, x: torch.Tensor, cache: Any,
-                       kwargs: dict[str, Any]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-        """Segment bounds of the flattened tokens and each segment's pre-RoPE (k̃, ṽ) state ``[S, Hkv, D]``."""
+                       kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Segment bounds of the flattened tokens (int32 on x's device) and each segment's pre-RoPE (k̃, ṽ) state
+        ``[S, Hkv, D]``."""
         positions = kwargs.get("position_ids")
         memory: MemorySegments | None = kwargs.get(MEMORY_KWARG)
         if memory is not None:
             if b != 1:
                 raise ValueError("a packed step (kvstash_memory) runs one row")
             bounds, k0, v0 = memory.memory_segments(self.layer_idx)
-            starts = torch.tensor(bounds[:-1], device=x.device)
+            cu = bounds if isinstance(bounds, torch.Tensor) else torch.tensor(bounds, dtype=torch.int32,
+                                                                               device=x.device)
+            starts = cu[:-1].long()
             prev = positions[0, starts] - 1 if positions is not None else starts - 1
         else:
-            bounds = [i * t for i in range(b + 1)]
+            cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=x.device)
             hkv, d = self._kv_shape()
             if cache is None or cache.get_seq_length(self.layer_idx) == 0:
                 zeros = x.new_zeros((b, hkv, d))
-                return bounds, zeros, zeros
+                return cu, zeros, zeros
             layer = cache.layers[self.layer_idx]
             k0, v0 = layer.keys[:, :, -1], layer.values[:, :, -1]
             prev = (positions[:, 0] if positions is not None
                     else torch.full((b,), cache.get_seq_length(self.layer_idx), device=x.device)) - 1
         cos, sin = self.rope(x, prev.clamp_min(0)[None])  # [1, S, D]
-        return bounds, unrotate(k0.float(), cos[0, :, None].float(), sin[0, :, None].float()), v0
+        return cu, unrotate(k0.float(), cos[0, :, None].float(), sin[0, :, None].float()), v0
 
 
 class RatDecoderLayer(llama.LlamaDecoderLayer):
