@@ -108,10 +108,9 @@ def main(argv: list[str] | None = None) -> None:
     base = base_config(args)
     rat_cfg, plain_cfg = variant_config(base, "rat"), variant_config(base, "plain")
     steps: dict[str, int] = {}
-    if "rat" in args.variants:
-        share = RAT_SHARE if "plain" in args.variants else 1.0
-        steps["rat"] = run_variant(rat_cfg, args.out / "rat", args, tok, until=base.steps,
-                                   seconds=share * limit - (0.0 if "plain" in args.variants else EXPORT_RESERVE_S))
+    if "rat" in args.variants:  # alone, it has the whole limit but the export's reserve
+        seconds = RAT_SHARE * limit if "plain" in args.variants else limit - EXPORT_RESERVE_S
+        steps["rat"] = run_variant(rat_cfg, args.out / "rat", args, tok, until=base.steps, seconds=seconds)
     if "plain" in args.variants:  # up to RAT+'s step, so the two ship equally long
         steps["plain"] = run_variant(plain_cfg, args.out / "plain", args, tok, until=steps.get("rat", base.steps),
                                      seconds=limit - (time.time() - t0) - EXPORT_RESERVE_S)
