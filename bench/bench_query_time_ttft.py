@@ -26,11 +26,13 @@ files at every question.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -59,6 +61,19 @@ def first_token(worker: Worker, pid: str, query: str, method: str, budget_tokens
     return time.perf_counter() - t0, st
 
 
+def write_profile(path: Path, run: Callable[[], object]) -> None:
+    """Profile one call of ``run`` and write its op table (by device time, then by host time) to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        run()
+    table = prof.key_averages()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    by_device = table.table(sort_by="cuda_time_total" if torch.cuda.is_available() else "cpu_time_total", row_limit=40)
+    path.write_text(by_device + "\n\n" + table.table(sort_by="cpu_time_total", row_limit=40))
+
+
 def label(n_ctx: int) -> str:
     """``4k``, ``32k`` (32767 tokens too)."""
     return f"{round(n_ctx / 1024)}k"
@@ -77,6 +92,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="smoke run: 1k tokens, one round, cpu unless --device")
     add_device_args(p)
     p.add_argument("--json", type=Path)
+    p.add_argument("--profile", type=Path, default=None,
+                   help="after the timed rounds, one more question per method under torch.profiler: op tables here")
     args = p.parse_args()
     if args.quick:
         args.ctx, args.rounds, args.device = [1024], 1, args.device or "cpu"
@@ -109,6 +126,10 @@ def main() -> None:
                               "host_pages": last[m].extra.get("offload_host_pages", 0.0),
                               "ssd_pages": last[m].extra.get("offload_ssd_pages", 0.0),
                               "token": last[m].token_ids} for m in args.methods}
+        if args.profile:
+            for m in args.methods:
+                ask = functools.partial(first_token, worker, pre.prefix_id, sample.query, m, args.budget_tokens)
+                write_profile(args.profile / f"profile_{label(n_ctx)}_{m}.txt", ask)
         if args.json:  # after each length: a run killed later keeps what it measured
             args.json.write_text(json.dumps({"device": str(device), "dtype": dtype,
                                              "max_context": worker.lm.max_context, "budget_tokens": args.budget_tokens,

@@ -132,3 +132,59 @@ def test_lookahead_reads_a_hot_prefix_from_the_host_tier(store, adapted_lm: Load
     assert first.extra["offload_ssd_pages"] == layer_pages
     assert again.extra["offload_ssd_pages"] == 0 and again.extra["offload_host_pages"] == layer_pages
     assert again.bytes_fetched == ref.bytes_fetched and again.prefix_tokens_per_step == ref.prefix_tokens_per_step
+
+
+def test_lookahead_tokens_ride_the_query_step(store, adapted_lm: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lookahead rows go in with the query's last step (no second forward), and their attention mass over
+    the prefix is the separate lookahead pass's."""
+    from workers.methods import lookahead as la_mod
+
+    checked: list[int] = []
+    original = la_mod.LookaheadAttention._scores
+
+    def compare(self, attn, own, position):  # noqa: ANN001, ANN202 - wraps the method under test
+        fused = dict(self.scratch_mass)
+        assert len(fused) == adapted_lm.layout.n_layers  # every layer's mass came from the query's step
+        separate = la_mod.lookahead_mass(self.lookahead.model, self.lookahead.adapter, own.committed,
+                                         attn.layer_full, position)
+        for layer, m in separate.items():
+            torch.testing.assert_close(fused[layer], m, rtol=1e-4, atol=1e-5)  # fp32 on the CPU
+        checked.append(len(fused))
+        return original(self, attn, own, position)
+
+    monkeypatch.setattr(la_mod.LookaheadAttention, "_scores", compare)
+    separate_passes: list[int] = []
+    real_pass = la_mod.lookahead_mass
+    monkeypatch.setattr(la_mod, "lookahead_mass", lambda *a, **k: separate_passes.append(1) or real_pass(*a, **k))
+    worker = Worker(store, adapted_lm, progress=False)
+    pid = worker.prefill(DOC).prefix_id
+    st = GenerationStats()
+    list(worker.generate(pid, " What is the code?", SamplingParams(max_new_tokens=4), method="lookahead",
+                         decode=DecodeConfig(budget_tokens=24), stats=st))
+    assert checked == [adapted_lm.layout.n_layers]
+    assert len(separate_passes) == 1  # the comparison's own pass only: serving ran none
+
+
+def test_lookahead_batched_with_others_gives_its_tokens_alone(store, adapted_lm: LoadedModel) -> None:
+    """Lookahead rows in a packed step beside other generations (another lookahead one, a plain one) change
+    nobody's tokens: each gets what it gets alone."""
+    from workers.engine import drain_together
+
+    worker = Worker(store, adapted_lm, progress=False)
+    pids = [worker.prefill(DOC).prefix_id, worker.prefill(DOC + " The vault opens at dawn.").prefix_id]
+    asks = [(pids[0], " What is the code?", "lookahead"), (pids[1], " When does the vault open?", "full"),
+            (pids[1], " What opens at dawn?", "lookahead")]
+
+    def gen(pid: str, q: str, method: str, st: GenerationStats):  # noqa: ANN202 - a generation's iterator
+        return worker.generate(pid, q, SamplingParams(max_new_tokens=6), method=method,
+                               decode=DecodeConfig(budget_tokens=None if method == "full" else 20), stats=st)
+
+    alone = []
+    for a in asks:
+        st = GenerationStats()
+        list(gen(*a, st))
+        alone.append(st.token_ids)
+    stats = [GenerationStats() for _ in asks]
+    drain_together([gen(*a, st) for a, st in zip(asks, stats, strict=True)])
+    assert [s.token_ids for s in stats] == alone
+    assert all(s.extra["batch_max"] == len(asks) for s in stats)  # they really shared steps

@@ -8,6 +8,9 @@ exactly through their log-sum-exps.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -78,6 +81,34 @@ class GraphablePrefix(Protocol):
     def account_step(self, reads: torch.Tensor | None) -> None:
         """Host bookkeeping of one captured step that ran, given each layer's tokens read (``graph_attend``'s,
         ``[n_layers]`` on the device; None when it returned none)."""
+        ...
+
+
+@dataclass(frozen=True)
+class ScratchRows:
+    """Input rows a method feeds after its query's last token, in the query's own forward, never kept."""
+
+    embeddings: torch.Tensor
+    """``[n, hidden]`` input embeddings of the rows (in place of token embeddings)."""
+    active: Callable[[torch.Tensor], AbstractContextManager[None]]
+    """Given the packed step's mask ``[1, T]`` of these rows, the block in which the model treats them as such
+    (a LoRA on only those rows: ``LookaheadAdapter.active``)."""
+
+
+@runtime_checkable
+class TakesScratchRows(Protocol):
+    """A ``PrefixAttention`` that rides extra rows on its query's last step (LookaheadKV's lookahead tokens).
+
+    The rows continue the query's positions, attend it causally and the prefix like its tokens, and are
+    then dropped: their K/V is never committed and no token is sampled from them."""
+
+    def scratch_rows(self) -> ScratchRows | None:
+        """The rows to feed after the query's last token now (None: none)."""
+        ...
+
+    def attend_scratch(self, layer: int, q: torch.Tensor, scale: float, n_scratch: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``attend`` for a step whose last ``n_scratch`` rows of q ``[1, Hq, L, D]`` are the scratch rows."""
         ...
 
 

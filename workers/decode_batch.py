@@ -27,7 +27,15 @@ from typing import Literal
 import torch
 
 from store.errors import Cancelled
-from workers.attention import STEP_KWARG, GraphablePrefix, ObservesQuery, PrefixAttention, VerifiesSummaries
+from workers.attention import (
+    STEP_KWARG,
+    GraphablePrefix,
+    ObservesQuery,
+    PrefixAttention,
+    ScratchRows,
+    TakesScratchRows,
+    VerifiesSummaries,
+)
 from workers.device_bytes import DeviceMeter
 from workers.model import LoadedModel
 from workers.own_kv import OwnKV
@@ -414,20 +422,48 @@ class DecodeEngine:
         segments: list[Segment] = []
         rows: list[int] = []
         sampled: list[Generation] = []
+        scratch: list[tuple[int, ScratchRows]] = []
         for g, n in feeds:
             start = len(ids)
             ids += g.pending[:n]
             positions += range(g.position, g.position + n)
-            segments.append(Segment(start, start + n, g.own, g.prefix, g))
+            extra = 0
             if n == len(g.pending):
                 rows.append(start + n - 1)
                 sampled.append(g)
+                if (not g.stats.new_tokens and not g.query_told and isinstance(g.prefix, TakesScratchRows)
+                        and (sr := g.prefix.scratch_rows()) is not None):  # its query's last step: ride along
+                    extra = sr.embeddings.shape[0]
+                    scratch.append((start + n, sr))
+                    ids += [0] * extra  # placeholders: their embeddings are the method's
+                    positions += range(g.position + n, g.position + n + extra)
+            segments.append(Segment(start, start + n + extra, g.own, g.prefix, g, scratch=extra))
         step = StepBatch(segments)
         hooks: dict[str, object] = {STEP_KWARG: step, **({MEMORY_KWARG: step} if self._memory else {})}
-        out = self.lm.model(input_ids=torch.tensor([ids], device=dev),
-                            position_ids=torch.tensor([positions], device=dev), use_cache=False,
-                            logits_to_keep=torch.tensor(rows, dtype=torch.long, device=dev), **hooks)
+        input_ids = torch.tensor([ids], device=dev)
+        with contextlib.ExitStack() as active:
+            inputs: dict[str, torch.Tensor] = {"input_ids": input_ids}
+            if scratch:
+                inputs = {"inputs_embeds": self._with_scratch_rows(input_ids, scratch, active)}
+            out = self.lm.model(**inputs, position_ids=torch.tensor([positions], device=dev), use_cache=False,
+                                logits_to_keep=torch.tensor(rows, dtype=torch.long, device=dev), **hooks)
         return dict(zip(sampled, out.logits[0].float(), strict=True))
+
+    def _with_scratch_rows(self, input_ids: torch.Tensor, scratch: list[tuple[int, ScratchRows]],
+                           active: contextlib.ExitStack) -> torch.Tensor:
+        """The packed step's input embeddings with each method's scratch rows in place; their ``active`` blocks
+        entered on ``active`` (one per distinct block, with the mask of its rows)."""
+        emb = self.lm.model.get_input_embeddings()(input_ids)
+        masks: dict[int, tuple[ScratchRows, torch.Tensor]] = {}
+        for at, sr in scratch:
+            n = sr.embeddings.shape[0]
+            emb[0, at:at + n] = sr.embeddings.to(emb.dtype)
+            owner = id(getattr(sr.active, "__self__", sr.active))  # a bound method is a new object at each access
+            _, mask = masks.setdefault(owner, (sr, torch.zeros_like(input_ids, dtype=torch.bool)))
+            mask[0, at:at + n] = True
+        for sr, mask in masks.values():
+            active.enter_context(sr.active(mask))
+        return emb
 
     def _static_groups(self, feeds: list[tuple[Generation, int]]
                        ) -> tuple[list[tuple[StaticStep, list[Generation]]], list[tuple[Generation, int]]]:

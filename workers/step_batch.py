@@ -53,6 +53,8 @@ class Segment:
     prefix: PrefixAttention
     key: object
     """Who the segment belongs to (so a failing method can be told apart from the others)."""
+    scratch: int = 0
+    """Trailing rows that are the prefix's scratch rows (``TakesScratchRows``): attended, never written to own KV."""
 
 
 class SegmentFailed(Exception):
@@ -83,9 +85,15 @@ class StepBatch:
         out = torch.empty_like(q)
         for s in self.segments:
             try:
-                own_k, own_v = s.own.write(layer, k[0, :, s.start:s.end], v[0, :, s.start:s.end])
+                kept = s.end - s.scratch
+                own_k, own_v = s.own.write(layer, k[0, :, s.start:kept], v[0, :, s.start:kept])
                 qs = q[:, :, s.start:s.end]
-                o_pre, lse_pre = s.prefix.attend(layer, qs, scale)
+                if s.scratch:  # after the written rows, causally, like tokens that are never committed
+                    own_k = torch.cat([own_k, k[0, :, kept:s.end]], 1)
+                    own_v = torch.cat([own_v, v[0, :, kept:s.end]], 1)
+                    o_pre, lse_pre = s.prefix.attend_scratch(layer, qs, scale, s.scratch)  # type: ignore[attr-defined]
+                else:
+                    o_pre, lse_pre = s.prefix.attend(layer, qs, scale)
                 if s.end - s.start == 1 and q.is_cuda:  # the kernel a captured step uses: the same tokens eager
                     # and replayed (on the CPU, where nothing is captured, the fused dense kernel is faster)
                     k_all, v_all = s.own.buffer(layer)

@@ -1,9 +1,10 @@
 """LookaheadKV at query time: learned lookahead tokens after the query predict which prefix entries the answer needs.
 
-When the query is in, the model runs once more over the adapter's ``n_lookahead`` embeddings (their
-LoRA on, nothing else's): they attend the query's own K/V and the whole stored prefix (already
-read once for the query, through the ``PrefixSource``), and their attention over the prefix, summed
-over the lookahead tokens, ranks the prefix like SnapKV's observation window does. The keep set
+The adapter's ``n_lookahead`` embeddings ride the query's last step after its tokens (their LoRA on,
+nothing else's; one forward for both, as the paper appends them to the prompt): they attend the
+query's K/V and the whole stored prefix (read once for the query, through the ``PrefixSource``), and
+their attention over the prefix, summed over the lookahead tokens, ranks the prefix like SnapKV's
+observation window does. The keep set
 (``keep_set.py``) then drives the rest of the generation. Their K/V is never kept.
 """
 
@@ -16,11 +17,16 @@ import torch
 from torch import nn
 
 from store.errors import InvalidInput
-from workers.attention import STEP_KWARG, PrefixAttention, merge_attention
+from workers.attention import STEP_KWARG, PrefixAttention, ScratchRows, merge_attention
 from workers.kernels.dense_attention import dense_attention_ref
 from workers.lookahead_adapter import LOOKAHEAD_WEIGHTS, LookaheadAdapter
 from workers.methods.base import Method
-from workers.methods.keep_set import QueryTimeAttention, pooled_scores, prefix_attention_and_mass
+from workers.methods.keep_set import (
+    QueryTimeAttention,
+    pooled_scores,
+    prefix_attention_and_mass,
+    prefix_attention_mass,
+)
 from workers.methods.snapkv import keep_config
 from workers.methods.source import PrefixSource
 from workers.own_kv import OwnKV
@@ -76,6 +82,44 @@ class LookaheadModel:
     adapter: LookaheadAdapter
 
 
+class LookaheadAttention(QueryTimeAttention):
+    """SnapKV's two phases with the lookahead tokens as the observation window: they ride the query's last step
+    as scratch rows (``TakesScratchRows``: one forward for both, as the paper appends them to the prompt) and
+    their attention over the prefix is the keep set's score. A query that went in without them (nothing
+    rode along) is scored by a separate lookahead pass at ``query_done``."""
+
+    def __init__(self, source: PrefixSource, config: DecodeConfig, lookahead: LookaheadModel):
+        super().__init__(source, keep_config(config), observe_query=False, scorer=self._scores)
+        self.lookahead = lookahead
+        self.scratch_mass: dict[int, torch.Tensor] = {}
+        """Per layer ``[Hq, N]``: the lookahead rows' attention mass over the prefix, from the query's last step."""
+
+    def scratch_rows(self) -> ScratchRows | None:
+        """The lookahead tokens, with their LoRA on, until the keep set is chosen."""
+        if self.kept is not None:
+            return None
+        adapter = self.lookahead.adapter
+        dtype = next(self.lookahead.model.parameters()).dtype
+        return ScratchRows(adapter.embeddings.detach().to(dtype), adapter.active)
+
+    def attend_scratch(self, layer: int, q: torch.Tensor, scale: float, n_scratch: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The query phase's exact attention for every row, and the last ``n_scratch`` rows' mass over the prefix."""
+        out = self.attend(layer, q, scale)
+        k, _ = self.layer_full(layer)
+        self.scratch_mass[layer] = prefix_attention_mass(q[0, :, q.shape[2] - n_scratch:], k, scale)
+        return out
+
+    def _scores(self, attn: QueryTimeAttention, own: OwnKV, position: int) -> dict[int, torch.Tensor]:
+        la = self.lookahead
+        mass = self.scratch_mass
+        if len(mass) != self.source.layout.n_layers:  # nothing rode the query's last step
+            mass = lookahead_mass(la.model, la.adapter, own.committed, attn.layer_full, position)
+        self.scratch_mass = {}
+        attn.counter.info["lookahead_tokens"] = float(la.adapter.config.n_lookahead)
+        return {layer: pooled_scores(m, attn.n_kv_heads, attn.cfg.pool_kernel) for layer, m in mass.items()}
+
+
 class LookaheadKV(Method):
     """A query-time cache of ``budget_tokens`` entries per KV head, chosen by trained lookahead tokens."""
 
@@ -90,11 +134,4 @@ class LookaheadKV(Method):
         if self.lookahead is None:
             raise InvalidInput(f"method 'lookahead' needs the model's trained {LOOKAHEAD_WEIGHTS} beside its weights "
                                "(train one with `python -m lab.train.lookahead`)")
-        la = self.lookahead
-
-        def scores(attn: QueryTimeAttention, own: OwnKV, position: int) -> dict[int, torch.Tensor]:
-            mass = lookahead_mass(la.model, la.adapter, own.committed, attn.layer_full, position)
-            attn.counter.info["lookahead_tokens"] = float(la.adapter.config.n_lookahead)
-            return {layer: pooled_scores(m, attn.n_kv_heads, attn.cfg.pool_kernel) for layer, m in mass.items()}
-
-        return QueryTimeAttention(source, keep_config(config), observe_query=False, scorer=scores)
+        return LookaheadAttention(source, config, self.lookahead)
