@@ -1,6 +1,6 @@
-"""HybridKV's offline head ranking: per (layer, KV head) the largest reconstruction score seen on
+"""HybridKV's offline head ranking: a per-(layer, KV head) statistic of the reconstruction scores on
 calibration documents, computed once per model (``python -m lab.compress.head_select``) and shipped
-beside the weights as ``hybridkv_heads.json`` (its digest joins the model fingerprint, like the φ map)."""
+beside the weights as ``hybridkv_heads.json`` (its digest names the scores it makes)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ HEADS_FILE = "hybridkv_heads.json"
 FORMAT = 1
 DEFAULT_HEAD_FRACTION = 0.5
 """The paper's k: the fraction of heads scored token by token (the rest are pruned)."""
+STATISTICS = ("max", "share")
+"""How a head is scored: ``max``, the paper's (the largest token score it gives over the documents);
+``share``, the mean fraction of KVzip's keep set (the global top ``share_ratio`` of token scores) it holds."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,8 +24,10 @@ class HeadScores:
     """Calibration score of every (layer, KV head) and the head-retention fraction k."""
 
     scores: tuple[tuple[float, ...], ...]
-    """``[layers][kv_heads]``: max over calibration documents of the head's largest token score."""
+    """``[layers][kv_heads]``: the head's calibration statistic (higher: kept first)."""
     head_fraction: float = DEFAULT_HEAD_FRACTION
+    statistic: str = "max"
+    """Which statistic ``scores`` holds (``STATISTICS``)."""
     calibration: str = ""
     """How the scores were made (documents, lengths, seed), for the record."""
 
@@ -31,6 +36,8 @@ class HeadScores:
             raise ValueError("head scores must be a non-empty [layers][kv_heads] table")
         if not 0 < self.head_fraction <= 1:
             raise ValueError("head_fraction must be in (0, 1]")
+        if self.statistic not in STATISTICS:
+            raise ValueError(f"unknown head statistic {self.statistic!r} (known: {', '.join(STATISTICS)})")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -47,8 +54,11 @@ class HeadScores:
 
     def to_json(self) -> str:
         """The shipped file's text."""
-        return json.dumps({"format": FORMAT, "head_fraction": self.head_fraction, "calibration": self.calibration,
-                           "scores": [list(r) for r in self.scores]}, indent=1) + "\n"
+        d = {"format": FORMAT, "head_fraction": self.head_fraction, "calibration": self.calibration,
+             "scores": [list(r) for r in self.scores]}
+        if self.statistic != "max":  # files written before the statistic was recorded hold the paper's
+            d["statistic"] = self.statistic
+        return json.dumps(d, indent=1) + "\n"
 
     @property
     def digest(self) -> str:
@@ -63,7 +73,7 @@ class HeadScores:
             raise ValueError(f"unsupported {HEADS_FILE} format {d.get('format')!r}")
         return cls(scores=tuple(tuple(float(x) for x in r) for r in d["scores"]),
                    head_fraction=float(d.get("head_fraction", DEFAULT_HEAD_FRACTION)),
-                   calibration=str(d.get("calibration", "")))
+                   calibration=str(d.get("calibration", "")), statistic=str(d.get("statistic", "max")))
 
 
 def load_head_scores(model_dir: str | Path) -> HeadScores | None:
