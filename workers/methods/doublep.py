@@ -31,6 +31,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from workers.kernels import doublep_select as dp_kernel
 from workers.methods.base import Summarizer, mid_range
 from workers.methods.kmeans import cluster_sums, kmeans
 from workers.methods.phi import PhiSummarizer
@@ -208,6 +209,10 @@ HOST_BOOKKEEPING = True
 clusters' token ids, the approximated clusters) runs in numpy: the same arithmetic (elementwise IEEE float64, stable
 sorts, integer sums; the masses' totals stay torch's sum), at about a third of torch's per-op cost on these small
 arrays. False: the torch ops on every device (the tests compare both with the earlier selection)."""
+CPU_KERNEL = True
+"""On the CPU, with ``HOST_BOOKKEEPING``: the ranking and that bookkeeping in one C++ kernel
+(``workers/kernels/doublep_select``; the same bits, a few microseconds instead of some forty numpy ops a layer),
+where it builds; else the numpy form."""
 
 
 def _shared_top_p_host(m: np.ndarray, csum: np.ndarray, total: np.ndarray, ranked_sizes: np.ndarray,
@@ -304,10 +309,13 @@ class DoublePSelector(Selector):
         logits = torch.bmm(q.float().transpose(0, 1).reshape(hkv, t * g, d), cl.centroids.transpose(1, 2))
         logits = logits.view(hkv, t, g, n_clusters).transpose(0, 1).mul_(scale).add_(cl.log_sizes[:, None])
         mass = group_mass(logits).reshape(r, -1)
-        order = _rank(mass)
         # A budget that covers the mid region reads it all exactly, as for every method (the paper's
         # thresholds only decide what to leave out; here nothing has to be).
         covered = k is not None and k >= ctx.n_mid
+        if (CPU_KERNEL and HOST_BOOKKEEPING and q.device.type == "cpu" and mass.dtype == torch.float32
+                and dp_kernel.cpu_kernel_available()):
+            return self._select_kernel(cl, ctx, t, mass, covered, None if k is None else k * hkv)
+        order = _rank(mass)
         m = csum = total = None
         if not covered:  # choose_units(mass, p=p1) and (p=p2) on one ranking: its cumulative mass is made once
             m = mass.gather(1, order).double()
@@ -342,6 +350,22 @@ class DoublePSelector(Selector):
         index_bytes = index_bytes + n_approx * 2 * cl.centroids.shape[-1] * ctx.kv.dtype.itemsize
         return Selection(tokens=sel.tokens, counts=sel.counts, centroids=cids.reshape(t, hkv, -1),
                          n_centroids=ccounts.reshape(t, hkv), index_bytes=index_bytes)
+
+    def _select_kernel(self, cl: _Clusters, ctx: LayerContext, t: int, mass: torch.Tensor, covered: bool,
+                       budget: int | None) -> Selection:
+        """``select`` after the stage-1 masses, in the CPU kernel (``workers/kernels/doublep_select``)."""
+        hkv, n_clusters, d = cl.centroids.shape
+        pick = dp_kernel.doublep_select(mass, cl.sizes, cl.starts, cl.nonempty, cl.perm.view(-1), p1=self.p1,
+                                        p2=self.p2, budget=budget, groups=t, pad=ctx.lo,
+                                        fallback=self.centroid_fallback, exact_all=covered)
+        index_bytes = hkv * n_clusters * (d * cl.centroids.element_size() + 4) + (
+            pick.n_exact * 2 * cl.offsets.element_size() + pick.n_ids * cl.perm.element_size())
+        tokens, n_tok = pick.tokens.view(t, hkv, -1), pick.counts.view(t, hkv)
+        if pick.centroids is None or pick.n_centroids is None:
+            return Selection(tokens=tokens, counts=n_tok, index_bytes=index_bytes)
+        index_bytes += pick.n_approx * 2 * d * ctx.kv.dtype.itemsize
+        return Selection(tokens=tokens, counts=n_tok, centroids=pick.centroids.view(t, hkv, -1),
+                         n_centroids=pick.n_centroids.view(t, hkv), index_bytes=index_bytes)
 
     def _select_host(self, cl: _Clusters, ctx: LayerContext, t: int, order: torch.Tensor, m: torch.Tensor | None,
                      csum: torch.Tensor | None, total: torch.Tensor | None, budget: int | None) -> Selection:
