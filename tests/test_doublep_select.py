@@ -121,8 +121,8 @@ def test_select_equals_the_earlier_op_by_op_selection(seed: int, t: int, narrow:
     monkeypatch.setattr(doublep, "CPU_KERNEL", path == "kernel")
     calls = []
     if path == "kernel":
-        monkeypatch.setattr(dp_kernel, "doublep_select",
-                            lambda *a, **kw: calls.append(1) or dp_kernel.ops.doublep_select(*a, **kw))
+        pick = dp_kernel.DoublePKernel.pick
+        monkeypatch.setattr(dp_kernel.DoublePKernel, "pick", lambda *a, **kw: calls.append(1) or pick(*a, **kw))
     gen = torch.Generator().manual_seed(seed)
     hkv, g, d, n = 2, 4, 16, 900 + 37 * seed
     topic = torch.randint(n // 40, (n,), generator=gen).sort().values  # topics of nearby keys: uneven mass

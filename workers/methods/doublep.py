@@ -260,6 +260,8 @@ class DoublePSelector(Selector):
         self.art = source.artifact(ClusterSummarizer.name)
         self.p1, self.p2, self.centroid_fallback = p1, p2, centroid_fallback
         self._layers: dict[int, _Clusters] = {}
+        self._kernels: dict[int, dp_kernel.DoublePKernel] = {}
+        """Layer -> the CPU kernel over its clusters (made on the layer's first kernel step)."""
 
     def summary_range(self, layer: int) -> tuple[int, int]:
         """Tokens the clusters cover."""
@@ -286,6 +288,7 @@ class DoublePSelector(Selector):
         vbar = vsum / sizes.clamp_min(1).unsqueeze(-1)
         n_mid = perm.shape[1]
         starts = offsets[:, :-1] + torch.arange(h, device=offsets.device)[:, None] * n_mid
+        self._kernels.pop(layer, None)
         self._layers[layer] = _Clusters(a["centroids"].float(), sizes.float().log(), sizes, vbar,
                                         perm.to(torch.int32).contiguous(), offsets, starts=starts, nonempty=sizes > 0)
 
@@ -314,7 +317,7 @@ class DoublePSelector(Selector):
         covered = k is not None and k >= ctx.n_mid
         if (CPU_KERNEL and HOST_BOOKKEEPING and q.device.type == "cpu" and mass.dtype == torch.float32
                 and dp_kernel.cpu_kernel_available()):
-            return self._select_kernel(cl, ctx, t, mass, covered, None if k is None else k * hkv)
+            return self._select_kernel(layer, cl, ctx, t, mass, covered, None if k is None else k * hkv)
         order = _rank(mass)
         m = csum = total = None
         if not covered:  # choose_units(mass, p=p1) and (p=p2) on one ranking: its cumulative mass is made once
@@ -351,13 +354,15 @@ class DoublePSelector(Selector):
         return Selection(tokens=sel.tokens, counts=sel.counts, centroids=cids.reshape(t, hkv, -1),
                          n_centroids=ccounts.reshape(t, hkv), index_bytes=index_bytes)
 
-    def _select_kernel(self, cl: _Clusters, ctx: LayerContext, t: int, mass: torch.Tensor, covered: bool,
-                       budget: int | None) -> Selection:
+    def _select_kernel(self, layer: int, cl: _Clusters, ctx: LayerContext, t: int, mass: torch.Tensor,
+                       covered: bool, budget: int | None) -> Selection:
         """``select`` after the stage-1 masses, in the CPU kernel (``workers/kernels/doublep_select``)."""
         hkv, n_clusters, d = cl.centroids.shape
-        pick = dp_kernel.doublep_select(mass, cl.sizes, cl.starts, cl.nonempty, cl.perm.view(-1), p1=self.p1,
-                                        p2=self.p2, budget=budget, groups=t, pad=ctx.lo,
-                                        fallback=self.centroid_fallback, exact_all=covered)
+        kernel = self._kernels.get(layer)
+        if kernel is None:
+            kernel = self._kernels[layer] = dp_kernel.DoublePKernel(cl.sizes, cl.starts, cl.nonempty, cl.perm.view(-1))
+        pick = kernel.pick(mass, p1=self.p1, p2=self.p2, budget=budget, groups=t, pad=ctx.lo,
+                           fallback=self.centroid_fallback, exact_all=covered)
         index_bytes = hkv * n_clusters * (d * cl.centroids.element_size() + 4) + (
             pick.n_exact * 2 * cl.offsets.element_size() + pick.n_ids * cl.perm.element_size())
         tokens, n_tok = pick.tokens.view(t, hkv, -1), pick.counts.view(t, hkv)

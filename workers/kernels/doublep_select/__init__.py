@@ -5,8 +5,8 @@ when the kernel is unavailable, so callers check ``cpu_kernel_available`` and ke
 ``doublep_select_ref`` the plain torch reference; both return a ``DoublePPick``.
 """
 
-from .ops import cpu_kernel_available, doublep_select
+from .ops import DoublePKernel, cpu_kernel_available, doublep_select
 from .reference import doublep_select_ref
 from .types import DoublePPick
 
-__all__ = ["DoublePPick", "cpu_kernel_available", "doublep_select", "doublep_select_ref"]
+__all__ = ["DoublePKernel", "DoublePPick", "cpu_kernel_available", "doublep_select", "doublep_select_ref"]

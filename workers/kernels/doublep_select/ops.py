@@ -22,7 +22,7 @@ from workers.kernels.index_page_mass.build import CpuKernelBuild, build
 
 from .types import DoublePPick
 
-__all__ = ["cpu_kernel_available", "doublep_select"]
+__all__ = ["DoublePKernel", "cpu_kernel_available", "doublep_select"]
 
 log = logging.getLogger(__name__)
 
@@ -63,51 +63,68 @@ def cpu_kernel_available() -> bool:
     return _load() is not None
 
 
+class DoublePKernel:
+    """A layer's per-generation constants for the kernel (checked and held once, not per step): per KV head,
+    ``sizes [Hkv, C]`` int64 cluster sizes, ``starts [Hkv, C]`` int64 each cluster's first position in ``perm``
+    (int32, the cluster-ordered token ids of every head, flat), ``nonempty [Hkv, C]`` bool."""
+
+    def __init__(self, sizes: torch.Tensor, starts: torch.Tensor, nonempty: torch.Tensor, perm: torch.Tensor):
+        loaded = _load()
+        if loaded is None:
+            raise RuntimeError("the CPU Double-P kernel is unavailable (see the log); use doublep_select_ref")
+        self._rank, self._select = loaded
+        for x, dt in ((sizes, torch.int64), (starts, torch.int64), (nonempty, torch.bool), (perm, torch.int32)):
+            if x.dtype != dt or not x.is_contiguous() or x.device.type != "cpu":
+                raise ValueError(f"Double-P kernel input must be contiguous CPU {dt}, got {x.dtype}")
+        if sizes.dim() != 2 or starts.shape != sizes.shape or nonempty.shape != sizes.shape:
+            raise ValueError(f"sizes {tuple(sizes.shape)}, starts {tuple(starts.shape)}, nonempty "
+                             f"{tuple(nonempty.shape)} must be one [Hkv, C] shape")
+        self.hkv, self.c = sizes.shape
+        self.n_mid = perm.numel() // self.hkv if self.hkv else 0
+        self._held = (sizes, starts, nonempty, perm)  # the pointers below stay valid while these live
+        self._ptrs = tuple(x.data_ptr() for x in self._held)
+
+    def pick(self, mass: torch.Tensor, *, p1: float, p2: float, budget: int | None, groups: int, pad: int,
+             fallback: bool, exact_all: bool = False) -> DoublePPick:
+        """One step's picks from its stage-1 masses ``mass [R, C]`` (float32, non-negative; rows (query token, KV
+        head), heads fastest, ``groups`` query tokens). Stage 1 keeps the top-``p1`` prefix of each row's ranking,
+        stage 2 the top-``p2`` one (within stage 1); with ``budget`` (exact tokens per group of rows) the stage-2
+        threshold shared by a group is lowered until its tokens fit; ``exact_all``: every cluster exact (no
+        top-p). Tokens are padded with ``pad``; ``fallback``: also the approximated clusters (stage 1 but not
+        stage 2, nonempty)."""
+        r, c = mass.shape
+        hkv = self.hkv
+        if mass.device.type != "cpu" or mass.dtype != torch.float32 or r % hkv or r % groups or c != self.c:
+            raise ValueError(f"bad Double-P kernel input: mass {tuple(mass.shape)} {mass.dtype}, {hkv} heads of "
+                             f"{self.c} clusters, groups {groups}")
+        mass = mass.contiguous()
+        scratch = torch.empty(3, r, c, dtype=torch.float64)  # rank order (as int64), masses, cumulative masses
+        order, m, csum = scratch[0].view(torch.int64), scratch[1], scratch[2]
+        self._rank(mass.data_ptr(), r, c, order.data_ptr(), m.data_ptr(), csum.data_ptr())
+        total = None if exact_all else m.sum(-1).clamp_min_(1e-300)  # torch's sum: the totals' bits as before
+        tok_cap = r * self.n_mid
+        n_cids = r * c if fallback else 0
+        # one int64 buffer: tokens, counts, centroid ids, centroid counts, info
+        buf = torch.empty(tok_cap + 2 * r + n_cids + 5, dtype=torch.int64)
+        at = buf.data_ptr()
+        rc = self._select(order.data_ptr(), m.data_ptr(), csum.data_ptr(), 0 if total is None else total.data_ptr(),
+                          *self._ptrs, r, hkv, c, groups, p1, p2, -1 if budget is None else budget, pad,
+                          int(fallback), at, tok_cap, at + 8 * tok_cap, at + 8 * (tok_cap + r),
+                          at + 8 * (tok_cap + r + n_cids), at + 8 * (tok_cap + 2 * r + n_cids))
+        if rc:
+            raise ValueError(f"the CPU Double-P kernel refused its input (code {rc})")
+        width, n_ids, n_exact, cwidth, n_approx = buf[-5:].tolist()
+        tokens, counts = buf[:r * width].view(r, width), buf[tok_cap:tok_cap + r]
+        if not fallback:
+            return DoublePPick(tokens=tokens, counts=counts, n_ids=n_ids, n_exact=n_exact)
+        cids = buf[tok_cap + r:tok_cap + r + r * cwidth].view(r, cwidth)
+        return DoublePPick(tokens=tokens, counts=counts, n_ids=n_ids, n_exact=n_exact, centroids=cids,
+                           n_centroids=buf[tok_cap + r + n_cids:tok_cap + 2 * r + n_cids], n_approx=n_approx)
+
+
 def doublep_select(mass: torch.Tensor, sizes: torch.Tensor, starts: torch.Tensor, nonempty: torch.Tensor,
                    perm: torch.Tensor, *, p1: float, p2: float, budget: int | None, groups: int, pad: int,
                    fallback: bool, exact_all: bool = False) -> DoublePPick:
-    """One step's picks from its stage-1 masses ``mass [R, C]`` (float32, non-negative; rows (query token, KV
-    head), heads fastest, ``groups`` query tokens). Per KV head: ``sizes [Hkv, C]`` int64 cluster sizes,
-    ``starts [Hkv, C]`` int64 each cluster's first position in ``perm`` (int32, the cluster-ordered token ids of
-    every head, flat), ``nonempty [Hkv, C]`` bool. Stage 1 keeps the top-``p1`` prefix of each row's ranking,
-    stage 2 the top-``p2`` one (within stage 1); with ``budget`` (exact tokens per group of rows) the stage-2
-    threshold shared by a group is lowered until its tokens fit; ``exact_all``: every cluster exact (no top-p).
-    Tokens are padded with ``pad``; ``fallback``: also the approximated clusters (stage 1 but not stage 2,
-    nonempty)."""
-    loaded = _load()
-    if loaded is None:
-        raise RuntimeError("the CPU Double-P kernel is unavailable (see the log); use doublep_select_ref")
-    rank, select = loaded
-    r, c = mass.shape
-    hkv = sizes.shape[0]
-    if mass.device.type != "cpu" or mass.dtype != torch.float32 or r % hkv or r % groups or sizes.shape[1] != c:
-        raise ValueError(f"bad Double-P kernel input: mass {tuple(mass.shape)} {mass.dtype}, sizes "
-                         f"{tuple(sizes.shape)}, groups {groups}")
-    for x, dt in ((sizes, torch.int64), (starts, torch.int64), (nonempty, torch.bool), (perm, torch.int32)):
-        if x.dtype != dt or not x.is_contiguous() or x.device.type != "cpu":
-            raise ValueError(f"Double-P kernel input must be contiguous CPU {dt}, got {x.dtype}")
-    mass = mass.contiguous()
-    order = torch.empty(r, c, dtype=torch.int64)
-    m = torch.empty(r, c, dtype=torch.float64)
-    csum = torch.empty(r, c, dtype=torch.float64)
-    rank(mass.data_ptr(), r, c, order.data_ptr(), m.data_ptr(), csum.data_ptr())
-    total = None if exact_all else m.sum(-1).clamp_min_(1e-300)  # torch's sum: the totals' bits as before
-    n_mid = perm.numel() // hkv
-    tok_cap = r * n_mid
-    tokens = torch.empty(tok_cap, dtype=torch.int64)
-    counts = torch.empty(r, dtype=torch.int64)
-    cids = torch.empty(r * c if fallback else 0, dtype=torch.int64)
-    ccounts = torch.empty(r if fallback else 0, dtype=torch.int64)
-    info = torch.zeros(5, dtype=torch.int64)
-    rc = select(order.data_ptr(), m.data_ptr(), csum.data_ptr(), 0 if total is None else total.data_ptr(),
-                sizes.data_ptr(), starts.data_ptr(), nonempty.data_ptr(), perm.data_ptr(), r, hkv, c, groups,
-                ctypes.c_double(p1), ctypes.c_double(p2), -1 if budget is None else budget, pad, int(fallback),
-                tokens.data_ptr(), tok_cap, counts.data_ptr(), cids.data_ptr(), ccounts.data_ptr(), info.data_ptr())
-    if rc:
-        raise ValueError(f"the CPU Double-P kernel refused its input (code {rc})")
-    width, n_ids, n_exact, cwidth, n_approx = info.tolist()
-    pick = DoublePPick(tokens=tokens[:r * width].view(r, width), counts=counts, n_ids=n_ids, n_exact=n_exact)
-    if not fallback:
-        return pick
-    return DoublePPick(tokens=pick.tokens, counts=counts, n_ids=n_ids, n_exact=n_exact,
-                       centroids=cids[:r * cwidth].view(r, cwidth), n_centroids=ccounts, n_approx=n_approx)
+    """``DoublePKernel(sizes, starts, nonempty, perm).pick(mass, ...)``: one step's picks (see there)."""
+    return DoublePKernel(sizes, starts, nonempty, perm).pick(mass, p1=p1, p2=p2, budget=budget, groups=groups,
+                                                             pad=pad, fallback=fallback, exact_all=exact_all)
