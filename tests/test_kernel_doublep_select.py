@@ -7,10 +7,19 @@ with and without the centroid fallback.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from workers.kernels.doublep_select import DoublePPick, cpu_kernel_available, doublep_select, doublep_select_ref
+from workers.kernels.doublep_select import (
+    DoublePKernel,
+    DoublePPick,
+    cpu_kernel_available,
+    doublep_select,
+    doublep_select_ref,
+    ops,
+)
 
 pytestmark = pytest.mark.skipif(not cpu_kernel_available(), reason="no C++ compiler: the kernel is not built")
 
@@ -47,17 +56,36 @@ def _same(got: DoublePPick, want: DoublePPick) -> None:
                                            (1, 8, 1000, 8000)])
 @pytest.mark.parametrize("empty", [False, True])
 @pytest.mark.parametrize("fallback", [True, False])
+@pytest.mark.parametrize("one_call", [True, False])
 def test_kernel_equals_the_torch_reference(seed: int, t: int, hkv: int, c: int, n_mid: int, empty: bool,
-                                           fallback: bool) -> None:
+                                           fallback: bool, one_call: bool) -> None:
+    """Both forms: one call (the kernel's own torch-order row sums) and two calls around torch's sum."""
     mass, sizes, starts, nonempty, perm = _case(seed, t, hkv, c, n_mid, empty)
-    for p1, p2 in ((0.95, 0.7), (0.6, 0.2), (1.5, 0.7), (0.99, 0.99)):
+    kernel = DoublePKernel(sizes, starts, nonempty, perm)
+    if one_call and kernel._lib.sum_width is None:
+        pytest.skip("the kernel's row sum matches no torch.sum here")
+    if not one_call:
+        kernel._lib = dataclasses.replace(kernel._lib, sum_width=None)
+    for p1, p2 in ((0.95, 0.7), (0.6, 0.2), (1.5, 0.7), (0.99, 0.99), (0.7, 0.95)):
         for budget in (None, 0, 5, n_mid // 20 * hkv, n_mid * hkv):
             kw = dict(p1=p1, p2=p2, budget=budget, groups=t, pad=3, fallback=fallback)
-            _same(doublep_select(mass, sizes, starts, nonempty, perm, **kw),
-                  doublep_select_ref(mass, sizes, starts, nonempty, perm, **kw))
+            _same(kernel.pick(mass, **kw), doublep_select_ref(mass, sizes, starts, nonempty, perm, **kw))
     kw = dict(p1=0.95, p2=0.7, budget=None, groups=t, pad=3, fallback=fallback, exact_all=True)
-    _same(doublep_select(mass, sizes, starts, nonempty, perm, **kw),
-          doublep_select_ref(mass, sizes, starts, nonempty, perm, **kw))
+    _same(kernel.pick(mass, **kw), doublep_select_ref(mass, sizes, starts, nonempty, perm, **kw))
+
+
+@pytest.mark.parametrize("n", [*range(1, 40), 63, 64, 65, 255, 256, 257, 511, 1000, 4095, 4096, 4097, 16385, 70001])
+def test_the_kernels_row_sum_is_torchs(n: int) -> None:
+    """The one-call form's totals: ``kvstash_dp_torch_sum`` == ``torch.sum`` of float64 rows, bit for bit."""
+    loaded = ops._load()
+    assert loaded is not None
+    if loaded.sum_width is None:
+        pytest.skip("the kernel's row sum matches no torch.sum here")
+    gen = torch.Generator().manual_seed(n)
+    x = torch.softmax(torch.randn(3, n, generator=gen, dtype=torch.float64) * 6, -1).sort(-1, descending=True).values
+    x = x.contiguous()
+    fn = ops._torch_sum()
+    assert [fn(x[i].data_ptr(), n, loaded.sum_width) for i in range(3)] == x.sum(-1).tolist()
 
 
 def test_kernel_rejects_bad_input() -> None:

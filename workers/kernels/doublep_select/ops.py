@@ -13,6 +13,7 @@ import functools
 import logging
 import subprocess
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +38,38 @@ def _config() -> CpuKernelBuild:
                           enabled=base.enabled)
 
 
+@dataclass(frozen=True)
+class _Loaded:
+    rank: Any
+    select: Any
+    pick: Any
+    sum_width: int | None
+    """Lanes with which the kernel's row sum gives torch.sum's bits here (None: none did; totals stay torch's)."""
+    torch_sum: Any
+    """``kvstash_dp_torch_sum(ptr, n, lanes)``: the kernel's row sum alone (its check, and the tests')."""
+
+
+SUM_SERIAL_NUMEL = 32768
+"""torch reduces smaller inputs on one thread (ATen's grain size): below it, or with one torch thread, its row sums
+are the serial cascade the kernel repeats."""
+
+
+def _sum_width(torch_sum: Any) -> int | None:
+    """The lane count with which ``kvstash_dp_torch_sum`` equals ``torch.sum`` of float64 rows, bit for bit, over
+    lengths that cross every branch of ATen's cascade (checked once per process), else None."""
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.rand(2, n, generator=gen, dtype=torch.float64).pow_(8) for n in
+            (*range(1, 70), 127, 255, 256, 257, 507, 1000, 1023, 2048, 4097, 10001)]
+    for width in (4, 8, 2, 1):
+        if all(torch_sum(x[i].data_ptr(), x.shape[1], width) == want
+               for x in rows for i, want in enumerate(x.sum(-1).tolist())):
+            return width
+    log.info("the CPU Double-P kernel's row sum matches no torch.sum here: the totals stay torch's")
+    return None
+
+
 @functools.cache
-def _load(config: CpuKernelBuild | None = None) -> tuple[Any, Any] | None:
+def _load(config: CpuKernelBuild | None = None) -> _Loaded | None:
     config = config or _config()
     if not config.enabled:
         log.info("CPU kernels disabled (KVSTASH_CPU_KERNEL=0): Double-P keeps its numpy bookkeeping on the CPU")
@@ -49,13 +80,27 @@ def _load(config: CpuKernelBuild | None = None) -> tuple[Any, Any] | None:
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             log.warning("CPU Double-P kernel unavailable (%s): Double-P keeps its numpy bookkeeping on the CPU", e)
             return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    rank, select = lib.kvstash_dp_rank, lib.kvstash_dp_select
-    rank.argtypes = [ptr, i64, i64, ptr, ptr, ptr]
+    i64, ptr, f64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
+    rank, select, pick = lib.kvstash_dp_rank, lib.kvstash_dp_select, lib.kvstash_dp_pick
+    rank.argtypes = [ptr, i64, i64, ptr, ptr]
     rank.restype = ctypes.c_int
-    select.argtypes = [ptr] * 8 + [i64] * 4 + [ctypes.c_double] * 2 + [i64] * 3 + [ptr, i64] + [ptr] * 4
+    tail = [i64] * 4 + [f64] * 2 + [i64] * 3 + [ptr, i64] + [ptr] * 4  # rows .. info
+    select.argtypes = [ptr] * 7 + tail
     select.restype = ctypes.c_int
-    return rank, select
+    pick.argtypes = [ptr, i64, i64] + [ptr] * 4 + tail
+    pick.restype = ctypes.c_int
+    torch_sum = lib.kvstash_dp_torch_sum
+    torch_sum.argtypes = [ptr, i64, i64]
+    torch_sum.restype = f64
+    return _Loaded(rank, select, pick, _sum_width(torch_sum), torch_sum)
+
+
+def _torch_sum() -> Any:
+    """The kernel's row sum (``kvstash_dp_torch_sum``), for tests."""
+    loaded = _load()
+    if loaded is None:
+        raise RuntimeError("the CPU Double-P kernel is unavailable")
+    return loaded.torch_sum
 
 
 def cpu_kernel_available() -> bool:
@@ -72,7 +117,7 @@ class DoublePKernel:
         loaded = _load()
         if loaded is None:
             raise RuntimeError("the CPU Double-P kernel is unavailable (see the log); use doublep_select_ref")
-        self._rank, self._select = loaded
+        self._lib = loaded
         for x, dt in ((sizes, torch.int64), (starts, torch.int64), (nonempty, torch.bool), (perm, torch.int32)):
             if x.dtype != dt or not x.is_contiguous() or x.device.type != "cpu":
                 raise ValueError(f"Double-P kernel input must be contiguous CPU {dt}, got {x.dtype}")
@@ -81,7 +126,11 @@ class DoublePKernel:
                              f"{tuple(nonempty.shape)} must be one [Hkv, C] shape")
         self.hkv, self.c = sizes.shape
         self.n_mid = perm.numel() // self.hkv if self.hkv else 0
-        self._held = (sizes, starts, nonempty, perm)  # the pointers below stay valid while these live
+        if sizes.numel() and (bool((sizes < 0).any()) or int((starts + sizes).max()) > perm.numel()
+                              or int(starts.min()) < 0 or perm.numel() >= 2 ** 31):
+            raise ValueError("Double-P kernel: clusters must lie inside perm (fewer than 2^31 ids)")
+        # int32 copies: half the bytes a step reads cold (a step's other work evicts them between layers)
+        self._held = (sizes.int(), starts.int(), nonempty, perm)  # the pointers below stay valid while these live
         self._ptrs = tuple(x.data_ptr() for x in self._held)
 
     def pick(self, mass: torch.Tensor, *, p1: float, p2: float, budget: int | None, groups: int, pad: int,
@@ -98,19 +147,23 @@ class DoublePKernel:
             raise ValueError(f"bad Double-P kernel input: mass {tuple(mass.shape)} {mass.dtype}, {hkv} heads of "
                              f"{self.c} clusters, groups {groups}")
         mass = mass.contiguous()
-        scratch = torch.empty(3, r, c, dtype=torch.float64)  # rank order (as int64), masses, cumulative masses
-        order, m, csum = scratch[0].view(torch.int64), scratch[1], scratch[2]
-        self._rank(mass.data_ptr(), r, c, order.data_ptr(), m.data_ptr(), csum.data_ptr())
-        total = None if exact_all else m.sum(-1).clamp_min_(1e-300)  # torch's sum: the totals' bits as before
         tok_cap = r * self.n_mid
         n_cids = r * c if fallback else 0
         # one int64 buffer: tokens, counts, centroid ids, centroid counts, info
         buf = torch.empty(tok_cap + 2 * r + n_cids + 5, dtype=torch.int64)
         at = buf.data_ptr()
-        rc = self._select(order.data_ptr(), m.data_ptr(), csum.data_ptr(), 0 if total is None else total.data_ptr(),
-                          *self._ptrs, r, hkv, c, groups, p1, p2, -1 if budget is None else budget, pad,
-                          int(fallback), at, tok_cap, at + 8 * tok_cap, at + 8 * (tok_cap + r),
-                          at + 8 * (tok_cap + r + n_cids), at + 8 * (tok_cap + 2 * r + n_cids))
+        args = (*self._ptrs, r, hkv, c, groups, p1, p2, -1 if budget is None else budget, pad, int(fallback), at,
+                tok_cap, at + 8 * tok_cap, at + 8 * (tok_cap + r), at + 8 * (tok_cap + r + n_cids),
+                at + 8 * (tok_cap + 2 * r + n_cids))
+        lib = self._lib
+        if lib.sum_width is not None and (r * c < SUM_SERIAL_NUMEL or torch.get_num_threads() == 1):
+            # one call: the totals are torch's row sums of the ranked masses, made in the kernel with its bits
+            rc = lib.pick(mass.data_ptr(), lib.sum_width, int(exact_all), *args)
+        else:
+            order, m = torch.empty(r, c, dtype=torch.int32), torch.empty(r, c, dtype=torch.float64)
+            lib.rank(mass.data_ptr(), r, c, order.data_ptr(), m.data_ptr())
+            total = None if exact_all else m.sum(-1).clamp_min_(1e-300)  # torch's sum: the totals' bits as before
+            rc = lib.select(order.data_ptr(), m.data_ptr(), 0 if total is None else total.data_ptr(), *args)
         if rc:
             raise ValueError(f"the CPU Double-P kernel refused its input (code {rc})")
         width, n_ids, n_exact, cwidth, n_approx = buf[-5:].tolist()
