@@ -214,8 +214,8 @@ class SparsePrefixAttention:
         n_read = n_mid + ctx.anchors.numel() * hkv
         phi_rows = rows.shape[0] * hq if self.completion is not None else 0
         self.counter.add_layer(n_read, sum(pseudo) + phi_rows, n_keys, sum(index))
-        out = torch.cat(outs).reshape(b, l, hq, d).permute(0, 2, 1, 3)
-        return out, torch.cat(lses).reshape(b, l, hq).permute(0, 2, 1)
+        o, s = (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs), torch.cat(lses))
+        return o.reshape(b, l, hq, d).permute(0, 2, 1, 3), s.reshape(b, l, hq).permute(0, 2, 1)
 
     # -- a whole model step captured in one CUDA graph (workers.step_graph) --------------------------------
     def graph_key(self) -> object | None:
@@ -302,11 +302,14 @@ class SparsePrefixAttention:
         centroids = sel.centroids is not None and sel.n_centroids is not None and ebias is not None
         if t == 1 and CPU_GATHER_KERNEL and q.dtype == torch.float32 and gather_entries_usable(step.k, step.v):
             with self._timed("attend"):  # one row on the CPU: the entries gathered in one call, then the same ops
-                rb = nb = cb = None
+                ids = table = cb = None
                 if centroids:
                     assert sel.centroids is not None and ebias is not None
-                    rb, nb, cb = step.extra_rows(sel.centroids)[0], sel.n_centroids, ebias.gather(1, sel.centroids[0])
-                kg, vg, bias = gather_entries(step.k, step.v, step.rows[0], n_tok, rb, nb, cb)
+                    ids, table, cb = sel.centroids[0], step.extra_table, ebias  # rows and bias looked up by id
+                    if table is None:  # rows by rule: this step's rows and bias, looked up by position
+                        table, cb = step.extra_rows(sel.centroids)[0], ebias.gather(1, ids)
+                        ids = torch.arange(ids.shape[-1]).expand_as(ids)
+                kg, vg, bias = gather_entries(step.k, step.v, step.rows[0], n_tok, ids, sel.n_centroids, cb, table)
                 out, lse = attend_entries(q, kg[None], vg[None], bias[None], scale=scale, pseudo_logits=pl,
                                           pseudo_values=pv)
             return sel, out, lse

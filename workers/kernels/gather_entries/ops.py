@@ -43,7 +43,7 @@ def _load(config: CpuKernelBuild | None = None) -> Any | None:
             return None
     fn = lib.kvstash_gather_entries
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr] + [i64] * 4 + [ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr]
+    fn.argtypes = [ptr, ptr] + [i64] * 4 + [ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr]
     fn.restype = ctypes.c_int
     return fn
 
@@ -61,36 +61,47 @@ def gather_entries_usable(k: torch.Tensor, v: torch.Tensor) -> bool:
             and cpu_kernel_available())
 
 
+def _i64(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.int64 and x.is_contiguous() else x.to(torch.int64).contiguous()
+
+
 def gather_entries(k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, n: torch.Tensor,
-                   rows_b: torch.Tensor | None = None, n_b: torch.Tensor | None = None,
-                   bias_b: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   ids_b: torch.Tensor | None = None, n_b: torch.Tensor | None = None,
+                   bias_b: torch.Tensor | None = None, table_b: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per KV head ``h`` of pools ``k, v [Hkv, S, D]`` (a zero head stride: rows shared by the heads): the pool
-    rows ``rows[h, :n[h]]`` (bias 0), then ``rows_b[h, :n_b[h]]`` (bias ``bias_b[h]``), then padding (pool row 0's
-    key, a zero value, bias ``-inf``) up to ``rows``' width plus ``rows_b``'s. Returns keys and values
-    ``[Hkv, W, D]`` and bias ``[Hkv, W]``, float32. Counts are clipped to their widths."""
+    rows ``rows[h, :n[h]]`` (bias 0), then the extra entries ``ids_b[h, :n_b[h]]`` (entry ``e``: pool row
+    ``table_b[h, e]``, or ``e`` without a table; bias ``bias_b[h, e]``; ``bias_b``, ``table_b``: ``[Hkv, M]``), then
+    padding (pool row 0's key, a zero value, bias ``-inf``) up to ``rows``' width plus ``ids_b``'s. Returns keys
+    and values ``[Hkv, W, D]`` and bias ``[Hkv, W]``, float32. Counts are clipped to their widths."""
     fn = _load()
     if fn is None:
         raise RuntimeError("the CPU gather-entries kernel is unavailable (see the log); use gather_entries_ref")
     hkv, s, d = k.shape
     if not gather_entries_usable(k, v) or rows.dim() != 2 or rows.shape[0] != hkv:
         raise ValueError(f"bad gather-entries input: k {tuple(k.shape)} {k.dtype}, rows {tuple(rows.shape)}")
-    ra, na = rows.to(torch.int64).contiguous(), n.reshape(hkv).to(torch.int64).contiguous()
-    rb = nb = bb = None
-    wb = 0
-    if rows_b is not None and n_b is not None and bias_b is not None:
-        rb, nb = rows_b.to(torch.int64).contiguous(), n_b.reshape(hkv).to(torch.int64).contiguous()
-        bb = bias_b.to(torch.float32).contiguous()
-        if rb.dim() != 2 or rb.shape[0] != hkv or bb.shape != rb.shape:
-            raise ValueError(f"rows_b {tuple(rb.shape)} / bias_b {tuple(bb.shape)} must be [Hkv={hkv}, M]")
-        wb = rb.shape[1]
+    ra, na = _i64(rows), _i64(n.reshape(hkv))
+    ib = nb = bb = tb = None
+    wb = mb = 0
+    if ids_b is not None and n_b is not None and bias_b is not None:
+        ib, nb = _i64(ids_b), _i64(n_b.reshape(hkv))
+        bb = bias_b if bias_b.dtype == torch.float32 and bias_b.is_contiguous() else bias_b.float().contiguous()
+        tb = None if table_b is None else _i64(table_b)
+        if ib.dim() != 2 or ib.shape[0] != hkv or bb.dim() != 2 or bb.shape[0] != hkv or (
+                tb is not None and tb.shape != bb.shape):
+            raise ValueError(f"ids_b {tuple(ib.shape)}, bias_b {tuple(bb.shape)} (and table_b) must be [Hkv={hkv}, *]")
+        wb, mb = ib.shape[1], bb.shape[1]
     w = ra.shape[1] + wb
-    kg, vg, bias = torch.empty(hkv, w, d), torch.empty(hkv, w, d), torch.empty(hkv, w)
+    kv = torch.empty(2, hkv, w, d)
+    bias = torch.empty(hkv, w)
     rc = fn(k.data_ptr(), v.data_ptr(), k.stride(0), s, hkv, d, ra.data_ptr(), na.data_ptr(), ra.shape[1],
-            0 if rb is None else rb.data_ptr(), 0 if nb is None else nb.data_ptr(), 0 if bb is None else bb.data_ptr(),
-            wb, kg.data_ptr(), vg.data_ptr(), bias.data_ptr())
+            0 if ib is None else ib.data_ptr(), 0 if nb is None else nb.data_ptr(), wb,
+            0 if tb is None else tb.data_ptr(), 0 if bb is None else bb.data_ptr(), mb, kv[0].data_ptr(),
+            kv[1].data_ptr(), bias.data_ptr())
     if rc:
-        raise ValueError("gather-entries: a row lies outside the pool")
-    return kg, vg, bias
+        raise ValueError("gather-entries: a row lies outside the pool" if rc == 1 else
+                         "gather-entries: an extra entry id lies outside its table")
+    return kv[0], kv[1], bias
 
 
 def attend_entries(q: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, bias: torch.Tensor, *, scale: float,
@@ -102,7 +113,7 @@ def attend_entries(q: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, bias: to
     b, hq, d = q.shape
     hkv = kg.shape[1]
     g = hq // hkv
-    qg = q.float().reshape(b, hkv, g, d)
+    qg = (q if q.dtype == torch.float32 else q.float()).reshape(b, hkv, g, d)
     logits = torch.matmul(qg, kg.transpose(-1, -2)).mul_(scale)  # [B, Hkv, G, N]
     logits.add_(bias.unsqueeze(2))
     pl = pseudo_logits.float().reshape(b, hkv, g, -1) if pseudo_logits is not None else None

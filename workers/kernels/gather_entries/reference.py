@@ -9,18 +9,21 @@ __all__ = ["gather_entries_ref"]
 
 
 def gather_entries_ref(k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, n: torch.Tensor,
-                       rows_b: torch.Tensor | None = None, n_b: torch.Tensor | None = None,
-                       bias_b: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       ids_b: torch.Tensor | None = None, n_b: torch.Tensor | None = None,
+                       bias_b: torch.Tensor | None = None, table_b: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """See ``ops.gather_entries``."""
     hkv, wa = rows.shape
     n = n.reshape(hkv).clamp(0, wa)
     ids, bias, count = rows.long(), torch.zeros(rows.shape), n
-    if rows_b is not None and n_b is not None and bias_b is not None:
-        wb = rows_b.shape[1]
+    if ids_b is not None and n_b is not None and bias_b is not None:
+        wb = ids_b.shape[1]
         nb = n_b.reshape(hkv).clamp(0, wb)
+        e = ids_b.long()
+        rows_b = table_b.long().gather(1, e) if table_b is not None else e
         # each head's valid exact rows, then its valid extra rows (a stable sort of validity: valid first)
-        ids = torch.cat([ids, rows_b.long()], -1)
-        bias = torch.cat([bias, bias_b.float()], -1)
+        ids = torch.cat([ids, rows_b], -1)
+        bias = torch.cat([bias, bias_b.float().gather(1, e)], -1)
         valid = torch.cat([torch.arange(wa) < n[:, None], torch.arange(wb) < nb[:, None]], -1)
         order = torch.sort((~valid).to(torch.uint8), dim=-1, stable=True).indices
         ids, bias, count = ids.gather(1, order), bias.gather(1, order), n + nb
