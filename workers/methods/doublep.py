@@ -124,6 +124,8 @@ class _Clusters:
     # Per-generation constants of the step (made once in ``prepare``, not per step):
     starts: torch.Tensor  # [Hkv, C] long, cluster c of head h is perm.view(-1)[starts[h, c]:][:sizes[h, c]]
     nonempty: torch.Tensor  # [Hkv, C] bool, sizes > 0
+    centroids_t: torch.Tensor  # [Hkv, D, C] centroids.transpose(1, 2) (a view)
+    log_sizes_g: torch.Tensor  # [Hkv, 1, C] log_sizes[:, None] (a view)
 
 
 def shared_top_p(m: torch.Tensor, csum: torch.Tensor, total: torch.Tensor, ranked_sizes: torch.Tensor,
@@ -289,8 +291,10 @@ class DoublePSelector(Selector):
         n_mid = perm.shape[1]
         starts = offsets[:, :-1] + torch.arange(h, device=offsets.device)[:, None] * n_mid
         self._kernels.pop(layer, None)
-        self._layers[layer] = _Clusters(a["centroids"].float(), sizes.float().log(), sizes, vbar,
-                                        perm.to(torch.int32).contiguous(), offsets, starts=starts, nonempty=sizes > 0)
+        cent, log_sizes = a["centroids"].float(), sizes.float().log()
+        self._layers[layer] = _Clusters(cent, log_sizes, sizes, vbar, perm.to(torch.int32).contiguous(), offsets,
+                                        starts=starts, nonempty=sizes > 0, centroids_t=cent.transpose(1, 2),
+                                        log_sizes_g=log_sizes[:, None])
 
     def extra_entries(self, layer: int) -> ExtraEntries | None:
         """Centroids with bias ``log s`` and value ``V̄`` (only without φ completion)."""
@@ -309,8 +313,9 @@ class DoublePSelector(Selector):
         n_clusters = cl.centroids.shape[1]
         # the bmm the einsum "thgd,hcd->thgc" makes, without its planning; scaled and biased in place
         g, d = q.shape[2], q.shape[3]
-        logits = torch.bmm(q.float().transpose(0, 1).reshape(hkv, t * g, d), cl.centroids.transpose(1, 2))
-        logits = logits.view(hkv, t, g, n_clusters).transpose(0, 1).mul_(scale).add_(cl.log_sizes[:, None])
+        qf = q if q.dtype == torch.float32 else q.float()
+        logits = torch.bmm(qf.transpose(0, 1).reshape(hkv, t * g, d), cl.centroids_t)
+        logits = logits.view(hkv, t, g, n_clusters).transpose(0, 1).mul_(scale).add_(cl.log_sizes_g)
         mass = group_mass(logits).reshape(r, -1)
         # A budget that covers the mid region reads it all exactly, as for every method (the paper's
         # thresholds only decide what to leave out; here nothing has to be).

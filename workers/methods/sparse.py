@@ -289,7 +289,7 @@ class SparsePrefixAttention:
         anchors = ctx.anchors.expand(t, hkv, -1)
         # every anchor is valid and the selection's valid ids come first: the concatenation is compact already
         tok = torch.cat([anchors, sel.tokens], dim=-1)
-        n_tok = sel.counts.long() + anchors.shape[-1]
+        n_tok = (sel.counts if sel.counts.dtype == torch.int64 else sel.counts.long()) + anchors.shape[-1]
         # A step whose pages exceed the GPU page cache (e.g. the query's first forward, many rows) still
         # gets them, in a one-off pool of at most one layer's pages.
         step = ctx.kv.step(tok, n_tok, self._step, overflow=True)

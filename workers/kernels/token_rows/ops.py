@@ -65,9 +65,9 @@ def token_rows(tokens: torch.Tensor, counts: torch.Tensor, first_rows: torch.Ten
     if tokens.shape[-2] != hkv or counts.shape != tokens.shape[:-1] or first_rows.dtype != torch.int64:
         raise ValueError(f"bad token-rows input: tokens {tuple(tokens.shape)}, counts {tuple(counts.shape)}, "
                          f"first_rows {tuple(first_rows.shape)} {first_rows.dtype}")
-    t = tokens.to(torch.int64).contiguous()
-    c = counts.to(torch.int64).contiguous()
-    fr = first_rows.contiguous()
+    t = tokens if tokens.dtype == torch.int64 and tokens.is_contiguous() else tokens.to(torch.int64).contiguous()
+    c = counts if counts.dtype == torch.int64 and counts.is_contiguous() else counts.to(torch.int64).contiguous()
+    fr = first_rows if first_rows.is_contiguous() else first_rows.contiguous()
     out = torch.empty(t.shape, dtype=torch.int64)
     n = t.shape[-1]
     distinct = fn(t.data_ptr(), c.data_ptr(), c.numel(), hkv, n, fr.data_ptr(), n_pages, page_size, n_tokens,
