@@ -147,7 +147,8 @@ class DoublePKernel:
             raise ValueError(f"bad Double-P kernel input: mass {tuple(mass.shape)} {mass.dtype}, {hkv} heads of "
                              f"{self.c} clusters, groups {groups}")
         mass = mass.contiguous()
-        tok_cap = r * self.n_mid
+        # a row's exact tokens: at most the mid region, and within a budget at most the budget (its group's sum fits)
+        tok_cap = r * (self.n_mid if budget is None or exact_all else min(self.n_mid, max(budget, 0)))
         n_cids = r * c if fallback else 0
         # one int64 buffer: tokens, counts, centroid ids, centroid counts, info
         buf = torch.empty(tok_cap + 2 * r + n_cids + 5, dtype=torch.int64)
