@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from workers.kernels import doublep_select as dp_kernel
 from workers.methods import doublep
 from workers.methods.doublep import ClusterSummarizer, DoublePSelector, _rank, _sort_rows, _valid_first
 from workers.methods.layer_kv import ResidentKV
@@ -109,11 +110,19 @@ def _assert_same(got: Selection, want: Selection) -> None:
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("t", [1, 3])
 @pytest.mark.parametrize("narrow", [False, True])
-@pytest.mark.parametrize("host", [True, False])
-def test_select_equals_the_earlier_op_by_op_selection(seed: int, t: int, narrow: bool, host: bool,
+@pytest.mark.parametrize("path", ["kernel", "host", "torch"])
+def test_select_equals_the_earlier_op_by_op_selection(seed: int, t: int, narrow: bool, path: str,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both paths: the CPU's numpy bookkeeping (``HOST_BOOKKEEPING``) and the torch ops other devices run."""
-    monkeypatch.setattr(doublep, "HOST_BOOKKEEPING", host)
+    """Every path: the CPU kernel (``CPU_KERNEL``), the CPU's numpy bookkeeping (``HOST_BOOKKEEPING``) and the torch
+    ops other devices run."""
+    if path == "kernel" and not dp_kernel.cpu_kernel_available():
+        pytest.skip("no C++ compiler: the CPU Double-P kernel is not built")
+    monkeypatch.setattr(doublep, "HOST_BOOKKEEPING", path != "torch")
+    monkeypatch.setattr(doublep, "CPU_KERNEL", path == "kernel")
+    calls = []
+    if path == "kernel":
+        pick = dp_kernel.DoublePKernel.pick
+        monkeypatch.setattr(dp_kernel.DoublePKernel, "pick", lambda *a, **kw: calls.append(1) or pick(*a, **kw))
     gen = torch.Generator().manual_seed(seed)
     hkv, g, d, n = 2, 4, 16, 900 + 37 * seed
     topic = torch.randint(n // 40, (n,), generator=gen).sort().values  # topics of nearby keys: uneven mass
@@ -134,6 +143,7 @@ def test_select_equals_the_earlier_op_by_op_selection(seed: int, t: int, narrow:
             q = torch.randn(t, hkv, g, d, generator=gen) * (0.5 + 2 * step)  # flat to sharp attention
             for budget in (None, 8, 40, 150, ctx.n_mid):
                 _assert_same(sel.select(0, ctx, q, scale, budget), _select_reference(sel, 0, ctx, q, scale, budget))
+    assert bool(calls) == (path == "kernel")
 
 
 def _compact_reference(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]

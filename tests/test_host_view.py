@@ -20,8 +20,9 @@ from offload_helpers import HEADS, LAYERS, open_store, stored_document, write_pr
 from store.errors import InvalidInput
 from store.kvstore import KVStore
 from workers.engine import Worker
+from workers.kernels import token_rows as token_rows_kernel
 from workers.methods.sparse import SparsePrefixAttention
-from workers.offload import HostTier, OffloadConfig, PageFetcher, PrefixHeld
+from workers.offload import HostTier, OffloadConfig, PageFetcher, PrefixHeld, host_view
 from workers.offload.host_view import HostPageView
 from workers.offload.warmup import HostWarmup
 from workers.requests import DecodeConfig, GenerationStats, SamplingParams
@@ -48,7 +49,16 @@ def warm(tmp_path: Path) -> Iterator[tuple[PageFetcher, list[tuple[torch.Tensor,
     store.close()
 
 
-def test_rows_index_the_stored_kv(warm) -> None:
+@pytest.fixture(params=["kernel", "numpy"])
+def rows_path(request, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``token_rows`` through the C++ token-rows kernel, and through numpy."""
+    if request.param == "kernel" and not token_rows_kernel.cpu_kernel_available():
+        pytest.skip("no C++ compiler: the token-rows kernel is not built")
+    monkeypatch.setattr(host_view, "CPU_KERNEL", request.param == "kernel")
+    return request.param
+
+
+def test_rows_index_the_stored_kv(warm, rows_path: str) -> None:
     f, kv = warm
     view = HostPageView.from_fetcher(f)
     assert view is not None
@@ -65,7 +75,7 @@ def test_rows_index_the_stored_kv(warm) -> None:
     view.close()
 
 
-def test_reads_count_distinct_pages_from_the_host_tier(warm) -> None:
+def test_reads_count_distinct_pages_from_the_host_tier(warm, rows_path: str) -> None:
     f, _ = warm
     view = HostPageView.from_fetcher(f)
     assert view is not None

@@ -31,6 +31,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from workers.kernels import doublep_select as dp_kernel
 from workers.methods.base import Summarizer, mid_range
 from workers.methods.kmeans import cluster_sums, kmeans
 from workers.methods.phi import PhiSummarizer
@@ -123,6 +124,8 @@ class _Clusters:
     # Per-generation constants of the step (made once in ``prepare``, not per step):
     starts: torch.Tensor  # [Hkv, C] long, cluster c of head h is perm.view(-1)[starts[h, c]:][:sizes[h, c]]
     nonempty: torch.Tensor  # [Hkv, C] bool, sizes > 0
+    centroids_t: torch.Tensor  # [Hkv, D, C] centroids.transpose(1, 2) (a view)
+    log_sizes_g: torch.Tensor  # [Hkv, 1, C] log_sizes[:, None] (a view)
 
 
 def shared_top_p(m: torch.Tensor, csum: torch.Tensor, total: torch.Tensor, ranked_sizes: torch.Tensor,
@@ -208,6 +211,10 @@ HOST_BOOKKEEPING = True
 clusters' token ids, the approximated clusters) runs in numpy: the same arithmetic (elementwise IEEE float64, stable
 sorts, integer sums; the masses' totals stay torch's sum), at about a third of torch's per-op cost on these small
 arrays. False: the torch ops on every device (the tests compare both with the earlier selection)."""
+CPU_KERNEL = True
+"""On the CPU, with ``HOST_BOOKKEEPING``: the ranking and that bookkeeping in one C++ kernel
+(``workers/kernels/doublep_select``; the same bits, a few microseconds instead of some forty numpy ops a layer),
+where it builds; else the numpy form."""
 
 
 def _shared_top_p_host(m: np.ndarray, csum: np.ndarray, total: np.ndarray, ranked_sizes: np.ndarray,
@@ -255,6 +262,8 @@ class DoublePSelector(Selector):
         self.art = source.artifact(ClusterSummarizer.name)
         self.p1, self.p2, self.centroid_fallback = p1, p2, centroid_fallback
         self._layers: dict[int, _Clusters] = {}
+        self._kernels: dict[int, dp_kernel.DoublePKernel] = {}
+        """Layer -> the CPU kernel over its clusters (made on the layer's first kernel step)."""
 
     def summary_range(self, layer: int) -> tuple[int, int]:
         """Tokens the clusters cover."""
@@ -281,8 +290,11 @@ class DoublePSelector(Selector):
         vbar = vsum / sizes.clamp_min(1).unsqueeze(-1)
         n_mid = perm.shape[1]
         starts = offsets[:, :-1] + torch.arange(h, device=offsets.device)[:, None] * n_mid
-        self._layers[layer] = _Clusters(a["centroids"].float(), sizes.float().log(), sizes, vbar,
-                                        perm.to(torch.int32).contiguous(), offsets, starts=starts, nonempty=sizes > 0)
+        self._kernels.pop(layer, None)
+        cent, log_sizes = a["centroids"].float(), sizes.float().log()
+        self._layers[layer] = _Clusters(cent, log_sizes, sizes, vbar, perm.to(torch.int32).contiguous(), offsets,
+                                        starts=starts, nonempty=sizes > 0, centroids_t=cent.transpose(1, 2),
+                                        log_sizes_g=log_sizes[:, None])
 
     def extra_entries(self, layer: int) -> ExtraEntries | None:
         """Centroids with bias ``log s`` and value ``V̄`` (only without φ completion)."""
@@ -301,13 +313,17 @@ class DoublePSelector(Selector):
         n_clusters = cl.centroids.shape[1]
         # the bmm the einsum "thgd,hcd->thgc" makes, without its planning; scaled and biased in place
         g, d = q.shape[2], q.shape[3]
-        logits = torch.bmm(q.float().transpose(0, 1).reshape(hkv, t * g, d), cl.centroids.transpose(1, 2))
-        logits = logits.view(hkv, t, g, n_clusters).transpose(0, 1).mul_(scale).add_(cl.log_sizes[:, None])
+        qf = q if q.dtype == torch.float32 else q.float()
+        logits = torch.bmm(qf.transpose(0, 1).reshape(hkv, t * g, d), cl.centroids_t)
+        logits = logits.view(hkv, t, g, n_clusters).transpose(0, 1).mul_(scale).add_(cl.log_sizes_g)
         mass = group_mass(logits).reshape(r, -1)
-        order = _rank(mass)
         # A budget that covers the mid region reads it all exactly, as for every method (the paper's
         # thresholds only decide what to leave out; here nothing has to be).
         covered = k is not None and k >= ctx.n_mid
+        if (CPU_KERNEL and HOST_BOOKKEEPING and q.device.type == "cpu" and mass.dtype == torch.float32
+                and dp_kernel.cpu_kernel_available()):
+            return self._select_kernel(layer, cl, ctx, t, mass, covered, None if k is None else k * hkv)
+        order = _rank(mass)
         m = csum = total = None
         if not covered:  # choose_units(mass, p=p1) and (p=p2) on one ranking: its cumulative mass is made once
             m = mass.gather(1, order).double()
@@ -342,6 +358,24 @@ class DoublePSelector(Selector):
         index_bytes = index_bytes + n_approx * 2 * cl.centroids.shape[-1] * ctx.kv.dtype.itemsize
         return Selection(tokens=sel.tokens, counts=sel.counts, centroids=cids.reshape(t, hkv, -1),
                          n_centroids=ccounts.reshape(t, hkv), index_bytes=index_bytes)
+
+    def _select_kernel(self, layer: int, cl: _Clusters, ctx: LayerContext, t: int, mass: torch.Tensor,
+                       covered: bool, budget: int | None) -> Selection:
+        """``select`` after the stage-1 masses, in the CPU kernel (``workers/kernels/doublep_select``)."""
+        hkv, n_clusters, d = cl.centroids.shape
+        kernel = self._kernels.get(layer)
+        if kernel is None:
+            kernel = self._kernels[layer] = dp_kernel.DoublePKernel(cl.sizes, cl.starts, cl.nonempty, cl.perm.view(-1))
+        pick = kernel.pick(mass, p1=self.p1, p2=self.p2, budget=budget, groups=t, pad=ctx.lo,
+                           fallback=self.centroid_fallback, exact_all=covered)
+        index_bytes = hkv * n_clusters * (d * cl.centroids.element_size() + 4) + (
+            pick.n_exact * 2 * cl.offsets.element_size() + pick.n_ids * cl.perm.element_size())
+        tokens, n_tok = pick.tokens.view(t, hkv, -1), pick.counts.view(t, hkv)
+        if pick.centroids is None or pick.n_centroids is None:
+            return Selection(tokens=tokens, counts=n_tok, index_bytes=index_bytes)
+        index_bytes += pick.n_approx * 2 * d * ctx.kv.dtype.itemsize
+        return Selection(tokens=tokens, counts=n_tok, centroids=pick.centroids.view(t, hkv, -1),
+                         n_centroids=pick.n_centroids.view(t, hkv), index_bytes=index_bytes)
 
     def _select_host(self, cl: _Clusters, ctx: LayerContext, t: int, order: torch.Tensor, m: torch.Tensor | None,
                      csum: torch.Tensor | None, total: torch.Tensor | None, budget: int | None) -> Selection:

@@ -23,6 +23,7 @@ import torch
 
 from store.errors import InvalidInput
 from workers.budget import plan_budget
+from workers.kernels.gather_entries import attend_entries, gather_entries, gather_entries_usable
 from workers.kernels.page_entries import page_entries
 from workers.kernels.sparse_attention import sparse_decode_attention, sparse_decode_attention_torch
 from workers.methods.base import Method, ReadReport, mid_range
@@ -42,6 +43,11 @@ from workers.requests import DecodeConfig
 DEFAULT_FRACTION = 0.05
 """Budget of fixed-budget selectors when the request gives none."""
 ROW_ELEMS = 1 << 25
+CPU_GATHER_KERNEL = True
+"""A single query row over selected token rows (``_attend_rows``) on the CPU gathers its entries (exact rows, then
+extra rows such as Double-P's centroids) in one C++ call (``workers/kernels/gather_entries``, where it builds: copies
+only) and attends with the torch form's float ops: the same bits, without some fifteen small index ops a layer.
+False: the torch form throughout."""
 """Rows of query tokens are processed in chunks of about this many score elements."""
 
 
@@ -208,8 +214,8 @@ class SparsePrefixAttention:
         n_read = n_mid + ctx.anchors.numel() * hkv
         phi_rows = rows.shape[0] * hq if self.completion is not None else 0
         self.counter.add_layer(n_read, sum(pseudo) + phi_rows, n_keys, sum(index))
-        out = torch.cat(outs).reshape(b, l, hq, d).permute(0, 2, 1, 3)
-        return out, torch.cat(lses).reshape(b, l, hq).permute(0, 2, 1)
+        o, s = (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs), torch.cat(lses))
+        return o.reshape(b, l, hq, d).permute(0, 2, 1, 3), s.reshape(b, l, hq).permute(0, 2, 1)
 
     # -- a whole model step captured in one CUDA graph (workers.step_graph) --------------------------------
     def graph_key(self) -> object | None:
@@ -283,21 +289,36 @@ class SparsePrefixAttention:
         anchors = ctx.anchors.expand(t, hkv, -1)
         # every anchor is valid and the selection's valid ids come first: the concatenation is compact already
         tok = torch.cat([anchors, sel.tokens], dim=-1)
-        n_tok = sel.counts.long() + anchors.shape[-1]
+        n_tok = (sel.counts if sel.counts.dtype == torch.int64 else sel.counts.long()) + anchors.shape[-1]
         # A step whose pages exceed the GPU page cache (e.g. the query's first forward, many rows) still
         # gets them, in a one-off pool of at most one layer's pages.
         step = ctx.kv.step(tok, n_tok, self._step, overflow=True)
-        rows = step.rows
-        bias = None
-        if sel.centroids is not None and sel.n_centroids is not None and ebias is not None:
-            cb = ebias.unsqueeze(0).expand(t, -1, -1).gather(2, sel.centroids)
-            rows, n_tok, bias = _append(rows, n_tok, step.extra_rows(sel.centroids), sel.n_centroids, cb)
         pl = pv = None
         if self.completion is not None:
             n_anchor = anchors.shape[-1]
             k_sel, v_sel = step.gather(step.rows[..., n_anchor:])
             log_z, mean = self.completion.term(layer, ctx, qg, scale, k_sel, v_sel, sel.counts, tokens=sel.tokens)
             pl, pv = log_z.reshape(t, hq, 1).contiguous(), mean.reshape(t, hq, 1, d).contiguous()
+        centroids = sel.centroids is not None and sel.n_centroids is not None and ebias is not None
+        if t == 1 and CPU_GATHER_KERNEL and q.dtype == torch.float32 and gather_entries_usable(step.k, step.v):
+            with self._timed("attend"):  # one row on the CPU: the entries gathered in one call, then the same ops
+                ids = table = cb = None
+                if centroids:
+                    assert sel.centroids is not None and ebias is not None
+                    ids, table, cb = sel.centroids[0], step.extra_table, ebias  # rows and bias looked up by id
+                    if table is None:  # rows by rule: this step's rows and bias, looked up by position
+                        table, cb = step.extra_rows(sel.centroids)[0], ebias.gather(1, ids)
+                        ids = torch.arange(ids.shape[-1]).expand_as(ids)
+                kg, vg, bias = gather_entries(step.k, step.v, step.rows[0], n_tok, ids, sel.n_centroids, cb, table)
+                out, lse = attend_entries(q, kg[None], vg[None], bias[None], scale=scale, pseudo_logits=pl,
+                                          pseudo_values=pv)
+            return sel, out, lse
+        rows = step.rows
+        bias = None
+        if centroids:
+            assert sel.centroids is not None and sel.n_centroids is not None and ebias is not None
+            cb = ebias.unsqueeze(0).expand(t, -1, -1).gather(2, sel.centroids)
+            rows, n_tok, bias = _append(rows, n_tok, step.extra_rows(sel.centroids), sel.n_centroids, cb)
         with self._timed("attend"):
             out, lse = gathered_attention(q, step.k, step.v, scale=scale, idx=rows, n_valid=n_tok, bias=bias,
                                           pseudo_logits=pl, pseudo_values=pv)

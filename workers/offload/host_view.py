@@ -20,8 +20,13 @@ import numpy as np
 import torch
 
 from store.errors import InvalidInput
+from workers.kernels import token_rows as token_rows_kernel
 from workers.offload.fetcher import PageFetcher
 from workers.offload.stats import StepCounts
+
+CPU_KERNEL = True
+"""``token_rows`` through the C++ token-rows kernel (``workers/kernels/token_rows``: the same rows and page count, one
+pass instead of some ten numpy ops and a sort), where it builds; False: numpy."""
 
 
 class HostPageView:
@@ -37,6 +42,8 @@ class HostPageView:
         self._held: np.ndarray | None = slots
         self.first_rows = slots.reshape(lay.n_layers, lay.n_kv_heads, self.n_pages) * self.rows_per_slot
         """``[layers, Hkv, n_pages]`` the pool row of each page's first token."""
+        self._first_rows_t = torch.from_numpy(np.ascontiguousarray(self.first_rows, dtype=np.int64))
+        """``first_rows`` as a torch tensor (the token-rows kernel's input)."""
         flat = self.host.pages.view(-1).view(lay.torch_dtype)
         block = lay.page_size * lay.head_dim  # V rows are K rows one block later: one row index serves both
         n = flat.numel() - block
@@ -75,6 +82,14 @@ class HostPageView:
         """Pool rows ``[..., Hkv, n]`` of the token ids ``[..., Hkv, n]``, whose first ``counts [..., Hkv]`` per row
         are counted as read from the host tier under ``step`` (ids outside the prefix raise; padding past a row's
         count gets row -1)."""
+        if CPU_KERNEL and tokens.dtype == counts.dtype == torch.int64 and token_rows_kernel.cpu_kernel_available():
+            try:
+                rows_t, n = token_rows_kernel.token_rows(tokens, counts, self._first_rows_t[layer], self.page_size,
+                                                         self.n_tokens)
+            except ValueError as e:
+                raise InvalidInput(str(e)) from None
+            self.fetcher.stats.record(step, StepCounts(pages=n, host_pages=n))
+            return rows_t
         t = tokens.numpy()
         valid = np.arange(t.shape[-1]) < counts.numpy()[..., None]
         ok = (t >= 0) & (t < self.n_tokens)

@@ -58,23 +58,23 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build_key(config: CpuKernelBuild, compiler: str) -> str:
+def _build_key(config: CpuKernelBuild, compiler: str, source: Path = SOURCE) -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), compiler.encode(), version.encode(), " ".join(config.flags).encode(),
+    for part in (source.read_bytes(), compiler.encode(), version.encode(), " ".join(config.flags).encode(),
                  platform.machine().encode(), _cpu_flags().encode()):
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:16]
 
 
-def build(config: CpuKernelBuild) -> Path:
+def build(config: CpuKernelBuild, source: Path = SOURCE, name: str = "index_page_mass") -> Path:
     """The built library's path: the cached one, else compiled now (raises when the compiler is missing or
-    fails)."""
+    fails). ``source``, ``name``: another kernel's C++ file and library name (the same build and cache)."""
     compiler = shutil.which(config.compiler)
     if compiler is None:
         raise FileNotFoundError(f"C++ compiler {config.compiler!r} not found")
-    lib = config.cache_dir / f"index_page_mass-{_build_key(config, compiler)}.so"
+    lib = config.cache_dir / f"{name}-{_build_key(config, compiler, source)}.so"
     if lib.exists():
         return lib
     config.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -82,11 +82,11 @@ def build(config: CpuKernelBuild) -> Path:
     os.close(fd)
     try:
         t0 = time.perf_counter()
-        done = subprocess.run([compiler, *config.flags, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        done = subprocess.run([compiler, *config.flags, str(source), "-o", tmp], capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"{config.compiler} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
         os.replace(tmp, lib)  # atomic: processes building at once each leave a complete library
-        log.info("built the CPU index page-mass kernel in %.1f s: %s", time.perf_counter() - t0, lib)
+        log.info("built the CPU %s kernel in %.1f s: %s", name, time.perf_counter() - t0, lib)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

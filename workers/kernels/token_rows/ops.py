@@ -1,0 +1,77 @@
+"""Launcher of the CPU token-rows kernel (``kernel.cpp``): a step's token ids -> host-view pool rows, and the
+distinct pages they read.
+
+``token_rows`` gives what ``HostPageView.token_rows`` computes in numpy (``token_rows_ref``): each id's pool row
+(``-1`` for ids outside the prefix) and the number of distinct (KV head, page) pairs of the valid entries, in
+one pass instead of some ten array ops and a sort.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import subprocess
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from workers.kernels.index_page_mass.build import CpuKernelBuild, build
+
+__all__ = ["cpu_kernel_available", "token_rows"]
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernel.cpp")
+_LOCK = threading.Lock()
+
+
+@functools.cache
+def _load(config: CpuKernelBuild | None = None) -> Any | None:
+    config = config or CpuKernelBuild()
+    if not config.enabled:
+        log.info("CPU kernels disabled (KVSTASH_CPU_KERNEL=0): the host view maps token rows in numpy")
+        return None
+    with _LOCK:
+        try:
+            lib = ctypes.CDLL(str(build(config, source=SOURCE, name="token_rows")))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            log.warning("CPU token-rows kernel unavailable (%s): the host view maps token rows in numpy", e)
+            return None
+    fn = lib.kvstash_token_rows
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr]
+    fn.restype = i64
+    return fn
+
+
+def cpu_kernel_available() -> bool:
+    """Whether the kernel is built and loaded (built on the first call; False, logged once, without a compiler)."""
+    return _load() is not None
+
+
+def token_rows(tokens: torch.Tensor, counts: torch.Tensor, first_rows: torch.Tensor, page_size: int,
+               n_tokens: int) -> tuple[torch.Tensor, int]:
+    """Token ids ``tokens [..., Hkv, n]`` (int64, CPU), of which the first ``counts [..., Hkv]`` per row are valid,
+    and ``first_rows [Hkv, n_pages]`` int64 (each page's first pool row) -> (pool rows ``[..., Hkv, n]`` int64:
+    ``first_rows[h, t // page_size] + t % page_size``, ``-1`` for ids outside ``[0, n_tokens)``; the number of
+    distinct (head, page) pairs of the valid ids). Raises ``ValueError`` when a valid id lies outside the prefix."""
+    fn = _load()
+    if fn is None:
+        raise RuntimeError("the CPU token-rows kernel is unavailable (see the log); use token_rows_ref")
+    hkv, n_pages = first_rows.shape
+    if tokens.shape[-2] != hkv or counts.shape != tokens.shape[:-1] or first_rows.dtype != torch.int64:
+        raise ValueError(f"bad token-rows input: tokens {tuple(tokens.shape)}, counts {tuple(counts.shape)}, "
+                         f"first_rows {tuple(first_rows.shape)} {first_rows.dtype}")
+    t = tokens if tokens.dtype == torch.int64 and tokens.is_contiguous() else tokens.to(torch.int64).contiguous()
+    c = counts if counts.dtype == torch.int64 and counts.is_contiguous() else counts.to(torch.int64).contiguous()
+    fr = first_rows if first_rows.is_contiguous() else first_rows.contiguous()
+    out = torch.empty(t.shape, dtype=torch.int64)
+    n = t.shape[-1]
+    distinct = fn(t.data_ptr(), c.data_ptr(), c.numel(), hkv, n, fr.data_ptr(), n_pages, page_size, n_tokens,
+                  out.data_ptr())
+    if distinct < 0:
+        raise ValueError(f"token ids must lie in [0, {n_tokens})")
+    return out, distinct
