@@ -11,15 +11,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import subprocess
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from workers.kernels.index_page_mass.build import CpuKernelBuild, build
+from workers.kernels.index_page_mass.build import CpuKernelBuild, load_library
 
 from .types import DoublePPick
 
@@ -28,7 +26,6 @@ __all__ = ["DoublePKernel", "cpu_kernel_available", "doublep_select"]
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernel.cpp")
-_LOCK = threading.Lock()
 
 
 def _config() -> CpuKernelBuild:
@@ -70,16 +67,10 @@ def _sum_width(torch_sum: Any) -> int | None:
 
 @functools.cache
 def _load(config: CpuKernelBuild | None = None) -> _Loaded | None:
-    config = config or _config()
-    if not config.enabled:
-        log.info("CPU kernels disabled (KVSTASH_CPU_KERNEL=0): Double-P keeps its numpy bookkeeping on the CPU")
+    lib = load_library(config or _config(), source=SOURCE, name="doublep_select",
+                       fallback="Double-P keeps its numpy bookkeeping on the CPU")
+    if lib is None:
         return None
-    with _LOCK:
-        try:
-            lib = ctypes.CDLL(str(build(config, source=SOURCE, name="doublep_select")))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            log.warning("CPU Double-P kernel unavailable (%s): Double-P keeps its numpy bookkeeping on the CPU", e)
-            return None
     i64, ptr, f64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
     rank, select, pick = lib.kvstash_dp_rank, lib.kvstash_dp_select, lib.kvstash_dp_pick
     rank.argtypes = [ptr, i64, i64, ptr, ptr]

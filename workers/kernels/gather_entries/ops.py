@@ -12,35 +12,26 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import subprocess
-import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from workers.kernels.index_page_mass.build import CpuKernelBuild, build
+from workers.kernels.index_page_mass.build import CpuKernelBuild, load_library
 
 __all__ = ["attend_entries", "cpu_kernel_available", "gather_entries", "gather_entries_usable"]
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernel.cpp")
-_LOCK = threading.Lock()
 
 
 @functools.cache
 def _load(config: CpuKernelBuild | None = None) -> Any | None:
-    config = config or CpuKernelBuild()
-    if not config.enabled:
-        log.info("CPU kernels disabled (KVSTASH_CPU_KERNEL=0): sparse decode rows gather with torch on the CPU")
+    lib = load_library(config or CpuKernelBuild(), source=SOURCE, name="gather_entries",
+                       fallback="sparse decode rows gather with torch")
+    if lib is None:
         return None
-    with _LOCK:
-        try:
-            lib = ctypes.CDLL(str(build(config, source=SOURCE, name="gather_entries")))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            log.warning("CPU gather-entries kernel unavailable (%s): sparse decode rows gather with torch", e)
-            return None
     fn = lib.kvstash_gather_entries
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, ptr] + [i64] * 4 + [ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr]

@@ -96,6 +96,20 @@ def build(config: CpuKernelBuild, source: Path = SOURCE, name: str = "index_page
 _LOCK = threading.Lock()
 
 
+def load_library(config: CpuKernelBuild, *, source: Path, name: str, fallback: str) -> ctypes.CDLL | None:
+    """A CPU kernel's library, built on first use; None (logged) when disabled or it cannot be built. ``fallback``
+    says what the caller does instead (for the log)."""
+    if not config.enabled:
+        log.info("CPU %s kernel disabled (KVSTASH_CPU_KERNEL=0): %s", name, fallback)
+        return None
+    with _LOCK:  # threads of one process: one build
+        try:
+            return ctypes.CDLL(str(build(config, source=source, name=name)))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            log.warning("CPU %s kernel unavailable (%s): %s", name, e, fallback)
+            return None
+
+
 @dataclass(frozen=True)
 class Loaded:
     """The built kernel: its entry point, and whether the build has the AVX-512 paths (the measured fast ones)."""
@@ -108,16 +122,10 @@ class Loaded:
 def load(config: CpuKernelBuild | None = None) -> Loaded | None:
     """The kernel, built on first use; None (logged once) when disabled or it cannot be built, so callers keep
     the torch path."""
-    config = config or CpuKernelBuild()
-    if not config.enabled:
-        log.info("CPU index page-mass kernel disabled (KVSTASH_CPU_KERNEL=0): Top-K scores with torch on the CPU")
+    lib = load_library(config or CpuKernelBuild(), source=SOURCE, name="index_page_mass",
+                       fallback="Top-K scores with torch on the CPU")
+    if lib is None:
         return None
-    with _LOCK:  # threads of one process: one build
-        try:
-            lib = ctypes.CDLL(str(build(config)))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            log.warning("CPU index page-mass kernel unavailable (%s): Top-K scores with torch on the CPU", e)
-            return None
     fn = getattr(lib, SYMBOL)
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr] * 5 + [i64] * 13 + [ctypes.c_float, i64]

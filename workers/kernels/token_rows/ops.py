@@ -11,35 +11,26 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import subprocess
-import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from workers.kernels.index_page_mass.build import CpuKernelBuild, build
+from workers.kernels.index_page_mass.build import CpuKernelBuild, load_library
 
 __all__ = ["cpu_kernel_available", "token_rows"]
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernel.cpp")
-_LOCK = threading.Lock()
 
 
 @functools.cache
 def _load(config: CpuKernelBuild | None = None) -> Any | None:
-    config = config or CpuKernelBuild()
-    if not config.enabled:
-        log.info("CPU kernels disabled (KVSTASH_CPU_KERNEL=0): the host view maps token rows in numpy")
+    lib = load_library(config or CpuKernelBuild(), source=SOURCE, name="token_rows",
+                       fallback="the host view maps token rows in numpy")
+    if lib is None:
         return None
-    with _LOCK:
-        try:
-            lib = ctypes.CDLL(str(build(config, source=SOURCE, name="token_rows")))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            log.warning("CPU token-rows kernel unavailable (%s): the host view maps token rows in numpy", e)
-            return None
     fn = lib.kvstash_token_rows
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr]
