@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.fingerprint import tensors_digest
+from workers.kernels.phi_term import MlpLayer, cpu_kernel_available, phi_mlp
 
 MAP_KINDS: dict[int, str] = {1: "favor", 2: "rezero_mlp"}
 OMEGA_CACHE_LAYERS = 256
@@ -147,10 +148,18 @@ class HeadwiseMLP(nn.Module):
         self.w2, self.b2 = weight(hidden, hidden), nn.Parameter(torch.zeros(n_layers, n_heads, hidden))
         self.alpha = nn.Parameter(torch.zeros(n_layers, n_heads))
         self.wo, self.bo = weight(hidden, d_out), nn.Parameter(torch.zeros(n_layers, n_heads, d_out))
+        self._kernel_layers: dict[int, tuple[tuple[int, ...], MlpLayer | None]] = {}
 
     def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """``[..., H, n, d_in] -> [..., H, n, d_out]`` with head ``h``'s own weights."""
+        """``[..., H, n, d_in] -> [..., H, n, d_out]`` with head ``h``'s own weights.
+
+        On the CPU without autograd (decode, prefill) one call of the C++ kernel (``workers/kernels/phi_term``: the
+        same arithmetic, each row alone, to float32 rounding) instead of about 20 torch ops."""
         x = x.float()
+        if x.device.type == "cpu" and not (torch.is_grad_enabled() and (x.requires_grad or self.w0.requires_grad)):
+            weights = self._layer_weights(layer)
+            if weights is not None:
+                return phi_mlp(weights, x)
         # matmul broadcasts each head's [d, e] weight over the leading dims: the einsum's product, 1.2-1.9x faster
         # on the CPU at decode sizes (a per-step cost of φ completion)
         g0 = torch.matmul(x, self.w0[layer]) + self.b0[layer][:, None]
@@ -158,6 +167,19 @@ class HeadwiseMLP(nn.Module):
         delta = torch.matmul(a, self.w2[layer]) + self.b2[layer][:, None]
         g1 = g0 + self.alpha[layer][:, None, None] * delta
         return torch.matmul(g1, self.wo[layer]) + self.bo[layer][:, None]
+
+    def _layer_weights(self, layer: int) -> MlpLayer | None:
+        """The layer's weights for the CPU kernel, or None where it cannot run. Cached per layer while the
+        parameters keep their storage (a ``.to()`` or a replaced parameter builds them again)."""
+        params = (self.w0, self.b0, self.w1, self.b1, self.w2, self.b2, self.alpha, self.wo, self.bo)
+        key = tuple(p.data_ptr() for p in params)
+        cached = self._kernel_layers.get(layer)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        ok = all(p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous() for p in params)
+        weights = MlpLayer([p.detach()[layer] for p in params]) if ok and cpu_kernel_available() else None
+        self._kernel_layers[layer] = (key, weights)
+        return weights
 
 
 class ReZeroMLPFeatureMap(FeatureMap):
