@@ -149,8 +149,9 @@ def test_term_counts_instead_of_a_mask_and_everything_subtracted() -> None:
 
 
 def test_completion_on_the_kernel_matches_its_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``PhiCompletion.term`` end to end: the kernel (features cached across steps, K/V read from the pools) against
-    the torch ops it replaces (no kernel anywhere, the map included)."""
+    """``PhiCompletion.term`` end to end: the kernel (features cached across steps, K/V read from the pools; the whole
+    step in one call, ``phi_step``) against the torch ops it replaces (no kernel anywhere, the map included), and
+    bit for bit against the kernel's separate calls."""
     from workers.methods.layer_kv import ResidentKV
     from workers.methods.memory import MemorySource
     from workers.methods.phi import PhiCompletion, PhiSummarizer
@@ -192,10 +193,14 @@ def test_completion_on_the_kernel_matches_its_torch_path(monkeypatch: pytest.Mon
             heads = torch.arange(hkv).unsqueeze(-1)
             slow_steps.append(slow.term(0, ctx, q, d ** -0.5, k[heads, tok[0]][None], v[heads, tok[0]][None],
                                         valid.sum(-1), valid=valid, tokens=tok))
-    assert fast.reads_pools(k, v) and 0 in fast._features
+    split, _ = completion(fmap())  # the kernel in separate calls (phi_pack, the map's phi_mlp, phi_term)
+    split.fmap.kernel_layers = lambda layer: None  # type: ignore[method-assign]
+    assert fast.reads_pools(k, v) and 0 in fast._features and fast.fmap.kernel_layers(0) is not None
     for (tokens, q), want in zip(steps, slow_steps):
         valid = (tokens >= lo) & (tokens < hi)
         tok = tokens.clamp(lo, hi - 1)
         got = fast.term(0, ctx, q, d ** -0.5, k, v, valid.sum(-1), valid=valid, tokens=tok, rows=tok)
+        parts = split.term(0, ctx, q, d ** -0.5, k, v, valid.sum(-1), valid=valid, tokens=tok, rows=tok)
+        assert torch.equal(got[0], parts[0]) and torch.equal(got[1], parts[1])  # phi_step: the same bits
         torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-5)

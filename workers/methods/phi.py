@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.kernels.phi_term import cpu_kernel_available, phi_pack, phi_term
+from workers.kernels.phi_term import cpu_kernel_available, phi_pack, phi_step, phi_term
 from workers.methods.base import Summarizer, mid_range
 from workers.methods.phi_features import CPU_PHI_FEATURE_BYTES, TokenFeatures
-from workers.methods.phi_maps import MAP_KINDS, FavorFeatureMap, FeatureMap
+from workers.methods.phi_maps import MAP_KINDS, FavorFeatureMap, FeatureMap, ReZeroMLPFeatureMap
 from workers.methods.selector import LayerContext
 from workers.methods.source import PrefixSource
 from workers.requests import DecodeConfig
@@ -237,6 +237,13 @@ class PhiCompletion:
         else:
             n_counts = counts.long().contiguous()
         feats = self._features.get(layer) if tokens is not None else None
+        rel_tol = 64 * torch.finfo(torch.float32).eps
+        maps = self.fmap.kernel_layers(layer) if isinstance(self.fmap, ReZeroMLPFeatureMap) else None
+        if feats is not None and tokens is not None and maps is not None and not q.requires_grad:
+            # the distilled map's whole step in one call: the bits of the calls below
+            return phi_step(k, ks, v, vs, rows, valid, n_counts, tokens.long().contiguous(), feats.w, feats.have,
+                            *maps, q.float().contiguous(), ctx.n_mid, cache.m, cache.u, cache.t, shape=shape,
+                            rel_tol=rel_tol, u_floor=U_FLOOR)
         idx = tok = None
         if feats is not None and tokens is not None:
             tok = tokens.long().contiguous()
@@ -252,4 +259,4 @@ class PhiCompletion:
         return phi_term(v, vs, rows, valid, n_counts, ctx.n_mid, cache.m, cache.u, cache.t, lpq, lp, shape=shape,
                         idx=idx, tokens=tok, table=feats.w if idx is not None and feats is not None else None,
                         have=feats.have if idx is not None and feats is not None else None,
-                        rel_tol=64 * torch.finfo(torch.float32).eps, u_floor=U_FLOOR)
+                        rel_tol=rel_tol, u_floor=U_FLOOR)

@@ -5,7 +5,8 @@
 Without a compiler (``cpu_kernel_available`` False, logged once) φ completion keeps those torch ops.
 """
 
-from .ops import MlpLayer, cpu_kernel_available, phi_mlp, phi_pack, phi_term
+from .ops import MlpLayer, cpu_kernel_available, phi_mlp, phi_pack, phi_step, phi_term
 from .reference import phi_mlp_ref, phi_term_ref
 
-__all__ = ["MlpLayer", "cpu_kernel_available", "phi_mlp", "phi_mlp_ref", "phi_pack", "phi_term", "phi_term_ref"]
+__all__ = ["MlpLayer", "cpu_kernel_available", "phi_mlp", "phi_mlp_ref", "phi_pack", "phi_step", "phi_term",
+           "phi_term_ref"]

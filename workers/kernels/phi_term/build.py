@@ -83,4 +83,7 @@ def load(config: CpuKernelBuild | None = None) -> Any | None:
     lib.kvstash_phi_pack.restype = i64
     lib.kvstash_phi_term.argtypes = ([i64] * 9 + [ptr] + [i64] * 3 + [ptr] * 12 + [f32, f32, ptr, ptr])
     lib.kvstash_phi_term.restype = ctypes.c_int
+    lib.kvstash_phi_step.argtypes = ([i64] * 9 + [ptr] + [i64] * 3 + [ptr] + [i64] * 3 + [ptr] * 13
+                                     + [f32, f32, ptr, ptr])
+    lib.kvstash_phi_step.restype = ctypes.c_int
     return lib

@@ -71,7 +71,8 @@ struct Mlp {
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 constexpr int64_t kLanes = 16;
-constexpr int64_t kRows = 4;  // rows through the MLP together: each weight vector loaded once for 4 rows
+constexpr int64_t kRows = 4;
+constexpr int64_t kAhead = 64;  // weight rows prefetched ahead (4 KB of a 64-wide matrix)  // rows through the MLP together: each weight vector loaded once for 4 rows
 
 inline v16f splat(float x) { return v16f{} + x; }
 inline v16f load(const float* p) {
@@ -119,18 +120,40 @@ inline v16f gelu_v(v16f x) {
   return (x * 0.5f) * (1.0f + erf);
 }
 
+// Columns [c0, c0 + 16 C) of y[r, :] = x[r, 0:k] @ w[k, m] + b for kRows rows: one pass down w's rows (each row's
+// C vectors read once, in order: the weights stream from memory, where a decode step finds them), C * kRows
+// accumulators in registers.
+template <int C>
+inline void affine4_cols(const float* __restrict x, const float* __restrict w, const float* __restrict b, int64_t k,
+                         int64_t m, int64_t c0, float* __restrict y) {
+  v16f acc[kRows][C] = {};
+  for (int64_t i = 0; i < k; ++i) {
+    v16f wv[C];
+    // a step finds the weights in L3 at best: fetch kAhead rows ahead (latency, not bandwidth, bounds this loop)
+    for (int c = 0; c < C; ++c) __builtin_prefetch(w + (i + kAhead) * m + c0 + c * kLanes, 0, 3);
+    for (int c = 0; c < C; ++c) wv[c] = load(w + i * m + c0 + c * kLanes);
+    for (int r = 0; r < kRows; ++r) {
+      const float xi = x[r * k + i];
+      for (int c = 0; c < C; ++c) acc[r][c] += xi * wv[c];
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    const v16f bv = load(b + c0 + c * kLanes);
+    for (int r = 0; r < kRows; ++r) store(y + r * m + c0 + c * kLanes, acc[r][c] + bv);
+  }
+}
+
 // y[r, 0:m] = x[r, 0:k] @ w[k, m] + b for kRows rows (x, y row strides k, m), m a multiple of 16: torch's matmul
-// followed by the bias add.
+// followed by the bias add. Each output's sum runs over i in order, whatever the column blocking.
 inline void affine4(const float* __restrict x, const float* __restrict w, const float* __restrict b, int64_t k,
                     int64_t m, float* __restrict y) {
-  for (int64_t c = 0; c < m; c += kLanes) {
-    v16f acc[kRows] = {};
-    for (int64_t i = 0; i < k; ++i) {
-      const v16f wv = load(w + i * m + c);
-      for (int r = 0; r < kRows; ++r) acc[r] += x[r * k + i] * wv;
-    }
-    const v16f bv = load(b + c);
-    for (int r = 0; r < kRows; ++r) store(y + r * m + c, acc[r] + bv);
+  int64_t c0 = 0;
+  for (; c0 + 4 * kLanes <= m; c0 += 4 * kLanes) affine4_cols<4>(x, w, b, k, m, c0, y);
+  switch ((m - c0) / kLanes) {
+    case 3: affine4_cols<3>(x, w, b, k, m, c0, y); break;
+    case 2: affine4_cols<2>(x, w, b, k, m, c0, y); break;
+    case 1: affine4_cols<1>(x, w, b, k, m, c0, y); break;
+    default: break;
   }
 }
 
@@ -179,27 +202,93 @@ void mlp_row(const Mlp& p, int64_t h, const float* x, float* out, float* g0, flo
 
 // log φ of rows x [B, H, n, D] (contiguous) through head h's MLP -> out [B, H, n, F]. ptrs: the 9 weight pointers
 // of Mlp in order. Returns 0.
+namespace {
+
+// T_K[j, :] = sum_i w_i[j] v_i (i in order) for count entries: feature weights ws[i] [f], value rows vs[i] [d].
+// Blocks of 4 features x C vectors of channels in registers where d is a multiple of 16 up to 64.
+template <int C>
+void value_sums_blocked(const float* const* ws, const float* const* vs, int64_t count, int64_t f, float* tk) {
+  const int64_t d = C * kLanes;
+  int64_t j0 = 0;
+  for (; j0 + 4 <= f; j0 += 4) {
+    v16f acc[4][C] = {};
+    for (int64_t i = 0; i < count; ++i) {
+      v16f vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = load(vs[i] + c * kLanes);
+      for (int jj = 0; jj < 4; ++jj) {
+        const float wj = ws[i][j0 + jj];
+        for (int c = 0; c < C; ++c) acc[jj][c] += wj * vv[c];
+      }
+    }
+    for (int jj = 0; jj < 4; ++jj)
+      for (int c = 0; c < C; ++c) store(tk + (j0 + jj) * d + c * kLanes, acc[jj][c]);
+  }
+  for (; j0 < f; ++j0) {
+    v16f acc[C] = {};
+    for (int64_t i = 0; i < count; ++i)
+      for (int c = 0; c < C; ++c) acc[c] += ws[i][j0] * load(vs[i] + c * kLanes);
+    for (int c = 0; c < C; ++c) store(tk + j0 * d + c * kLanes, acc[c]);
+  }
+}
+
+void feature_value_sums(const float* const* ws, const float* const* vs, int64_t count, int64_t f, int64_t d,
+                        float* tk) {
+  switch (d % kLanes == 0 ? d / kLanes : 0) {
+    case 1: value_sums_blocked<1>(ws, vs, count, f, tk); return;
+    case 2: value_sums_blocked<2>(ws, vs, count, f, tk); return;
+    case 3: value_sums_blocked<3>(ws, vs, count, f, tk); return;
+    case 4: value_sums_blocked<4>(ws, vs, count, f, tk); return;
+    default: break;
+  }
+  std::fill(tk, tk + f * d, 0.0f);
+  for (int64_t i = 0; i < count; ++i)
+    for (int64_t j = 0; j < f; ++j) {
+      const float wj = ws[i][j];
+      float* __restrict tr = tk + j * d;
+      const float* __restrict vr = vs[i];
+#pragma omp simd
+      for (int64_t c = 0; c < d; ++c) tr[c] += wj * vr[c];
+    }
+}
+
+struct MlpScratch {
+  std::vector<float> s, xb, ob;
+  explicit MlpScratch(const Mlp& p) : s(3 * kRows * p.e), xb(kRows * p.d), ob(kRows * p.f) {}
+};
+
+// Rows x [n, d] (contiguous) of head h -> out [n, f]. Blocks of kRows rows where the sizes allow (the last one
+// zero-padded), else row by row: either way each row's result does not depend on the rows beside it.
+void mlp_head(const Mlp& p, int64_t h, const float* x, int64_t n, float* out, MlpScratch& w) {
+  const int64_t d = p.d, e = p.e, f = p.f;
+  const bool blocked = e % kLanes == 0 && f % kLanes == 0;
+  int64_t i = 0;
+  for (; blocked && i + kRows <= n; i += kRows) mlp_rows(p, h, x + i * d, out + i * f, w.s.data());
+  if (blocked && i < n) {
+    std::fill(w.xb.begin(), w.xb.end(), 0.0f);
+    std::memcpy(w.xb.data(), x + i * d, (n - i) * d * sizeof(float));
+    mlp_rows(p, h, w.xb.data(), w.ob.data(), w.s.data());
+    std::memcpy(out + i * f, w.ob.data(), (n - i) * f * sizeof(float));
+    i = n;
+  }
+  for (; i < n; ++i) mlp_row(p, h, x + i * d, out + i * f, w.s.data(), w.s.data() + e, w.s.data() + 2 * e);
+}
+
+Mlp mlp_of(const float* const* ptrs, int64_t d, int64_t e, int64_t f) {
+  return Mlp{ptrs[0], ptrs[1], ptrs[2], ptrs[3], ptrs[4], ptrs[5], ptrs[6], ptrs[7], ptrs[8], d, e, f};
+}
+
+}  // namespace
+
+// log φ of rows x [B, H, n, D] (contiguous) through head h's MLP -> out [B, H, n, F]. ptrs: the 9 weight pointers
+// of Mlp in order. Returns 0.
 extern "C" int kvstash_phi_mlp(const float* const* ptrs, int64_t d, int64_t e, int64_t f, const float* x,
                                int64_t b, int64_t h, int64_t n, float* out) {
-  const Mlp p{ptrs[0], ptrs[1], ptrs[2], ptrs[3], ptrs[4], ptrs[5], ptrs[6], ptrs[7], ptrs[8], d, e, f};
-  const bool blocked = e % kLanes == 0 && f % kLanes == 0;
-  std::vector<float> scratch(3 * kRows * e), xb(kRows * d), ob(kRows * f);
+  const Mlp p = mlp_of(ptrs, d, e, f);
+  MlpScratch w(p);
   for (int64_t bi = 0; bi < b; ++bi)
     for (int64_t hi = 0; hi < h; ++hi) {
       const int64_t r0 = (bi * h + hi) * n;
-      int64_t i = 0;
-      // each row's result does not depend on the rows beside it: a block computes every row alone, lane by lane
-      for (; blocked && i + kRows <= n; i += kRows) mlp_rows(p, hi, x + (r0 + i) * d, out + (r0 + i) * f, scratch.data());
-      if (blocked && i < n) {  // the last rows in a zero-padded block: the same arithmetic per row
-        std::fill(xb.begin(), xb.end(), 0.0f);
-        std::memcpy(xb.data(), x + (r0 + i) * d, (n - i) * d * sizeof(float));
-        mlp_rows(p, hi, xb.data(), ob.data(), scratch.data());
-        std::memcpy(out + (r0 + i) * f, ob.data(), (n - i) * f * sizeof(float));
-        i = n;
-      }
-      for (; i < n; ++i)
-        mlp_row(p, hi, x + (r0 + i) * d, out + (r0 + i) * f, scratch.data(), scratch.data() + e,
-                scratch.data() + 2 * e);
+      mlp_head(p, hi, x + r0 * d, n, out + r0 * f, w);
     }
   return 0;
 }
@@ -254,17 +343,15 @@ extern "C" int kvstash_phi_term(int64_t t_n, int64_t h_n, int64_t g_n, int64_t n
                                 const int64_t* tokens, float* w_tab, uint8_t* have, const float* lp,
                                 const int32_t* idx, const float* m, const float* u, const float* tc,
                                 const float* lpq, float rel_tol, float u_floor, float* log_z, float* mean) {
-  std::vector<float> uk(f), tk(f * d), ur(f), inv(f), w(f), a(f);
+  std::vector<float> uk(f), tk(f * d), ur(f), w(f), a(f), wbuf(lp != nullptr && idx == nullptr ? n * f : 0);
+  std::vector<const float*> srcs(n), vrows(n);
   for (int64_t th = 0; th < t_n * h_n; ++th) {
     const int64_t t = th / h_n, h = th % h_n;
     const float* mh = m + h * f;
-    std::fill(uk.begin(), uk.end(), 0.0f);
-    std::fill(tk.begin(), tk.end(), 0.0f);
     int64_t count = 0;
     for (int64_t i = 0; i < n; ++i) {
       const int64_t e = th * n + i;
       if (!(valid ? valid[e] != 0 : i < counts[th])) continue;
-      ++count;
       const float* src;
       if (idx != nullptr) {
         const int64_t tok = std::min(std::max<int64_t>(tokens[e], 0), n_tab - 1);
@@ -276,22 +363,29 @@ extern "C" int kvstash_phi_term(int64_t t_n, int64_t h_n, int64_t g_n, int64_t n
           have[h * (n_tab + 1) + tok] = 1;
         }
         src = slot;
+      } else if (lp == nullptr) {  // every valid entry's features are in the table (kvstash_phi_step)
+        const int64_t tok = std::min(std::max<int64_t>(tokens[e], 0), n_tab - 1);
+        src = w_tab + (h * (n_tab + 1) + tok) * f;
       } else {
         const float* lr = lp + (th * l_n + i) * f;
+        float* wr = wbuf.data() + count * f;
 #pragma omp simd
-        for (int64_t j = 0; j < f; ++j) w[j] = exp_f(lr[j] - mh[j]);
-        src = w.data();
+        for (int64_t j = 0; j < f; ++j) wr[j] = exp_f(lr[j] - mh[j]);
+        src = wr;
       }
       const int64_t row = rows ? std::max<int64_t>(rows[e], 0) : i;
-      const float* __restrict vr = v + t * vst + h * vsh + row * vsr;
-      for (int64_t j = 0; j < f; ++j) {
-        const float wj = src[j];
-        uk[j] += wj;
-        float* __restrict tr = tk.data() + j * d;
-#pragma omp simd
-        for (int64_t c = 0; c < d; ++c) tr[c] += wj * vr[c];
-      }
+      srcs[count] = src;
+      vrows[count] = v + t * vst + h * vsh + row * vsr;
+      ++count;
     }
+    // u_K = sum_i w_i, T_K = sum_i w_i v_i, entries in order for every (feature, channel)
+    std::fill(uk.begin(), uk.end(), 0.0f);
+    for (int64_t i = 0; i < count; ++i) {
+      const float* src = srcs[i];
+#pragma omp simd
+      for (int64_t j = 0; j < f; ++j) uk[j] += src[j];
+    }
+    feature_value_sums(srcs.data(), vrows.data(), count, f, d, tk.data());
     if (counts != nullptr) count = counts[th];
     // subtract (phi.subtract): u_R = u - u_K, T_R = T - T_K; a feature at most rel_tol * u keeps no mass
     const float* uh = u + h * f;
@@ -342,4 +436,49 @@ extern "C" int kvstash_phi_term(int64_t t_n, int64_t h_n, int64_t g_n, int64_t n
     }
   }
   return 0;
+}
+
+// One step of the term with the distilled map in the kernel too: the query rows q [T, H, G, D] through the query
+// MLP (head h * G + g; kptrs/qptrs: each map's 9 weight pointers of the layer), the valid entries whose features
+// are not in the table (as kvstash_phi_pack finds them; keys at k with strides st/sh/sr) through the key MLP, their
+// exp(log φk - m) stored in the table, then kvstash_phi_term on the table. Rows go through the MLPs in the same
+// blocks as kvstash_phi_mlp: the bits of phi_pack + phi_mlp + phi_term. lpq: scratch [T, H, G, F].
+extern "C" int kvstash_phi_step(int64_t t_n, int64_t h_n, int64_t g_n, int64_t n, int64_t d, int64_t f, int64_t e,
+                                int64_t n_tab, int64_t n_mid, const float* k, int64_t st, int64_t sh, int64_t sr,
+                                const float* v, int64_t vst, int64_t vsh, int64_t vsr, const int64_t* rows,
+                                const uint8_t* valid, const int64_t* counts, const int64_t* tokens, float* w_tab,
+                                uint8_t* have, const float* const* kptrs, const float* const* qptrs, const float* q,
+                                float* lpq, const float* m, const float* u, const float* tc, float rel_tol,
+                                float u_floor, float* log_z, float* mean) {
+  const Mlp qm = mlp_of(qptrs, d, e, f), km = mlp_of(kptrs, d, e, f);
+  MlpScratch scratch(qm);
+  for (int64_t t = 0; t < t_n; ++t)  // query head hq = h * G + g: rows [T, H * G, 1, D]
+    for (int64_t hq = 0; hq < h_n * g_n; ++hq)
+      mlp_head(qm, hq, q + (t * h_n * g_n + hq) * d, 1, lpq + (t * h_n * g_n + hq) * f, scratch);
+  std::vector<float> xs(n * d), lp(n * f);
+  std::vector<int64_t> slot(n);
+  for (int64_t th = 0; th < t_n * h_n; ++th) {
+    const int64_t t = th / h_n, h = th % h_n;
+    int64_t c = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t at = th * n + i;
+      if (!(valid ? valid[at] != 0 : i < counts[th])) continue;
+      const int64_t tok = std::min(std::max<int64_t>(tokens[at], 0), n_tab - 1);
+      if (have[h * (n_tab + 1) + tok]) continue;
+      have[h * (n_tab + 1) + tok] = 1;  // set now: a token twice in one (t, h) is mapped once
+      const int64_t row = rows ? std::max<int64_t>(rows[at], 0) : i;
+      std::memcpy(xs.data() + c * d, k + t * st + h * sh + row * sr, d * sizeof(float));
+      slot[c++] = tok;
+    }
+    if (c == 0) continue;
+    mlp_head(km, h, xs.data(), c, lp.data(), scratch);
+    const float* mh = m + h * f;
+    for (int64_t j = 0; j < c; ++j) {
+      float* dst = w_tab + (h * (n_tab + 1) + slot[j]) * f;
+      const float* lr = lp.data() + j * f;
+      for (int64_t x = 0; x < f; ++x) dst[x] = exp_f(lr[x] - mh[x]);
+    }
+  }
+  return kvstash_phi_term(t_n, h_n, g_n, n, d, f, n_tab, 0, n_mid, v, vst, vsh, vsr, rows, valid, counts, tokens,
+                          w_tab, have, nullptr, nullptr, m, u, tc, lpq, rel_tol, u_floor, log_z, mean);
 }

@@ -13,7 +13,7 @@ import torch
 
 from .build import load
 
-__all__ = ["MlpLayer", "cpu_kernel_available", "phi_mlp", "phi_pack", "phi_term"]
+__all__ = ["MlpLayer", "cpu_kernel_available", "phi_mlp", "phi_pack", "phi_step", "phi_term"]
 
 
 def cpu_kernel_available() -> bool:
@@ -98,5 +98,26 @@ def phi_term(v: torch.Tensor, strides: tuple[int, int, int], rows: torch.Tensor 
     _lib().kvstash_phi_term(t, h, g, n, d, f, n_tab, l_n, n_mid, v.data_ptr(), *strides, _ptr(rows), _ptr(valid),
                             _ptr(counts), _ptr(tokens), _ptr(table), _ptr(have), _ptr(lp), _ptr(idx), m.data_ptr(),
                             u.data_ptr(), tc.data_ptr(), log_phi_q.data_ptr(), ctypes.c_float(rel_tol),
+                            ctypes.c_float(u_floor), log_z.data_ptr(), mean.data_ptr())
+    return log_z, mean
+
+
+def phi_step(k: torch.Tensor, ks: tuple[int, int, int], v: torch.Tensor, vs: tuple[int, int, int],
+             rows: torch.Tensor | None, valid: torch.Tensor | None, counts: torch.Tensor | None, tokens: torch.Tensor,
+             table: torch.Tensor, have: torch.Tensor, kmap: MlpLayer, qmap: MlpLayer, q: torch.Tensor, n_mid: int,
+             m: torch.Tensor, u: torch.Tensor, tc: torch.Tensor, *, shape: tuple[int, int, int], rel_tol: float,
+             u_floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``phi_pack``, the key map (``kmap``) of the packed keys, the query map (``qmap``, query head ``h * G + g`` of
+    ``q [T, H, G, D]`` float32 contiguous) and ``phi_term`` on the table, in one call (the same bits): a distilled
+    map's whole per-step term. Arguments as in those."""
+    t, h, n = shape
+    g, d = q.shape[-2:]
+    log_z = torch.empty(t, h, g)
+    mean = torch.empty(t, h, g, d)
+    lpq = torch.empty(t, h, g, qmap.f)
+    _lib().kvstash_phi_step(t, h, g, n, d, qmap.f, qmap.e, table.shape[1] - 1, n_mid, k.data_ptr(), *ks,
+                            v.data_ptr(), *vs, _ptr(rows), _ptr(valid), _ptr(counts), tokens.data_ptr(),
+                            table.data_ptr(), have.data_ptr(), kmap.ptrs, qmap.ptrs, q.data_ptr(), lpq.data_ptr(),
+                            m.data_ptr(), u.data_ptr(), tc.data_ptr(), ctypes.c_float(rel_tol),
                             ctypes.c_float(u_floor), log_z.data_ptr(), mean.data_ptr())
     return log_z, mean
