@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.kernels.phi_term import cpu_kernel_available, phi_pack, phi_step, phi_term
 from workers.methods.base import Summarizer, mid_range
 from workers.methods.phi_features import CPU_PHI_FEATURE_BYTES, TokenFeatures
-from workers.methods.phi_maps import MAP_KINDS, FavorFeatureMap, FeatureMap
+from workers.methods.phi_maps import MAP_KINDS, FavorFeatureMap, FeatureMap, ReZeroMLPFeatureMap
 from workers.methods.selector import LayerContext
 from workers.methods.source import PrefixSource
 from workers.requests import DecodeConfig
@@ -167,6 +168,8 @@ class PhiCompletion:
             k_x, v_x = ctx.kv.tokens(extra)
             u_k, t_k = shifted_sums(cache.m, self.fmap.log_phi_k(layer, k_x), v_x.float())
             cache = StableCache(cache.m, *subtract(cache, u_k, t_k))
+        if ctx.device.type == "cpu":  # the kernel reads them by pointer
+            cache = StableCache(cache.m.contiguous(), cache.u.contiguous(), cache.t.contiguous())
         self._caches[layer] = cache
         if ctx.device.type == "cpu" and layer not in self._features:
             feats = TokenFeatures(cache.m, ctx.n_tokens)
@@ -175,13 +178,19 @@ class PhiCompletion:
 
     def term(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, k_sel: torch.Tensor,
              v_sel: torch.Tensor, counts: torch.Tensor, *, valid: torch.Tensor | None = None,
-             tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             tokens: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The remainder pseudo-entry per query head: (logit ``[T, Hkv, G]``, value ``[T, Hkv, G, D]``).
 
         ``k_sel``, ``v_sel [T, Hkv, n, D]`` (first ``counts [T, Hkv]`` valid, or where ``valid [T, Hkv, n]``)
         are the mid tokens attended exactly; their contributions are subtracted. The logit is ``-inf``
         where nothing remains. ``tokens [T, Hkv, n]``: the entries' token ids, to reuse their features on the CPU.
+        ``rows [T, Hkv, n]``: ``k_sel``, ``v_sel`` are a step's pools ``[Hkv, R, D]`` and these the entries' rows
+        in them (only where ``reads_pools``).
         """
+        if self._kernel_ready(k_sel, v_sel):
+            return self._term_kernel(layer, ctx, q, scale, k_sel, v_sel, counts, valid, tokens, rows)
+        if rows is not None:
+            raise ValueError("rows: only where reads_pools")
         cache = self._caches[layer]
         n = k_sel.shape[2]
         if valid is None:
@@ -199,3 +208,55 @@ class PhiCompletion:
         log_z, mean = evaluate(self.fmap.log_phi_q(layer, q, scale), cache.m, u_r, t_r)
         nothing_left = (counts >= ctx.n_mid).unsqueeze(-1)
         return log_z.masked_fill(nothing_left, float("-inf")), mean
+
+    def reads_pools(self, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether ``term`` takes a step's pools ``k``, ``v [Hkv, R, D]`` with ``rows`` (no gathered copy)."""
+        return self._kernel_ready(k, v)
+
+    def _kernel_ready(self, k: torch.Tensor, v: torch.Tensor) -> bool:
+        return (k.device.type == "cpu" and k.dtype == torch.float32 and v.dtype == torch.float32
+                and k.stride(-1) == 1 and v.stride(-1) == 1 and self.elem_bytes <= 4 and cpu_kernel_available())
+
+    def _term_kernel(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, k: torch.Tensor,
+                     v: torch.Tensor, counts: torch.Tensor, valid: torch.Tensor | None, tokens: torch.Tensor | None,
+                     rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``term`` on the CPU kernel (``workers/kernels/phi_term``): the same arithmetic as the torch ops to
+        float32 rounding, a handful of calls instead of about 40 ops. With the layer's feature cache, only the
+        step's new tokens are mapped (``phi_pack`` packs them for ``fmap.log_phi_k``)."""
+        cache = self._caches[layer]
+        if rows is not None:
+            rows = rows.long().contiguous()
+            shape = tuple(rows.shape)
+            ks, vs = (0, k.stride(0), k.stride(1)), (0, v.stride(0), v.stride(1))
+        else:
+            shape = tuple(k.shape[:3])
+            ks, vs = (k.stride(0), k.stride(1), k.stride(2)), (v.stride(0), v.stride(1), v.stride(2))
+        n_counts = None
+        if valid is not None:
+            valid = valid.contiguous().view(torch.uint8)
+        else:
+            n_counts = counts.long().contiguous()
+        feats = self._features.get(layer) if tokens is not None else None
+        rel_tol = 64 * torch.finfo(torch.float32).eps
+        maps = self.fmap.kernel_layers(layer) if isinstance(self.fmap, ReZeroMLPFeatureMap) else None
+        if feats is not None and tokens is not None and maps is not None and not q.requires_grad:
+            # the distilled map's whole step in one call: the bits of the calls below
+            return phi_step(k, ks, v, vs, rows, valid, n_counts, tokens.long().contiguous(), feats.w, feats.have,
+                            *maps, q.float().contiguous(), ctx.n_mid, cache.m, cache.u, cache.t, shape=shape,
+                            rel_tol=rel_tol, u_floor=U_FLOOR)
+        idx = tok = None
+        if feats is not None and tokens is not None:
+            tok = tokens.long().contiguous()
+            idx, packed = phi_pack(k, ks, rows, valid, n_counts, tok, feats.have, shape)
+            lp = self.fmap.log_phi_k(layer, packed).contiguous() if packed.shape[2] else None
+        else:
+            keys = k
+            if rows is not None:
+                heads = torch.arange(shape[1]).unsqueeze(-1)
+                keys = k[heads, rows.clamp_min(0)]
+            lp = self.fmap.log_phi_k(layer, keys).float().contiguous()
+        lpq = self.fmap.log_phi_q(layer, q, scale).float().contiguous()
+        return phi_term(v, vs, rows, valid, n_counts, ctx.n_mid, cache.m, cache.u, cache.t, lpq, lp, shape=shape,
+                        idx=idx, tokens=tok, table=feats.w if idx is not None and feats is not None else None,
+                        have=feats.have if idx is not None and feats is not None else None,
+                        rel_tol=rel_tol, u_floor=U_FLOOR)

@@ -5,7 +5,8 @@ Each step subtracts the attended mid tokens' ``w_i = exp(log φk(k_i) - m)`` fro
 ``w_i`` is the same every step a token is attended again: consecutive decode steps pick mostly the same
 pages (about two thirds of their tokens were attended before at 4k), and on the CPU the feature map of
 the rest dominates φ completion (a distilled map is a small MLP per token). ``TokenFeatures`` keeps
-``w`` per (KV head, token) and maps only the tokens a step attends for the first time.
+``w`` per (KV head, token) and maps only the tokens a step attends for the first time. Where the CPU kernel
+builds (``workers/kernels/phi_term``), it reads and fills ``w`` and ``have`` itself; ``weights`` is the torch path.
 Reads do not change: the keys mapped are the step's own, already fetched. The bits do not either: a token's
 features are those its first step computed, and the map works row by row (tests/test_phi_features.py).
 Measured on the shipped model (2-core VM, one thread): φ completion per layer and step 1.2 -> 1.0 ms at 16k

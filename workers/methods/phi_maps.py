@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.fingerprint import tensors_digest
+from workers.kernels.phi_term import MlpLayer, cpu_kernel_available, phi_mlp
 
 MAP_KINDS: dict[int, str] = {1: "favor", 2: "rezero_mlp"}
 OMEGA_CACHE_LAYERS = 256
@@ -128,6 +129,9 @@ class FavorFeatureMap(FeatureMap):
         return self._log_features(layer, q, scale * q.shape[-1] ** 0.25)
 
 
+_MLP_PARAMS = ("w0", "b0", "w1", "b1", "w2", "b2", "alpha", "wo", "bo")
+
+
 class HeadwiseMLP(nn.Module):
     """One ReZero-MLP per (layer, head): stem, gated GELU block, output (appendix J).
 
@@ -147,9 +151,15 @@ class HeadwiseMLP(nn.Module):
         self.w2, self.b2 = weight(hidden, hidden), nn.Parameter(torch.zeros(n_layers, n_heads, hidden))
         self.alpha = nn.Parameter(torch.zeros(n_layers, n_heads))
         self.wo, self.bo = weight(hidden, d_out), nn.Parameter(torch.zeros(n_layers, n_heads, d_out))
+        self._kernel_layers: dict[int, MlpLayer | None] = {}
+        """Per layer, the parameters' views the CPU kernel reads (None: it cannot)."""
 
     def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """``[..., H, n, d_in] -> [..., H, n, d_out]`` with head ``h``'s own weights."""
+        """``[..., H, n, d_in] -> [..., H, n, d_out]`` with head ``h``'s own weights (``kernel_forward`` where it
+        applies)."""
+        out = self.kernel_forward(layer, x)
+        if out is not None:
+            return out
         x = x.float()
         # matmul broadcasts each head's [d, e] weight over the leading dims: the einsum's product, 1.2-1.9x faster
         # on the CPU at decode sizes (a per-step cost of φ completion)
@@ -158,6 +168,45 @@ class HeadwiseMLP(nn.Module):
         delta = torch.matmul(a, self.w2[layer]) + self.b2[layer][:, None]
         g1 = g0 + self.alpha[layer][:, None, None] * delta
         return torch.matmul(g1, self.wo[layer]) + self.bo[layer][:, None]
+
+    def kernel_forward(self, layer: int, x: torch.Tensor) -> torch.Tensor | None:
+        """``forward`` on the CPU without autograd (decode, prefill): one call of the C++ kernel
+        (``workers/kernels/phi_term``: the same arithmetic to float32 rounding, each row alone) instead of about 20
+        torch ops; None where it does not apply (another device or dtype, autograd, no compiler)."""
+        if x.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or self.w0.requires_grad)):
+            return None
+        weights = self.kernel_layer(layer)
+        return phi_mlp(weights, x.float()) if weights is not None else None
+
+    def kernel_layer(self, layer: int) -> MlpLayer | None:
+        """The layer's weights as the CPU kernel reads them (cached), or None where it cannot run."""
+        weights = self._kernel_layers.get(layer, False)
+        if weights is False:
+            weights = self._kernel_layers[layer] = self._layer_weights(layer)
+        return weights
+
+    def _layer_weights(self, layer: int) -> MlpLayer | None:
+        """The layer's weights for the CPU kernel (views of the parameters), or None where it cannot run."""
+        params = [getattr(self, name) for name in _MLP_PARAMS]
+        if not all(p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous() for p in params):
+            return None
+        return MlpLayer([p.detach()[layer] for p in params]) if cpu_kernel_available() else None
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - nn.Module's signature
+        """``.to()``, ``.float()`` and the like may move the parameters: the kernel's views are taken again."""
+        self._kernel_layers.clear()
+        return super()._apply(fn, recurse)
+
+    def __getstate__(self) -> dict:
+        """Copies and pickles carry no kernel views (they hold raw pointers)."""
+        return {**self.__dict__, "_kernel_layers": {}}
+
+    def __setattr__(self, name: str, value: object) -> None:
+        """A replaced parameter: the kernel's views are taken again (a parameter's ``.data`` replaced in place
+        is not seen)."""
+        if name in _MLP_PARAMS and "_kernel_layers" in self.__dict__:
+            self._kernel_layers.clear()
+        super().__setattr__(name, value)
 
 
 class ReZeroMLPFeatureMap(FeatureMap):
@@ -188,14 +237,31 @@ class ReZeroMLPFeatureMap(FeatureMap):
         other weights is refused."""
         return self.digest
 
+    def kernel_layers(self, layer: int) -> tuple[MlpLayer, MlpLayer] | None:
+        """The layer's (key, query) weights for the CPU kernel's whole step (``phi_term.phi_step``), or None where
+        ``log_phi_k`` / ``log_phi_q`` would not run the kernel (autograd, another device or dtype, no compiler) or
+        are not this class's own (overridden or replaced on the instance)."""
+        cls = ReZeroMLPFeatureMap
+        if (type(self).log_phi_k is not cls.log_phi_k or type(self).log_phi_q is not cls.log_phi_q
+                or "log_phi_k" in self.__dict__ or "log_phi_q" in self.__dict__):
+            return None
+        if torch.is_grad_enabled() and self.k.w0.requires_grad:
+            return None
+        kl, ql = self.k.kernel_layer(layer), self.q.kernel_layer(layer)
+        return (kl, ql) if kl is not None and ql is not None else None
+
     def log_phi_k(self, layer: int, k: torch.Tensor) -> torch.Tensor:
         """``log φk`` of keys ``[..., Hkv, n, D]``."""
-        return self.k(layer, k)
+        out = self.k.kernel_forward(layer, k)  # the CPU kernel, without the module call's overhead
+        return out if out is not None else self.k(layer, k)
 
     def log_phi_q(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         """``log φq`` of grouped queries ``[..., Hkv, G, D]`` (one MLP per query head)."""
         *lead, hkv, g, d = q.shape
-        per_head = self.q(layer, q.reshape(*lead, hkv * g, 1, d))
+        rows = q.reshape(*lead, hkv * g, 1, d)
+        per_head = self.q.kernel_forward(layer, rows)  # the CPU kernel, without the module call's overhead
+        if per_head is None:
+            per_head = self.q(layer, rows)
         return per_head.reshape(*lead, hkv, g, self.phi_dim)
 
 

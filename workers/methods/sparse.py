@@ -296,8 +296,13 @@ class SparsePrefixAttention:
         pl = pv = None
         if self.completion is not None:
             n_anchor = anchors.shape[-1]
-            k_sel, v_sel = step.gather(step.rows[..., n_anchor:])
-            log_z, mean = self.completion.term(layer, ctx, qg, scale, k_sel, v_sel, sel.counts, tokens=sel.tokens)
+            if self.completion.reads_pools(step.k, step.v):  # the CPU kernel reads the pools' rows: no copy
+                log_z, mean = self.completion.term(layer, ctx, qg, scale, step.k, step.v, sel.counts,
+                                                   tokens=sel.tokens, rows=step.rows[..., n_anchor:])
+            else:
+                k_sel, v_sel = step.gather(step.rows[..., n_anchor:])
+                log_z, mean = self.completion.term(layer, ctx, qg, scale, k_sel, v_sel, sel.counts,
+                                                   tokens=sel.tokens)
             pl, pv = log_z.reshape(t, hq, 1).contiguous(), mean.reshape(t, hq, 1, d).contiguous()
         centroids = sel.centroids is not None and sel.n_centroids is not None and ebias is not None
         if t == 1 and CPU_GATHER_KERNEL and q.dtype == torch.float32 and gather_entries_usable(step.k, step.v):
@@ -361,9 +366,13 @@ class SparsePrefixAttention:
         pl = pv = None
         if self.completion is not None:
             valid = in_mid if in_mid is not None else bias[..., :n_picked] == 0  # bias -inf: outside the mid region
-            k_sel, v_sel = step.gather(rows[..., :n_picked])
-            log_z, mean = self.completion.term(layer, ctx, qg, scale, k_sel, v_sel, counts, valid=valid,
-                                               tokens=sel.tokens)
+            if self.completion.reads_pools(step.k, step.v):  # the CPU kernel reads the pools' rows: no copy
+                log_z, mean = self.completion.term(layer, ctx, qg, scale, step.k, step.v, counts, valid=valid,
+                                                   tokens=sel.tokens, rows=rows[..., :n_picked])
+            else:
+                k_sel, v_sel = step.gather(rows[..., :n_picked])
+                log_z, mean = self.completion.term(layer, ctx, qg, scale, k_sel, v_sel, counts, valid=valid,
+                                                   tokens=sel.tokens)
             pl, pv = log_z.reshape(t, hq, 1).contiguous(), mean.reshape(t, hq, 1, d).contiguous()
         with self._timed("attend"):  # every entry is valid (out-of-mid ones are dropped by their bias)
             out, lse = gathered_attention(q, k, v, scale=scale, idx=rows, n_valid=None, bias=bias,
