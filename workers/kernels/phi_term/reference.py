@@ -1,4 +1,4 @@
-"""Torch references of the CPU φ-term kernel: the ops φ completion runs without it (``workers/methods/phi.py``,
+"""Torch references of the CPU φ-term kernel: the ops φ completion runs without it (``workers/methods/phi_cache.py``,
 ``HeadwiseMLP.forward``), and the kernel's oracle."""
 
 from __future__ import annotations
@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+
+from workers.methods.phi_cache import StableCache, evaluate, feature_sums, subtract
 
 __all__ = ["phi_mlp_ref", "phi_term_ref"]
 
@@ -26,8 +28,6 @@ def phi_term_ref(w: torch.Tensor, v: torch.Tensor, m: torch.Tensor, u: torch.Ten
                  log_phi_q: torch.Tensor, counts: torch.Tensor, n_mid: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``phi.term`` from the entries' features ``w [T, H, n, F]`` (0 where not valid) and values ``v [T, H, n, D]``:
     ``(log_z [T, H, G], mean [T, H, G, D])``, ``log_z`` -inf where ``counts [T, H] >= n_mid``."""
-    from workers.methods.phi import StableCache, evaluate, feature_sums, subtract
-
     u_r, t_r = subtract(StableCache(m, u, tc), *feature_sums(w, v.float()))
     log_z, mean = evaluate(log_phi_q, m, u_r, t_r)
     return log_z.masked_fill((counts >= n_mid).unsqueeze(-1), float("-inf")), mean
