@@ -170,10 +170,10 @@ class PhiCompletion:
         cache = self._caches[layer]
         if rows is not None:
             rows = rows.long().contiguous()
-            shape = tuple(rows.shape)
+            shape: tuple[int, int, int] = (rows.shape[0], rows.shape[1], rows.shape[2])
             ks, vs = (0, k.stride(0), k.stride(1)), (0, v.stride(0), v.stride(1))
         else:
-            shape = tuple(k.shape[:3])
+            shape = (k.shape[0], k.shape[1], k.shape[2])
             ks, vs = (k.stride(0), k.stride(1), k.stride(2)), (v.stride(0), v.stride(1), v.stride(2))
         n_counts = None
         if valid is not None:

@@ -21,7 +21,7 @@ import functools
 import json
 import math
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -180,10 +180,9 @@ class HeadwiseMLP(nn.Module):
 
     def kernel_layer(self, layer: int) -> MlpLayer | None:
         """The layer's weights as the CPU kernel reads them (cached), or None where it cannot run."""
-        weights = self._kernel_layers.get(layer, False)
-        if weights is False:
-            weights = self._kernel_layers[layer] = self._layer_weights(layer)
-        return weights
+        if layer not in self._kernel_layers:
+            self._kernel_layers[layer] = self._layer_weights(layer)
+        return self._kernel_layers[layer]
 
     def _layer_weights(self, layer: int) -> MlpLayer | None:
         """The layer's weights for the CPU kernel (views of the parameters), or None where it cannot run."""
@@ -201,7 +200,7 @@ class HeadwiseMLP(nn.Module):
         """Copies and pickles carry no kernel views (they hold raw pointers)."""
         return {**self.__dict__, "_kernel_layers": {}}
 
-    def __setattr__(self, name: str, value: object) -> None:
+    def __setattr__(self, name: str, value: Any) -> None:  # noqa: ANN401 - nn.Module's signature
         """A replaced parameter: the kernel's views are taken again (a parameter's ``.data`` replaced in place
         is not seen)."""
         if name in _MLP_PARAMS and "_kernel_layers" in self.__dict__:

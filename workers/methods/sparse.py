@@ -314,8 +314,8 @@ class SparsePrefixAttention:
                     if table is None:  # rows by rule: this step's rows and bias, looked up by position
                         table, cb = step.extra_rows(sel.centroids)[0], ebias.gather(1, ids)
                         ids = torch.arange(ids.shape[-1]).expand_as(ids)
-                kg, vg, bias = gather_entries(step.k, step.v, step.rows[0], n_tok, ids, sel.n_centroids, cb, table)
-                out, lse = attend_entries(q, kg[None], vg[None], bias[None], scale=scale, pseudo_logits=pl,
+                kg, vg, row_bias = gather_entries(step.k, step.v, step.rows[0], n_tok, ids, sel.n_centroids, cb, table)
+                out, lse = attend_entries(q, kg[None], vg[None], row_bias[None], scale=scale, pseudo_logits=pl,
                                           pseudo_values=pv)
             return sel, out, lse
         rows = step.rows
