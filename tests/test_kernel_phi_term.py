@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from workers.kernels import phi_term as kernel
+from workers.kernels.phi_term.stable_cache import U_FLOOR, stable_cache
 from workers.methods import phi_maps
-from workers.methods.phi_cache import U_FLOOR, stable_cache
 
 pytestmark = pytest.mark.skipif(not kernel.cpu_kernel_available(), reason="no C++ compiler for the CPU kernel")
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from workers.attention import dense_attention
+from workers.kernels.phi_term.stable_cache import evaluate, shifted_sums, stable_cache, subtract
 from workers.methods.layer_kv import ResidentKV
 from workers.methods.memory import MemorySource
 from workers.methods.phi import PhiCompletion, PhiSummarizer, build_cache
-from workers.methods.phi_cache import evaluate, shifted_sums, stable_cache, subtract
 from workers.methods.phi_maps import FavorFeatureMap, FeatureMap, ReZeroMLPFeatureMap, favor_omega
 from workers.methods.registry import get_method
 from workers.methods.selector import LayerContext

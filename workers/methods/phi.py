@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 
 from workers.kernels.phi_term import cpu_kernel_available, phi_pack, phi_step, phi_term
-from workers.methods.base import Summarizer, mid_range
-from workers.methods.phi_cache import (
+from workers.kernels.phi_term.stable_cache import (
     U_FLOOR,
     StableCache,
     evaluate,
@@ -24,6 +23,7 @@ from workers.methods.phi_cache import (
     stable_cache,
     subtract,
 )
+from workers.methods.base import Summarizer, mid_range
 from workers.methods.phi_features import CPU_PHI_FEATURE_BYTES, TokenFeatures
 from workers.methods.phi_maps import MAP_KINDS, FavorFeatureMap, FeatureMap, ReZeroMLPFeatureMap
 from workers.methods.selector import LayerContext

@@ -1,4 +1,4 @@
-"""Torch references of the CPU φ-term kernel: the ops φ completion runs without it (``workers/methods/phi_cache.py``,
+"""Torch references of the CPU φ-term kernel: the ops φ completion runs without it (``stable_cache.py`` here,
 ``HeadwiseMLP.forward``), and the kernel's oracle."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from workers.methods.phi_cache import StableCache, evaluate, feature_sums, subtract
+from workers.kernels.phi_term.stable_cache import StableCache, evaluate, feature_sums, subtract
 
 __all__ = ["phi_mlp_ref", "phi_term_ref"]
 

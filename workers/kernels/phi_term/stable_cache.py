@@ -1,6 +1,7 @@
 """The stable (m, u, T) cache of φ completion and its per-step algebra (``topk-phi-completion.txt``, appendix C):
-plain torch on any device. ``workers/methods/phi.py`` builds and uses it; the CPU φ-term kernel's reference
-(``workers/kernels/phi_term/reference.py``) is these ops."""
+plain torch on any device. ``workers/methods/phi.py`` builds and uses it; the CPU φ-term kernel's torch
+reference (``reference.py`` here) is these ops, so they live beside the kernel (kernels import nothing else of
+the project)."""
 
 from __future__ import annotations
 
