@@ -31,6 +31,8 @@ from workers.methods.source import PrefixSource
 from workers.requests import DecodeConfig
 
 BUILD_CHUNK = 8192
+REL_TOL = 64 * torch.finfo(torch.float32).eps
+"""The kernel's relative clamp tolerance of the one-way subtraction."""
 
 
 def build_cache(fmap: FeatureMap, layer: int, k: torch.Tensor, v: torch.Tensor, *,
@@ -169,25 +171,30 @@ class PhiCompletion:
         step's new tokens are mapped (``phi_pack`` packs them for ``fmap.log_phi_k``)."""
         cache = self._caches[layer]
         if rows is not None:
-            rows = rows.long().contiguous()
+            if rows.dtype != torch.int64 or not rows.is_contiguous():
+                rows = rows.long().contiguous()
             shape: tuple[int, int, int] = (rows.shape[0], rows.shape[1], rows.shape[2])
             ks, vs = (0, k.stride(0), k.stride(1)), (0, v.stride(0), v.stride(1))
         else:
             shape = (k.shape[0], k.shape[1], k.shape[2])
             ks, vs = (k.stride(0), k.stride(1), k.stride(2)), (v.stride(0), v.stride(1), v.stride(2))
         n_counts = None
-        if valid is not None:
-            valid = valid.contiguous().view(torch.uint8)
+        if valid is not None:  # bool or uint8: the kernel reads bytes
+            if not valid.is_contiguous():
+                valid = valid.contiguous()
         else:
             n_counts = counts.long().contiguous()
         feats = self._features.get(layer) if tokens is not None else None
-        rel_tol = 64 * torch.finfo(torch.float32).eps
+        rel_tol = REL_TOL
         maps = self.fmap.kernel_layers(layer) if isinstance(self.fmap, ReZeroMLPFeatureMap) else None
         if feats is not None and tokens is not None and maps is not None and not q.requires_grad:
             # the distilled map's whole step in one call: the bits of the calls below
-            return phi_step(k, ks, v, vs, rows, valid, n_counts, tokens.long().contiguous(), feats.w, feats.have,
-                            *maps, q.float().contiguous(), ctx.n_mid, cache.m, cache.u, cache.t, shape=shape,
-                            rel_tol=rel_tol, u_floor=U_FLOOR)
+            if tokens.dtype != torch.int64 or not tokens.is_contiguous():
+                tokens = tokens.long().contiguous()
+            if q.dtype != torch.float32 or not q.is_contiguous():
+                q = q.float().contiguous()
+            return phi_step(k, ks, v, vs, rows, valid, n_counts, tokens, feats.w, feats.have, *maps, q, ctx.n_mid,
+                            cache.m, cache.u, cache.t, shape=shape, rel_tol=rel_tol, u_floor=U_FLOOR)
         idx = tok = None
         if feats is not None and tokens is not None:
             tok = tokens.long().contiguous()
