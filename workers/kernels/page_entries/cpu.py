@@ -42,20 +42,18 @@ def cpu_kernel_available() -> bool:
 def page_entries_cpu(picked: torch.Tensor, first_rows: torch.Tensor, anchor_slot: torch.Tensor,
                      anchor_offset: torch.Tensor, *, page_size: int, lo: int, hi: int, pool_rows: int) -> PageEntries:
     """``page_entries`` of int64 CPU tensors (validated by the caller) on the kernel, with ``mid_rows`` and
-    ``valid``. Outputs come from one int64 buffer (rows, tokens, mid rows, the count), a bias and a mask."""
+    ``valid`` (each output its own ``torch.empty``: cheaper than views of one buffer)."""
     fn = _load()
     assert fn is not None, "page_entries_cpu needs the built kernel (cpu_kernel_available)"
     hkv, n = picked.shape
     na = anchor_slot.shape[0]
     np_, e = n * page_size, n * page_size + na
-    buf = torch.empty(hkv * (e + 2 * np_) + 1, dtype=torch.int64)
-    bias = torch.empty(1, hkv, e)
-    valid = torch.empty(1, hkv, np_, dtype=torch.bool)
-    p = buf.data_ptr()
+    i64 = torch.int64
+    rows, tokens, mid_rows = torch.empty(1, hkv, e, dtype=i64), torch.empty(1, hkv, np_, dtype=i64), \
+        torch.empty(1, hkv, np_, dtype=i64)
+    bias, valid, count = torch.empty(1, hkv, e), torch.empty(1, hkv, np_, dtype=torch.bool), torch.empty((), dtype=i64)
     fn(hkv, n, page_size, na, picked.data_ptr(), picked.stride(0), picked.stride(1), first_rows.data_ptr(),
        first_rows.stride(0), first_rows.stride(1), anchor_slot.data_ptr(), anchor_slot.stride(0),
-       anchor_offset.data_ptr(), anchor_offset.stride(0), lo, hi, pool_rows, p, bias.data_ptr(),
-       p + 8 * hkv * e, p + 8 * hkv * (e + np_), valid.data_ptr(), p + 8 * hkv * (e + 2 * np_))
-    a, b, c = hkv * e, hkv * (e + np_), hkv * (e + 2 * np_)
-    return PageEntries(rows=buf[:a].view(1, hkv, e), bias=bias, tokens=buf[a:b].view(1, hkv, np_),
-                       n_distinct=buf[c], mid_rows=buf[b:c].view(1, hkv, np_), valid=valid)
+       anchor_offset.data_ptr(), anchor_offset.stride(0), lo, hi, pool_rows, rows.data_ptr(), bias.data_ptr(),
+       tokens.data_ptr(), mid_rows.data_ptr(), valid.data_ptr(), count.data_ptr())
+    return PageEntries(rows=rows, bias=bias, tokens=tokens, n_distinct=count, mid_rows=mid_rows, valid=valid)

@@ -112,14 +112,12 @@ def phi_step(k: torch.Tensor, ks: tuple[int, int, int], v: torch.Tensor, vs: tup
     map's whole per-step term. Arguments as in those."""
     t, h, n = shape
     g, d = q.shape[-2:]
-    # one allocation for the outputs and the query features: mean, log_z, then lpq (scratch)
-    buf = torch.empty(t * h * g * (d + 1 + qmap.f))
-    mean = buf[:t * h * g * d].view(t, h, g, d)
-    log_z = buf[t * h * g * d:t * h * g * (d + 1)].view(t, h, g)
-    lpq = buf.data_ptr() + 4 * t * h * g * (d + 1)
+    log_z = torch.empty(t, h, g)  # three empties: cheaper than views of one buffer
+    mean = torch.empty(t, h, g, d)
+    lpq = torch.empty(t, h, g, qmap.f)
     _lib().kvstash_phi_step(t, h, g, n, d, qmap.f, qmap.e, table.shape[1] - 1, n_mid, k.data_ptr(), *ks,
                             v.data_ptr(), *vs, _ptr(rows), _ptr(valid), _ptr(counts), tokens.data_ptr(),
-                            table.data_ptr(), have.data_ptr(), kmap.ptrs, qmap.ptrs, q.data_ptr(), lpq,
+                            table.data_ptr(), have.data_ptr(), kmap.ptrs, qmap.ptrs, q.data_ptr(), lpq.data_ptr(),
                             m.data_ptr(), u.data_ptr(), tc.data_ptr(), ctypes.c_float(rel_tol),
                             ctypes.c_float(u_floor), log_z.data_ptr(), mean.data_ptr())
     return log_z, mean
