@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.kernels.phi_term import cpu_kernel_available, phi_pack, phi_step, phi_term
+from workers.kernels.phi_term import MlpLayer, cpu_kernel_available, phi_pack, phi_step, phi_term
 from workers.methods.base import Summarizer, mid_range
 from workers.methods.phi_cache import (
     U_FLOOR,
@@ -98,6 +98,9 @@ class PhiCompletion:
         self._caches: dict[int, StableCache] = {}
         self._features: dict[int, TokenFeatures] = {}
         """On the CPU, per layer: the attended tokens' features, mapped once per generation."""
+        self._maps: dict[int, tuple[MlpLayer, MlpLayer] | None] = {}
+        """Per layer, the distilled map's kernel weights (``kernel_layers``) as this generation's first step without
+        autograd found them (the map is not changed while a generation decodes)."""
 
     def summary_range(self, layer: int) -> tuple[int, int]:
         """Tokens ``[lo, hi)`` the stored cache covers."""
@@ -160,8 +163,18 @@ class PhiCompletion:
         return self._kernel_ready(k, v)
 
     def _kernel_ready(self, k: torch.Tensor, v: torch.Tensor) -> bool:
-        return (k.device.type == "cpu" and k.dtype == torch.float32 and v.dtype == torch.float32
+        return (k.is_cpu and k.dtype == torch.float32 and v.dtype == torch.float32
                 and k.stride(-1) == 1 and v.stride(-1) == 1 and self.elem_bytes <= 4 and cpu_kernel_available())
+
+    def _kernel_maps(self, layer: int) -> tuple[MlpLayer, MlpLayer] | None:
+        """``fmap.kernel_layers(layer)`` (None for other maps), looked up once per layer without autograd."""
+        if not isinstance(self.fmap, ReZeroMLPFeatureMap):
+            return None
+        if torch.is_grad_enabled():
+            return self.fmap.kernel_layers(layer)
+        if layer not in self._maps:
+            self._maps[layer] = self.fmap.kernel_layers(layer)
+        return self._maps[layer]
 
     def _term_kernel(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, k: torch.Tensor,
                      v: torch.Tensor, counts: torch.Tensor, valid: torch.Tensor | None, tokens: torch.Tensor | None,
@@ -186,7 +199,7 @@ class PhiCompletion:
             n_counts = counts.long().contiguous()
         feats = self._features.get(layer) if tokens is not None else None
         rel_tol = REL_TOL
-        maps = self.fmap.kernel_layers(layer) if isinstance(self.fmap, ReZeroMLPFeatureMap) else None
+        maps = self._kernel_maps(layer)
         if feats is not None and tokens is not None and maps is not None and not q.requires_grad:
             # the distilled map's whole step in one call: the bits of the calls below
             if tokens.dtype != torch.int64 or not tokens.is_contiguous():
