@@ -39,8 +39,8 @@ def _lib(config: CpuKernelBuild | None = None) -> Any | None:
     return lib
 
 
-def _load() -> Any | None:
-    lib = _lib()
+def _load(config: CpuKernelBuild | None = None) -> Any | None:
+    lib = _lib(config)
     return None if lib is None else lib.kvstash_token_rows
 
 
