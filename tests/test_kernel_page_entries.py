@@ -16,6 +16,7 @@ import torch
 
 import workers.kernels.page_entries.ops as pe_ops
 from workers.kernels.page_entries import PageEntries, PageEntriesConfig, page_entries, page_entries_ref
+from workers.kernels.page_entries.cpu import cpu_kernel_available, page_entries_cpu
 from workers.methods.layer_kv import page_tokens
 from workers.methods.page_step import PagePlan, entry_bias, entry_tokens, page_plan
 from workers.pages import page_span
@@ -181,3 +182,48 @@ def test_invalid_calls_say_how_to_fix_them() -> None:
         page_entries(picked, rows, a, a, **{**kw, "lo": 101})
     with pytest.raises(ValueError, match="power of two"):
         PageEntriesConfig(block=100)
+
+
+needs_cpu_kernel = pytest.mark.skipif(not cpu_kernel_available(), reason="the CPU page-entries kernel did not build")
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("hkv,n,p,anchors", CASES)
+def test_cpu_kernel_equals_reference(hkv: int, n: int, p: int, anchors: int) -> None:
+    """The C++ kernel (CPU tensors, no Triton): the reference's entries bit for bit, plus the picked entries'
+    rows and mid mask in φ's layout (``rows[..., :n * p]``, ``bias[..., :n * p] == 0``), contiguous."""
+    sink, tail = (4, 64) if anchors else (0, 0)
+    plan, picked, first_rows, pool_rows = _case(hkv, n, p, sink, tail, seed=hkv * 10_000 + n * 10 + p)
+    picked, first_rows, plan = picked.cpu(), first_rows.cpu(), _cpu_plan(plan)
+    out = page_entries_cpu(picked, first_rows, plan.anchor_slot, plan.anchor_offset, page_size=p, lo=plan.lo,
+                           hi=plan.hi, pool_rows=pool_rows)
+    ref = page_entries_ref(picked, first_rows, plan.anchor_slot, plan.anchor_offset, page_size=p, lo=plan.lo,
+                           hi=plan.hi, pool_rows=pool_rows)
+    _assert_equal(out, ref)
+    assert out.mid_rows is not None and out.valid is not None
+    assert out.mid_rows.is_contiguous() and out.valid.is_contiguous() and out.valid.dtype == torch.bool
+    assert torch.equal(out.mid_rows, ref.rows[..., :n * p]) and torch.equal(out.valid, ref.bias[..., :n * p] == 0)
+    via_launcher = page_entries(picked, first_rows, plan.anchor_slot, plan.anchor_offset, page_size=p, lo=plan.lo,
+                                hi=plan.hi, pool_rows=pool_rows, use_triton=False)
+    assert via_launcher.mid_rows is not None
+    _assert_equal(via_launcher, ref)
+
+
+@needs_cpu_kernel
+def test_cpu_kernel_strided_inputs() -> None:
+    """``first_rows`` the first columns of a wider table, ``picked`` transposed (as in the Triton test)."""
+    plan, picked, first_rows, pool_rows = _case(3, 70, 16, 4, 64, seed=5)
+    picked, first_rows, plan = picked.cpu(), first_rows.cpu(), _cpu_plan(plan)
+    wide = torch.full((3, first_rows.shape[1] + 9), 12345, dtype=torch.int64)
+    wide[:, : first_rows.shape[1]] = first_rows
+    strided_rows, strided_picked = wide[:, : first_rows.shape[1]], picked.t().contiguous().t()
+    out = page_entries_cpu(strided_picked, strided_rows, plan.anchor_slot, plan.anchor_offset, page_size=16,
+                           lo=plan.lo, hi=plan.hi, pool_rows=pool_rows)
+    _assert_equal(out, _page_step(plan, picked, first_rows, pool_rows))
+
+
+def _cpu_plan(plan: PagePlan) -> PagePlan:
+    return PagePlan(page_size=plan.page_size, lo=plan.lo, hi=plan.hi, first_page=plan.first_page,
+                    end_page=plan.end_page, n_pages=plan.n_pages, anchor_pages=plan.anchor_pages.cpu(),
+                    anchor_slot=plan.anchor_slot.cpu(), anchor_offset=plan.anchor_offset.cpu(),
+                    anchors=plan.anchors.cpu())

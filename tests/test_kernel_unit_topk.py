@@ -20,6 +20,7 @@ from workers.kernels.unit_topk import (
     top_units,
     top_units_ref,
 )
+from workers.kernels.unit_topk.cpu import cpu_kernel_available, top_units_cpu
 from workers.methods.selector import group_mass
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -113,3 +114,35 @@ def test_launchers_refuse_bad_shapes() -> None:
         TopConfig(block_units=100)
     with pytest.raises(ValueError, match="split_units"):
         TopConfig(split_units=100)
+
+
+needs_cpu_kernel = pytest.mark.skipif(not cpu_kernel_available(), reason="the CPU unit top-k kernel did not build")
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("r,u,k", [(1, 1, 1), (3, 17, 5), (8, 300, 40), (2, 257, 256), (4, 64, 64), (5, 40, 0),
+                                   (2, 253, 10), (3, 0, 4)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_cpu_kernel_equals_reference(r: int, u: int, k: int, ties: bool) -> None:
+    """The C++ kernel (float32 CPU scores off Triton: ``top_units`` and ``group_top_units``' selection): the
+    reference's ids exactly, ties (scores rounded to a few values) toward lower ids, strided rows too."""
+    g = torch.Generator().manual_seed(r * 1000 + u)
+    scores = torch.randn(r, u, generator=g)
+    if ties:
+        scores = scores.mul(2).round()
+    want = top_units_ref(scores, k)
+    for s in (scores, scores.t().contiguous().t(), torch.cat([scores, scores], 1)[:, :u]):
+        got = top_units_cpu(s, k)
+        assert got.shape == want.shape and got.dtype == torch.int64 and torch.equal(got, want)
+    assert torch.equal(top_units(scores, k, use_triton=False), want)
+    logits = torch.randn(r, 3, u, generator=g)
+    if ties:
+        logits[:, :, : u // 2] = float("-inf")  # no mass: ties at 0
+    assert torch.equal(group_top_units(logits, k, use_triton=False), group_top_units_ref(logits, k))
+
+
+@needs_cpu_kernel
+def test_cpu_kernel_orders_signs_zeros_and_infinities() -> None:
+    row = torch.tensor([[0.0, -0.0, -1.0, 2.0, float("-inf"), float("inf"), -3.5, 1e-30, -1e-30, 2.0]])
+    for k in range(0, 11):
+        assert torch.equal(top_units_cpu(row, k), top_units_ref(row, k)), k

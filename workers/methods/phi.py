@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.kernels.phi_term import cpu_kernel_available, phi_pack, phi_step, phi_term
+from workers.kernels.phi_term import MlpLayer, cpu_kernel_available, phi_pack, phi_step, phi_term
 from workers.kernels.phi_term.stable_cache import (
     U_FLOOR,
     StableCache,
@@ -31,6 +31,8 @@ from workers.methods.source import PrefixSource
 from workers.requests import DecodeConfig
 
 BUILD_CHUNK = 8192
+REL_TOL = 64 * torch.finfo(torch.float32).eps
+"""The kernel's relative clamp tolerance of the one-way subtraction."""
 
 
 def build_cache(fmap: FeatureMap, layer: int, k: torch.Tensor, v: torch.Tensor, *,
@@ -96,6 +98,9 @@ class PhiCompletion:
         self._caches: dict[int, StableCache] = {}
         self._features: dict[int, TokenFeatures] = {}
         """On the CPU, per layer: the attended tokens' features, mapped once per generation."""
+        self._maps: dict[int, tuple[MlpLayer, MlpLayer] | None] = {}
+        """Per layer, the distilled map's kernel weights (``kernel_layers``) as this generation's first step without
+        autograd found them (the map is not changed while a generation decodes)."""
 
     def summary_range(self, layer: int) -> tuple[int, int]:
         """Tokens ``[lo, hi)`` the stored cache covers."""
@@ -158,8 +163,18 @@ class PhiCompletion:
         return self._kernel_ready(k, v)
 
     def _kernel_ready(self, k: torch.Tensor, v: torch.Tensor) -> bool:
-        return (k.device.type == "cpu" and k.dtype == torch.float32 and v.dtype == torch.float32
+        return (k.is_cpu and k.dtype == torch.float32 and v.dtype == torch.float32
                 and k.stride(-1) == 1 and v.stride(-1) == 1 and self.elem_bytes <= 4 and cpu_kernel_available())
+
+    def _kernel_maps(self, layer: int) -> tuple[MlpLayer, MlpLayer] | None:
+        """``fmap.kernel_layers(layer)`` (None for other maps), looked up once per layer without autograd."""
+        if not isinstance(self.fmap, ReZeroMLPFeatureMap):
+            return None
+        if torch.is_grad_enabled():
+            return self.fmap.kernel_layers(layer)
+        if layer not in self._maps:
+            self._maps[layer] = self.fmap.kernel_layers(layer)
+        return self._maps[layer]
 
     def _term_kernel(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, k: torch.Tensor,
                      v: torch.Tensor, counts: torch.Tensor, valid: torch.Tensor | None, tokens: torch.Tensor | None,
@@ -169,25 +184,30 @@ class PhiCompletion:
         step's new tokens are mapped (``phi_pack`` packs them for ``fmap.log_phi_k``)."""
         cache = self._caches[layer]
         if rows is not None:
-            rows = rows.long().contiguous()
+            if rows.dtype != torch.int64 or not rows.is_contiguous():
+                rows = rows.long().contiguous()
             shape: tuple[int, int, int] = (rows.shape[0], rows.shape[1], rows.shape[2])
             ks, vs = (0, k.stride(0), k.stride(1)), (0, v.stride(0), v.stride(1))
         else:
             shape = (k.shape[0], k.shape[1], k.shape[2])
             ks, vs = (k.stride(0), k.stride(1), k.stride(2)), (v.stride(0), v.stride(1), v.stride(2))
         n_counts = None
-        if valid is not None:
-            valid = valid.contiguous().view(torch.uint8)
+        if valid is not None:  # bool or uint8: the kernel reads bytes
+            if not valid.is_contiguous():
+                valid = valid.contiguous()
         else:
             n_counts = counts.long().contiguous()
         feats = self._features.get(layer) if tokens is not None else None
-        rel_tol = 64 * torch.finfo(torch.float32).eps
-        maps = self.fmap.kernel_layers(layer) if isinstance(self.fmap, ReZeroMLPFeatureMap) else None
+        rel_tol = REL_TOL
+        maps = self._kernel_maps(layer)
         if feats is not None and tokens is not None and maps is not None and not q.requires_grad:
             # the distilled map's whole step in one call: the bits of the calls below
-            return phi_step(k, ks, v, vs, rows, valid, n_counts, tokens.long().contiguous(), feats.w, feats.have,
-                            *maps, q.float().contiguous(), ctx.n_mid, cache.m, cache.u, cache.t, shape=shape,
-                            rel_tol=rel_tol, u_floor=U_FLOOR)
+            if tokens.dtype != torch.int64 or not tokens.is_contiguous():
+                tokens = tokens.long().contiguous()
+            if q.dtype != torch.float32 or not q.is_contiguous():
+                q = q.float().contiguous()
+            return phi_step(k, ks, v, vs, rows, valid, n_counts, tokens, feats.w, feats.have, *maps, q, ctx.n_mid,
+                            cache.m, cache.u, cache.t, shape=shape, rel_tol=rel_tol, u_floor=U_FLOOR)
         idx = tok = None
         if feats is not None and tokens is not None:
             tok = tokens.long().contiguous()

@@ -351,7 +351,7 @@ class SparsePrefixAttention:
             ent = page_entries(picked[0], first, plan.anchor_slot, plan.anchor_offset, page_size=plan.page_size,
                                lo=plan.lo, hi=plan.hi, pool_rows=k.shape[1])
             step = StepKV(k=k, v=v, rows=ent.rows, extra_base=0, extra_stride=0)
-            rows, bias, in_mid = ent.rows, ent.bias, None
+            rows, bias, in_mid, mid_rows = ent.rows, ent.bias, ent.valid, ent.mid_rows  # the last two: CPU kernel
             counts = self._counts[layer]
             sel = Selection(tokens=ent.tokens, counts=counts, n_distinct=ent.n_distinct)
         else:  # the query's first forward: the same entries per row, fetched together
@@ -362,13 +362,15 @@ class SparsePrefixAttention:
             n_all = torch.full((t, hkv), plan.n_entries, device=q.device)
             step = ctx.kv.step(tokens.clamp_max(ctx.n_tokens - 1), n_all, self._step, overflow=True)
             rows = step.rows.clamp(0, step.k.shape[1] - 1)  # a masked entry past the prefix still reads a real row
+            mid_rows = None
         k, v = step.k, step.v
         pl = pv = None
         if self.completion is not None:
             valid = in_mid if in_mid is not None else bias[..., :n_picked] == 0  # bias -inf: outside the mid region
             if self.completion.reads_pools(step.k, step.v):  # the CPU kernel reads the pools' rows: no copy
                 log_z, mean = self.completion.term(layer, ctx, qg, scale, step.k, step.v, counts, valid=valid,
-                                                   tokens=sel.tokens, rows=rows[..., :n_picked])
+                                                   tokens=sel.tokens,
+                                                   rows=mid_rows if mid_rows is not None else rows[..., :n_picked])
             else:
                 k_sel, v_sel = step.gather(rows[..., :n_picked])
                 log_z, mean = self.completion.term(layer, ctx, qg, scale, k_sel, v_sel, counts, valid=valid,

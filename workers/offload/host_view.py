@@ -25,8 +25,8 @@ from workers.offload.fetcher import PageFetcher
 from workers.offload.stats import StepCounts
 
 CPU_KERNEL = True
-"""``token_rows`` through the C++ token-rows kernel (``workers/kernels/token_rows``: the same rows and page count, one
-pass instead of some ten numpy ops and a sort), where it builds; False: numpy."""
+"""``token_rows`` and ``page_rows`` through the C++ token-rows kernel (``workers/kernels/token_rows``: the same rows and
+page count, one pass instead of some ten numpy ops and a sort), where it builds; False: numpy."""
 
 
 class HostPageView:
@@ -70,6 +70,14 @@ class HostPageView:
     def page_rows(self, layer: int, pages: torch.Tensor, step: int) -> torch.Tensor:
         """First pool rows ``[Hkv, n]`` of pages ``[Hkv, n]`` (ids per KV head, -1 padding: row -1), counted as
         read from the host tier under ``step``."""
+        if CPU_KERNEL and pages.dtype == torch.int64 and pages.dim() == 2 and token_rows_kernel.cpu_kernel_available():
+            try:
+                rows_t, n = token_rows_kernel.page_rows(pages, self._first_rows_t[layer])
+            except ValueError:
+                raise InvalidInput(f"page ids must be < {self.n_pages} (the prefix has {self.n_tokens} tokens)"
+                                   ) from None
+            self.fetcher.stats.record(step, StepCounts(pages=n, host_pages=n))
+            return rows_t
         p = pages.numpy()
         if p.size and p.max() >= self.n_pages:
             raise InvalidInput(f"page ids must be < {self.n_pages} (the prefix has {self.n_tokens} tokens)")

@@ -23,3 +23,7 @@ class PageEntries:
     (an out-of-mid id becomes a duplicate of a mid token of its page)."""
     n_distinct: torch.Tensor
     """0-dim int64: picked tokens inside ``[lo, hi)`` over all heads (pages are distinct per head)."""
+    mid_rows: torch.Tensor | None = None
+    """``[1, Hkv, n * page_size]`` int64 contiguous: ``rows[..., :n * page_size]`` (the CPU kernel only, else None)."""
+    valid: torch.Tensor | None = None
+    """``[1, Hkv, n * page_size]`` bool contiguous: ``bias[..., :n * page_size] == 0`` (the CPU kernel only)."""

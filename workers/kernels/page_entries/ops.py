@@ -7,7 +7,8 @@ ids and the first pool rows of the fetched pages into those entries' pool rows a
 ids and the count of picked mid tokens: one launch on CUDA (the torch form is ~15 small kernels), fixed
 shapes for a fixed ``n`` and no device -> host copy, so it can be captured in a CUDA graph. Elsewhere (or
 with ``use_triton=False``) the torch reference serves (CPU decoding in the tests' interpreter would be slow;
-the kernel's own tests pass ``use_triton=True``). Kernel tuning is a ``PageEntriesConfig`` argument, never
+the kernel's own tests pass ``use_triton=True``); on the CPU a C++ kernel (``kernel.cpp``, the reference's
+exact results in one call) serves where it builds. Kernel tuning is a ``PageEntriesConfig`` argument, never
 module state.
 """
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..launch import check_tuning, next_pow2, triton_available
+from .cpu import cpu_kernel_available, page_entries_cpu
 from .entries import PageEntries
 from .reference import page_entries_ref
 
@@ -72,7 +74,8 @@ def _validate(picked: torch.Tensor, first_rows: torch.Tensor, anchor_slot: torch
 
 def page_entries(picked: torch.Tensor, first_rows: torch.Tensor, anchor_slot: torch.Tensor,
                  anchor_offset: torch.Tensor, *, page_size: int, lo: int, hi: int, pool_rows: int,
-                 use_triton: bool | None = None, config: PageEntriesConfig = DEFAULT_PAGE_ENTRIES) -> PageEntries:
+                 use_triton: bool | None = None, use_cpu_kernel: bool = True,
+                 config: PageEntriesConfig = DEFAULT_PAGE_ENTRIES) -> PageEntries:
     """One row's attention entries over its picked pages and the anchor tokens (see ``PageEntries``).
 
     Parameters
@@ -94,6 +97,9 @@ def page_entries(picked: torch.Tensor, first_rows: torch.Tensor, anchor_slot: to
     use_triton : bool, optional
         Force the Triton kernel (e.g. on CPU under the interpreter) or the torch reference; default: Triton
         for CUDA tensors when Triton is installed.
+    use_cpu_kernel : bool
+        Without Triton, CPU tensors run the C++ kernel (``cpu.py``: the reference's results, plus ``mid_rows``
+        and ``valid``) where it builds; False: the torch reference.
     config : PageEntriesConfig
         Tuning of the Triton kernel.
     """
@@ -101,6 +107,9 @@ def page_entries(picked: torch.Tensor, first_rows: torch.Tensor, anchor_slot: to
     if use_triton is None:
         use_triton = picked.is_cuda and triton_available()
     if not use_triton:
+        if picked.device.type == "cpu" and use_cpu_kernel and cpu_kernel_available():
+            return page_entries_cpu(picked, first_rows, anchor_slot, anchor_offset, page_size=page_size, lo=lo,
+                                    hi=hi, pool_rows=pool_rows)
         return page_entries_ref(picked, first_rows, anchor_slot, anchor_offset, page_size=page_size, lo=lo,
                                 hi=hi, pool_rows=pool_rows)
     hkv, n = picked.shape

@@ -112,7 +112,7 @@ def phi_step(k: torch.Tensor, ks: tuple[int, int, int], v: torch.Tensor, vs: tup
     map's whole per-step term. Arguments as in those."""
     t, h, n = shape
     g, d = q.shape[-2:]
-    log_z = torch.empty(t, h, g)
+    log_z = torch.empty(t, h, g)  # three empties: cheaper than views of one buffer
     mean = torch.empty(t, h, g, d)
     lpq = torch.empty(t, h, g, qmap.f)
     _lib().kvstash_phi_step(t, h, g, n, d, qmap.f, qmap.e, table.shape[1] - 1, n_mid, k.data_ptr(), *ks,

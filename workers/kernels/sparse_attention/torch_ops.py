@@ -81,6 +81,9 @@ def sparse_decode_attention_torch(
     out = torch.matmul(logits.sub_(safe_lse).exp_(), vg.float())
     if pl is not None and pseudo_values is not None:
         w = (pl - safe_lse).exp_()  # [B, Hkv, G, M]
-        pv = pseudo_values.float().reshape(b, hkv, g, -1, d)
-        out.add_(torch.matmul(w.unsqueeze(-2), pv).squeeze(-2))
+        if w.shape[-1] == 1:  # one pseudo-entry (φ): the matmul's single product, the same bits in one op
+            out.add_(w * pseudo_values.float().reshape(b, hkv, g, d))
+        else:
+            pv = pseudo_values.float().reshape(b, hkv, g, -1, d)
+            out.add_(torch.matmul(w.unsqueeze(-2), pv).squeeze(-2))
     return out.reshape(b, hq, d).to(q.dtype), lse.reshape(b, hq)

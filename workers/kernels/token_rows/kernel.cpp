@@ -45,4 +45,31 @@ int64_t kvstash_token_rows(const int64_t* tokens, const int64_t* counts, int64_t
   return distinct;
 }
 
+// pages [hkv, n] (strides s0, s1; ids, negative: padding); first_rows [hkv, n_pages]. out [hkv, n] contiguous:
+// first_rows[h, page], -1 for padding. Returns the number of distinct (head, page) pairs of the ids >= 0, or -1 when
+// an id is >= n_pages.
+int64_t kvstash_page_rows(const int64_t* pages, int64_t s0, int64_t s1, int64_t hkv, int64_t n,
+                          const int64_t* first_rows, int64_t n_pages, int64_t* out) {
+  std::vector<uint8_t> seen(static_cast<size_t>(hkv * n_pages), 0);
+  int64_t distinct = 0;
+  for (int64_t h = 0; h < hkv; ++h) {
+    const int64_t* first = first_rows + h * n_pages;
+    uint8_t* mark = seen.data() + h * n_pages;
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t page = pages[h * s0 + j * s1];
+      if (page >= n_pages) return -1;
+      if (page < 0) {
+        out[h * n + j] = -1;
+        continue;
+      }
+      out[h * n + j] = first[page];
+      if (!mark[page]) {
+        mark[page] = 1;
+        ++distinct;
+      }
+    }
+  }
+  return distinct;
+}
+
 }  // extern "C"

@@ -18,7 +18,7 @@ import torch
 
 from workers.kernels.index_page_mass.build import CpuKernelBuild, load_library
 
-__all__ = ["cpu_kernel_available", "token_rows"]
+__all__ = ["cpu_kernel_available", "page_rows", "token_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -26,16 +26,22 @@ SOURCE = Path(__file__).with_name("kernel.cpp")
 
 
 @functools.cache
-def _load(config: CpuKernelBuild | None = None) -> Any | None:
+def _lib(config: CpuKernelBuild | None = None) -> Any | None:
     lib = load_library(config or CpuKernelBuild(), source=SOURCE, name="token_rows",
                        fallback="the host view maps token rows in numpy")
     if lib is None:
         return None
-    fn = lib.kvstash_token_rows
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr]
-    fn.restype = i64
-    return fn
+    lib.kvstash_token_rows.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr]
+    lib.kvstash_token_rows.restype = i64
+    lib.kvstash_page_rows.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, ptr]
+    lib.kvstash_page_rows.restype = i64
+    return lib
+
+
+def _load(config: CpuKernelBuild | None = None) -> Any | None:
+    lib = _lib(config)
+    return None if lib is None else lib.kvstash_token_rows
 
 
 def cpu_kernel_available() -> bool:
@@ -65,4 +71,25 @@ def token_rows(tokens: torch.Tensor, counts: torch.Tensor, first_rows: torch.Ten
                   out.data_ptr())
     if distinct < 0:
         raise ValueError(f"token ids must lie in [0, {n_tokens})")
+    return out, distinct
+
+
+def page_rows(pages: torch.Tensor, first_rows: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Page ids ``pages [Hkv, n]`` (int64, CPU, any strides; negative: padding) and ``first_rows [Hkv, n_pages]``
+    int64 contiguous -> (pool rows ``[Hkv, n]`` int64: ``first_rows[h, page]``, ``-1`` for padding; the number of
+    distinct (head, page) pairs of the ids >= 0): ``HostPageView.page_rows``' numpy in one call. Raises
+    ``ValueError`` when an id is ``>= n_pages``."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("the CPU token-rows kernel is unavailable (see the log); use numpy")
+    fn = lib.kvstash_page_rows
+    hkv, n_pages = first_rows.shape
+    if pages.dim() != 2 or pages.shape[0] != hkv or pages.dtype != torch.int64 or not first_rows.is_contiguous():
+        raise ValueError(f"bad page-rows input: pages {tuple(pages.shape)} {pages.dtype}, first_rows "
+                         f"{tuple(first_rows.shape)}")
+    out = torch.empty(pages.shape, dtype=torch.int64)
+    distinct = fn(pages.data_ptr(), pages.stride(0), pages.stride(1), hkv, pages.shape[1],
+                            first_rows.data_ptr(), n_pages, out.data_ptr())
+    if distinct < 0:
+        raise ValueError(f"page ids must be < {n_pages}")
     return out, distinct

@@ -1,4 +1,5 @@
-"""Public launchers of the unit top-k: validate the call, then run the Triton kernel or the torch reference.
+"""Public launchers of the unit top-k: validate the call, then run the Triton kernel or the torch reference (its
+selection in one C++ call on the CPU where it builds: ``cpu.py``).
 
 ``top_units(scores, k)`` and ``group_top_units(logits, k)`` return the ``k`` best unit ids per row in
 ascending order, ties to the lower id, with fixed output shapes and no host sync on CUDA (so a
@@ -15,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from ..launch import check_tuning, next_pow2, triton_available
-from .reference import group_top_units_ref, top_units_ref
+from .cpu import top_units_cpu, top_units_usable
+from .reference import group_mass_ref, top_units_ref
 
 __all__ = ["TopConfig", "group_top_units", "top_units"]
 
@@ -126,6 +128,11 @@ def _without_kernel(x: torch.Tensor, k: int, use_triton: bool | None, reference:
     return None
 
 
+def _top_off_triton(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """``top_units_ref``: on the CPU's C++ kernel where it takes the scores (the same ids), else the torch sorts."""
+    return top_units_cpu(scores, k) if top_units_usable(scores) else top_units_ref(scores, k)
+
+
 def _buffers(r: int, u: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The one-program kernels' scratch keys ``[R, U]`` and ids ``[R, k]``."""
     return (torch.empty((r, u), dtype=torch.int32, device=device),
@@ -139,7 +146,7 @@ def top_units(scores: torch.Tensor, k: int, *, use_triton: bool | None = None,
         _fail(f"scores must be a float [R, U] tensor, got {scores.dtype} {tuple(scores.shape)}")
     r, u = scores.shape
     k = max(0, min(k, u))
-    done = _without_kernel(scores, k, use_triton, lambda: top_units_ref(scores, k))
+    done = _without_kernel(scores, k, use_triton, lambda: _top_off_triton(scores, k))
     if done is not None:
         return done
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
@@ -161,7 +168,7 @@ def group_top_units(logits: torch.Tensor, k: int, *, use_triton: bool | None = N
         _fail(f"logits must be a float [R, G, U] tensor, got {logits.dtype} {tuple(logits.shape)}")
     r, g, u = logits.shape
     k = max(0, min(k, u))
-    done = _without_kernel(logits, k, use_triton, lambda: group_top_units_ref(logits, k))
+    done = _without_kernel(logits, k, use_triton, lambda: _top_off_triton(group_mass_ref(logits), k))
     if done is not None:
         return done
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
