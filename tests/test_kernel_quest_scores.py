@@ -217,7 +217,7 @@ def _members(m: int, hkv: int, g: int, d: int, u: int, dtype: torch.dtype, page_
 @needs_triton
 @pytest.mark.usefixtures("poisoned_empty")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("u", [1, 17, 300])
+@pytest.mark.parametrize("u", [1, 17, pytest.param(300, marks=pytest.mark.slow)])  # 300: 4-5 s each, interpreted
 @pytest.mark.parametrize("m,hkv,g,d", [(1, 2, 4, 64), (3, 2, 5, 64), (4, 8, 4, 128), (2, 1, 20, 32)])
 @pytest.mark.parametrize("page_range", [False, True], ids=["whole", "range"])
 def test_members_equal_each_members_own_launch(m: int, hkv: int, g: int, d: int, u: int, dtype: torch.dtype,

@@ -43,7 +43,8 @@ def _ascending_unique(ids: torch.Tensor) -> bool:
 
 @needs_triton
 @pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("r,u,k", [(1, 1, 1), (3, 17, 5), (8, 300, 40), (2, 257, 256), (4, 64, 64), (5, 40, 0)])
+@pytest.mark.parametrize("r,u,k", [(1, 1, 1), (3, 17, 5), pytest.param(8, 300, 40, marks=pytest.mark.slow),
+                                   (2, 257, 256), (4, 64, 64), (5, 40, 0)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_top_units_equals_reference(r: int, u: int, k: int, dtype: torch.dtype, config: TopConfig) -> None:
     g = torch.Generator().manual_seed(r * 1000 + u)
@@ -64,7 +65,9 @@ def test_top_units_orders_signs_zeros_and_infinities() -> None:
 
 @needs_triton
 @pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("r,g_,u,k", [(1, 1, 1, 1), (8, 4, 300, 9), (3, 5, 129, 100), (2, 8, 33, 7), (3, 4, 1000, 20)])
+@pytest.mark.parametrize("r,g_,u,k", [(1, 1, 1, 1), pytest.param(8, 4, 300, 9, marks=pytest.mark.slow),
+                                       (3, 5, 129, 100), (2, 8, 33, 7),
+                                       pytest.param(3, 4, 1000, 20, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_group_top_units_selects_the_reference_mass(r: int, g_: int, u: int, k: int, dtype: torch.dtype,
                                                      config: TopConfig) -> None:
