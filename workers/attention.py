@@ -8,7 +8,6 @@ exactly through their log-sum-exps.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -90,9 +89,16 @@ class ScratchRows:
 
     embeddings: torch.Tensor
     """``[n, hidden]`` input embeddings of the rows (in place of token embeddings)."""
-    active: Callable[[torch.Tensor], AbstractContextManager[None]]
-    """Given the packed step's mask ``[1, T]`` of these rows, the block in which the model treats them as such
-    (a LoRA on only those rows: ``LookaheadAdapter.active``)."""
+    adapter: RowAdapter
+    """What makes the model treat these rows as such (``LookaheadAdapter``: a LoRA on only those rows)."""
+
+
+class RowAdapter(Protocol):
+    """Model changes that apply to chosen rows of a forward only."""
+
+    def active(self, mask: torch.Tensor) -> AbstractContextManager[None]:
+        """The block in which the rows where ``mask [1, T]`` is True are adapted."""
+        ...
 
 
 @runtime_checkable

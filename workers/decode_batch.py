@@ -32,6 +32,7 @@ from workers.attention import (
     GraphablePrefix,
     ObservesQuery,
     PrefixAttention,
+    RowAdapter,
     ScratchRows,
     TakesScratchRows,
     VerifiesSummaries,
@@ -451,18 +452,17 @@ class DecodeEngine:
 
     def _with_scratch_rows(self, input_ids: torch.Tensor, scratch: list[tuple[int, ScratchRows]],
                            active: contextlib.ExitStack) -> torch.Tensor:
-        """The packed step's input embeddings with each method's scratch rows in place; their ``active`` blocks
-        entered on ``active`` (one per distinct block, with the mask of its rows)."""
+        """The packed step's input embeddings with each method's scratch rows in place; each distinct adapter's
+        block entered on ``active`` with the mask of its rows."""
         emb = self.lm.model.get_input_embeddings()(input_ids)
-        masks: dict[int, tuple[ScratchRows, torch.Tensor]] = {}
+        masks: dict[int, tuple[RowAdapter, torch.Tensor]] = {}
         for at, sr in scratch:
             n = sr.embeddings.shape[0]
             emb[0, at:at + n] = sr.embeddings.to(emb.dtype)
-            owner = id(getattr(sr.active, "__self__", sr.active))  # a bound method is a new object at each access
-            _, mask = masks.setdefault(owner, (sr, torch.zeros_like(input_ids, dtype=torch.bool)))
+            _, mask = masks.setdefault(id(sr.adapter), (sr.adapter, torch.zeros_like(input_ids, dtype=torch.bool)))
             mask[0, at:at + n] = True
-        for sr, mask in masks.values():
-            active.enter_context(sr.active(mask))
+        for adapter, mask in masks.values():
+            active.enter_context(adapter.active(mask))
         return emb
 
     def _static_groups(self, feeds: list[tuple[Generation, int]]

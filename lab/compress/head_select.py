@@ -21,7 +21,7 @@ split (never the held-out eval split).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -40,15 +40,20 @@ SINK_TOKENS = 4
 make every head's maximum about 1 and the ranking meaningless."""
 
 
+def document_scores(lm: LoadedModel, documents: Sequence[str], skip: int = SINK_TOKENS) -> Iterator[torch.Tensor]:
+    """Each document's reconstruction scores on every head, sinks left out: ``[layers, kv_heads, n - skip]`` (CPU)."""
+    for doc in documents:
+        ids = list(lm.tokenizer(doc).input_ids)
+        kv = [(k, v) for _, k, v in prefill_kv(lm, ids, progress=False)]
+        yield reconstruction_scores(lm, ids, kv)[:, :, skip:].cpu()
+
+
 def head_maxima(lm: LoadedModel, documents: Sequence[str], skip: int = SINK_TOKENS) -> torch.Tensor:
     """``[layers, kv_heads]``: the largest reconstruction score each head gives any non-sink token, over
     ``documents``."""
     best = torch.zeros(lm.layout.n_layers, lm.layout.n_kv_heads)
-    for doc in documents:
-        ids = list(lm.tokenizer(doc).input_ids)
-        kv = [(k, v) for _, k, v in prefill_kv(lm, ids, progress=False)]
-        scores = reconstruction_scores(lm, ids, kv)
-        best = torch.maximum(best, scores[:, :, skip:].amax(dim=2).cpu())
+    for scores in document_scores(lm, documents, skip):
+        best = torch.maximum(best, scores.amax(dim=2))
     return best
 
 
@@ -56,10 +61,8 @@ def head_shares(lm: LoadedModel, documents: Sequence[str], ratio: float, skip: i
     """``[layers, kv_heads]``: the mean over ``documents`` of the fraction of the ``ratio`` highest non-sink token
     scores (all heads together: KVzip's keep set at ``ratio``) that each head holds."""
     total = torch.zeros(lm.layout.n_layers, lm.layout.n_kv_heads)
-    for doc in documents:
-        ids = list(lm.tokenizer(doc).input_ids)
-        kv = [(k, v) for _, k, v in prefill_kv(lm, ids, progress=False)]
-        total += keep_share(reconstruction_scores(lm, ids, kv)[:, :, skip:].cpu(), ratio)
+    for scores in document_scores(lm, documents, skip):
+        total += keep_share(scores, ratio)
     return total / max(1, len(documents))
 
 

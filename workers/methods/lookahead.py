@@ -100,7 +100,7 @@ class LookaheadAttention(QueryTimeAttention):
             return None
         adapter = self.lookahead.adapter
         dtype = next(self.lookahead.model.parameters()).dtype
-        return ScratchRows(adapter.embeddings.detach().to(dtype), adapter.active)
+        return ScratchRows(adapter.embeddings.detach().to(dtype), adapter)
 
     def attend_scratch(self, layer: int, q: torch.Tensor, scale: float, n_scratch: int
                        ) -> tuple[torch.Tensor, torch.Tensor]:
