@@ -14,7 +14,7 @@ from lab.tiny_random import TinyLlamaSpec, build_tiny_rat
 from store.kvstore import KVStore
 from workers.engine import Worker
 from workers.model import LoadedModel, load_model
-from workers.ratplus import RatForCausalLM, has_decaying_memory
+from workers.ratplus import RatForCausalLM, has_decaying_memory, set_memory_cap_scale
 from workers.requests import GenerationStats, SamplingParams
 
 WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
@@ -72,6 +72,45 @@ def test_memory_changes_the_model(reference) -> None:
         for layer, b in zip(reference.model.layers, saved, strict=True):
             layer.self_attn.memory_gate.bias.copy_(b)
     assert (before - closed).abs().max() > 1e-2
+
+
+def test_cap_scale_zero_is_the_plain_model(rat_dir: Path, reference) -> None:
+    """The training cap ramp (``cap_scale``): at 0 the memory is off exactly (the plain Llama with the same
+    weights), at 1 (the default, what a loaded model has) the open gates change the logits."""
+    plain = AutoModelForCausalLM.from_pretrained(rat_dir / "_plain").eval()  # the RAT+ model's Llama weights
+    assert not isinstance(plain, RatForCausalLM)
+    ids = torch.arange(3, 60)[None]
+    try:
+        with torch.no_grad():
+            set_memory_cap_scale(reference, 0.0)
+            off = reference(ids).logits
+            set_memory_cap_scale(reference, 1.0)
+            full = reference(ids).logits
+            base = plain(ids).logits
+    finally:
+        set_memory_cap_scale(reference, 1.0)  # the module's other tests share this model
+    assert torch.equal(off, base)
+    assert (full - base).abs().max() > 1e-2
+
+
+def test_gates_get_gradient_while_the_cap_ramps(reference) -> None:
+    """Mid-ramp the gates' parameters get gradient (they learn where to close while the memory opens); at the
+    ramp's very start (cap 0) they get none."""
+    import copy
+
+    model = copy.deepcopy(reference).train()
+    ids = torch.arange(3, 60)[None]
+    grads = {}
+    for scale in (0.0, 0.3):
+        set_memory_cap_scale(model, scale)
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids).loss.backward()
+        grads[scale] = [(layer.self_attn.memory_gate.weight.grad, layer.self_attn.memory_gate.bias.grad)
+                        for layer in model.model.layers]
+    assert all(float(w.abs().max()) == 0 and float(b.abs().max()) == 0 for w, b in grads[0.0])
+    assert all(float(w.abs().max()) > 0 and float(b.abs().max()) > 0 for w, b in grads[0.3])
+    with pytest.raises(ValueError):
+        set_memory_cap_scale(model, 1.5)
 
 
 # Document lengths straddle page (16) and prefill-chunk (40) boundaries.

@@ -13,10 +13,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lab.train import checkpoint as ckpt
 from lab.train.config import TINY_MODEL, Stage, TrainConfig
-from lab.train.continued import main
-from lab.train.loop import train
+from lab.train.continued import base_config, card, main, parse_args, variant_config
+from lab.train.loop import LOG_FILE, train
 from lab.train.run import ship
 from workers.ratplus import RatForCausalLM
+from workers.ratplus.modeling import MemoryGate
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "kvstash-tiny"
 
@@ -83,3 +84,60 @@ def test_rat_alone_with_an_open_gate_held_at_its_init(plain_export: Path, tmp_pa
     main(["--out", str(tmp_path / "free"), *common, "--memory-hold-steps", "1"])
     gate = AutoModelForCausalLM.from_pretrained(models / "kvstash-tiny-rat").model.layers[0].self_attn.memory_gate
     assert gate.weight.abs().max() > 0  # released after the first step
+
+
+def test_cap_ramp_schedule() -> None:
+    """Linear from 0 at the stage's start to 1 after `memory_ramp_steps`; without a ramp, 1 throughout."""
+    cfg = TrainConfig(model=TINY_MODEL, start_step=10, steps=30, memory_ramp_steps=8)
+    assert [cfg.memory_cap_scale(s) for s in (10, 12, 14, 18, 19, 29)] == [0.0, 0.25, 0.5, 1.0, 1.0, 1.0]
+    assert all(replace(cfg, memory_ramp_steps=0).memory_cap_scale(s) == 1.0 for s in (10, 14, 29))
+    with pytest.raises(ValueError):
+        replace(cfg, memory_ramp_steps=-1)
+
+
+def test_loop_ramps_the_cap_across_a_resume_and_trains_the_gates(plain_export: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """`train` sets each step's cap scale from the step alone (a resumed run continues the ramp), the gates
+    train while the cap ramps (unlike `memory_hold_steps`), and the saved / exported model has the full cap."""
+    torch.set_num_threads(1)
+    seen: list[float] = []
+    forward = MemoryGate.forward
+
+    def spy(self: MemoryGate, x: torch.Tensor) -> torch.Tensor:
+        seen.append(self.cap_scale)
+        return forward(self, x)
+
+    monkeypatch.setattr(MemoryGate, "forward", spy)
+    tok = AutoTokenizer.from_pretrained(plain_export)
+    cfg = TrainConfig(model=replace(TINY_MODEL, memory_max_length=64.0, memory_gate_bias=4.0),
+                      curriculum=(Stage(until=1.0, lengths=(128,)),), start_step=1, steps=12, memory_ramp_steps=4,
+                      tokens_per_batch=256, workers=0, log_every=1)
+    run = tmp_path / "run"
+    train(cfg, run, tok, init=plain_export, device="cpu", stop_at=4)  # steps 1-3: scales 0, 1/4, 1/2
+    state = ckpt.load_state(run)
+    assert state is not None and state["step"] == 4
+    assert all(float(state["model"][f"model.layers.{i}.self_attn.memory_gate.weight"].abs().max()) > 0
+               for i in range(TINY_MODEL.num_layers))  # W starts at 0: the gates trained during the ramp
+    train(cfg, run, tok, init=plain_export, device="cpu", stop_at=7, export_to=tmp_path / "export")  # steps 4-6
+    expected = [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    assert seen == [s for s in expected for _ in range(TINY_MODEL.num_layers)]  # each layer's gate, each step
+    logged = [json.loads(line)["memory_cap_scale"] for line in (run / LOG_FILE).read_text().splitlines()]
+    assert logged == expected
+    state = ckpt.load_state(run)
+    assert state is not None and state["step"] == 7
+    assert not any("cap_scale" in k for k in state["model"])  # no new persistent state: exports load as before
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    assert all(layer.self_attn.memory_gate.cap_scale == 1.0 for layer in exported.model.layers)
+
+
+def test_ramp_option_reaches_the_rat_config_and_card(plain_export: Path, tmp_path: Path) -> None:
+    """`--memory-ramp-steps` sets the RAT+ run's ramp (the plain baseline has none) and its card says so."""
+    args = parse_args(["--out", str(tmp_path), "--max-minutes", "1", "--init", str(plain_export), "--tiny",
+                       "--steps", "900", "--memory-ramp-steps", "600"])
+    base = base_config(args)
+    rat, plain = variant_config(base, "rat"), variant_config(base, "plain")
+    assert rat.memory_ramp_steps == 600 and plain.memory_ramp_steps == 0
+    assert "cap ramped linearly from 0 (the plain model) to 1 − 1/64 over the first 600 steps" in card(
+        "rat", rat, rat.start_step + 1, "cmd", "")
+    assert "ramp" not in card("rat", replace(rat, memory_ramp_steps=0), rat.start_step + 1, "cmd", "")
+    assert "ramp" not in card("plain", plain, plain.start_step + 1, "cmd", "")

@@ -165,6 +165,10 @@ class TrainConfig:
     memory_hold_steps: int = 0
     """RAT+ only: the stage's first steps during which the memory gates stay at their init (learning rate 0),
     so the rest of the model adapts to the memory before the gates may close it."""
+    memory_ramp_steps: int = 0
+    """RAT+ only: the stage's first steps during which the gates' cap grows linearly from 0 (k̃ = k: the plain
+    model) to its full value 1 − 1/``memory_max_length`` (``memory_cap_scale``), while the gates train from the
+    first step; 0: full cap throughout. Training-only: an export always has the full cap."""
     seed: int = 0
     checkpoint_every: int = 200
     log_every: int = 20
@@ -176,10 +180,19 @@ class TrainConfig:
             raise ValueError("the last curriculum stage must reach until=1.0")
         if not 0 <= self.start_step < self.steps:
             raise ValueError(f"need 0 <= start_step < steps, got {self.start_step} and {self.steps}")
+        if self.memory_ramp_steps < 0:
+            raise ValueError(f"memory_ramp_steps must be >= 0, got {self.memory_ramp_steps}")
 
     def progress(self, step: int) -> float:
         """Fraction of this stage done before `step` (0 at `start_step`, 1 at `steps`)."""
         return min(1.0, max(0.0, (step - self.start_step) / (self.steps - self.start_step)))
+
+    def memory_cap_scale(self, step: int) -> float:
+        """Multiplier of the RAT+ gates' cap at `step` (the cap ramp): 0 at `start_step`, 1 from
+        `start_step + memory_ramp_steps` on (always 1 without a ramp). Depends on the step only (resume)."""
+        if self.memory_ramp_steps <= 0:
+            return 1.0
+        return min(1.0, max(0.0, (step - self.start_step) / self.memory_ramp_steps))
 
     def to_dict(self) -> dict:
         """A JSON-able dict of this config."""

@@ -58,13 +58,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--memory-gate-bias", type=float, help="RAT+ gates' initial logit (default: the config's)")
     p.add_argument("--memory-lr-scale", type=float, help="RAT+ gates' learning-rate multiplier")
     p.add_argument("--memory-hold-steps", type=int, help="first steps with the RAT+ gates held at their init")
+    p.add_argument("--memory-ramp-steps", type=int,
+                   help="first steps over which the RAT+ gates' cap grows linearly from 0 (plain) to full")
     return p.parse_args(argv)
 
 
 def variant_config(base: TrainConfig, variant: str) -> TrainConfig:
     """The run config of ``variant``: identical for both but for the memory module."""
     if variant == "plain":
-        return replace(base, memory_hold_steps=0)
+        return replace(base, memory_hold_steps=0, memory_ramp_steps=0)
     return replace(base, model=replace(base.model, memory_max_length=MEMORY_LENGTH))
 
 
@@ -75,7 +77,7 @@ def base_config(args: argparse.Namespace) -> TrainConfig:
         cfg = replace(cfg, model=TINY_MODEL, tokens_per_batch=768, workers=0, log_every=1, checkpoint_every=2,
                       curriculum=(replace(cfg.curriculum[-1], lengths=(128,)),))
     overrides = {"steps": args.steps, "workers": args.workers, "memory_lr_scale": args.memory_lr_scale,
-                 "memory_hold_steps": args.memory_hold_steps}
+                 "memory_hold_steps": args.memory_hold_steps, "memory_ramp_steps": args.memory_ramp_steps}
     cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
     if args.memory_gate_bias is not None:
         cfg = replace(cfg, model=replace(cfg.model, memory_gate_bias=args.memory_gate_bias))
@@ -165,6 +167,8 @@ def card(variant: str, cfg: TrainConfig, step: int, command: str, log: str) -> s
         f"{cfg.lr:g} with {cfg.warmup_steps} warm-up steps and cosine decay, "
         + (f"memory gates at {cfg.memory_lr_scale:g}× the lr"
            + (f", held at their init for the first {cfg.memory_hold_steps} steps" if cfg.memory_hold_steps else "")
+           + (f", their cap ramped linearly from 0 (the plain model) to 1 − 1/{MEMORY_LENGTH:g} over the first "
+              f"{cfg.memory_ramp_steps} steps" if cfg.memory_ramp_steps else "")
            + ", " if variant == "rat" else "")
         + f"{cfg.tokens_per_batch} tokens per batch, seed {cfg.seed}).",
         "",

@@ -14,6 +14,7 @@ from lab.train import checkpoint as ckpt
 from lab.train.config import TrainConfig
 from lab.train.data import batch_length, loader
 from lab.train.objective import build_model, compute_loss
+from workers.ratplus import set_memory_cap_scale
 
 LOG_FILE = "log.jsonl"
 RESTART_WARMUP = 50
@@ -94,6 +95,8 @@ def train(
     for batch in loader(cfg, tokenizer, step, pin=device == "cuda"):
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         held = step - cfg.start_step < cfg.memory_hold_steps
+        cap_scale = cfg.memory_cap_scale(step)
+        set_memory_cap_scale(model, cap_scale)
         for group in opt.param_groups:
             frozen = held and group.get("memory", False)
             group["lr"] = 0.0 if frozen else lr_at(cfg, step, restart) * group.get("lr_scale", 1.0)
@@ -117,6 +120,7 @@ def train(
                 "agg_acc": round(float(parts.agg_acc), 4),
                 "gnorm": round(float(gnorm), 3),
                 "lr": lr_at(cfg, step - 1, restart),
+                **({"memory_cap_scale": round(cap_scale, 4)} if cfg.memory_ramp_steps else {}),
                 "s_per_step": round((now - last_t) / (step - last_step), 4),
                 "elapsed": round(now - t0, 1),
             }
@@ -129,6 +133,7 @@ def train(
             ckpt.save_state(out, model, opt, step, cfg.to_dict())
         if time.time() - t0 > time_budget or (stop_at is not None and step >= stop_at):
             break
+    set_memory_cap_scale(model, 1.0)  # the ramp is training-only state: the model leaves with its full cap
     ckpt.save_state(out, model, opt, step, cfg.to_dict())
     if export_to is not None:
         ckpt.export(model, export_to, step, cfg.to_dict(), ckpt.stage_history(init))

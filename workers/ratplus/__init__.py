@@ -13,9 +13,10 @@ from workers.ratplus.modeling import (
     RatModel,
     has_decaying_memory,
     register_rat,
+    set_memory_cap_scale,
 )
 
 register_rat()
 
 __all__ = ["MEMORY_KWARG", "MemorySegments", "RatConfig", "RatForCausalLM", "RatModel", "has_decaying_memory",
-           "register_rat"]
+           "register_rat", "set_memory_cap_scale"]

@@ -49,7 +49,7 @@ def unrotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
 
 
 class MemoryGate(nn.Module):
-    """``g = (1 − 1/L) σ(W x + b)`` per KV channel (float32)."""
+    """``g = (1 − 1/L) σ(W x + b)`` per KV channel (float32); training may scale the cap (``cap_scale``)."""
 
     def __init__(self, config: RatConfig):
         super().__init__()
@@ -58,10 +58,23 @@ class MemoryGate(nn.Module):
         self.weight = nn.Parameter(torch.zeros(width, config.hidden_size))
         self.bias = nn.Parameter(torch.full((width,), config.memory_gate_bias))
         self.cap = 1.0 - 1.0 / config.memory_max_length
+        self.cap_scale = 1.0
+        """Train-time multiplier of the cap (a cap ramp opens the memory from 0, the plain model, to 1); not
+        saved: a loaded model always has the full cap."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[..., hidden]`` -> gates ``[..., Hkv * D]`` in ``[0, cap]``."""
-        return self.cap * torch.sigmoid(nn.functional.linear(x, self.weight, self.bias).float())
+        """x ``[..., hidden]`` -> gates ``[..., Hkv * D]`` in ``[0, cap · cap_scale]``."""
+        return (self.cap * self.cap_scale) * torch.sigmoid(nn.functional.linear(x, self.weight, self.bias).float())
+
+
+def set_memory_cap_scale(model: nn.Module, scale: float) -> None:
+    """Scale every memory gate's cap by ``scale`` in [0, 1] (0: k̃ = k, the plain model; 1: as shipped).
+    A model without memory gates is left as it is."""
+    if not 0.0 <= scale <= 1.0:
+        raise ValueError(f"cap scale must be in [0, 1], got {scale}")
+    for module in model.modules():
+        if isinstance(module, MemoryGate):
+            module.cap_scale = float(scale)
 
 
 class RatAttention(llama.LlamaAttention):
