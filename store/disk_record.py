@@ -9,6 +9,9 @@ register a prefix again (after Redis lost its data, or an LMDB file was deleted 
                        copy: a missing or damaged one makes a damaged prefix, like a page file)
     manifest.json      {"format", "manifest": <Manifest JSON>, "blake2b": <digest of that JSON>}
     pinned             present while the prefix is pinned (empty; so a pin survives metadata loss)
+    unsynced           present while the prefix's files may not be on the disk yet (``StoreConfig.sync_after_commit``:
+                       made durable before anything else is written, removed once every file and the directory
+                       are fsync'd; a start after a crash verifies such a prefix in full, and drops it if it fails)
 
 ``manifest.json`` is written last (temp file, fsync, rename, fsync of the directory), before the
 directory itself is renamed into place: a directory with a valid manifest is a committed prefix.
@@ -30,6 +33,7 @@ from store.pages import HASH_CHUNK, layer_file_name
 
 MANIFEST_FILE = "manifest.json"
 PIN_FILE = "pinned"
+UNSYNCED_FILE = "unsynced"
 RECORD_FORMAT = 1
 MAX_MANIFEST_BYTES = 16 << 20
 """A manifest file larger than this is not one of ours (read no further)."""
@@ -93,6 +97,53 @@ def mark_pinned(directory: Path, pinned: bool, *, fsync: bool) -> None:
             return
     if fsync:
         fsync_dir(directory)
+
+
+def mark_unsynced(directory: Path) -> bytes:
+    """Durably mark ``directory`` as not yet on the disk (before any other file of it is written); the marker's
+    token (random), so that only the sync of this very directory removes it, not one of an older directory of
+    the same name."""
+    token = os.urandom(16).hex().encode()
+    write_file(directory / UNSYNCED_FILE, token, fsync=True)
+    fsync_dir(directory)
+    return token
+
+
+def is_marked_unsynced(directory: Path) -> bool:
+    """Whether ``directory`` holds the marker of files that may not be on the disk."""
+    return (directory / UNSYNCED_FILE).is_file()
+
+
+def sync_tree(directory: Path, parent: Path) -> None:
+    """fsync every file of ``directory``, the directory, and ``parent`` (which holds its name)."""
+    for entry in directory.iterdir():
+        if entry.is_file() and not entry.is_symlink():
+            try:
+                fd = os.open(entry, os.O_RDONLY)
+            except FileNotFoundError:  # removed since the listing (the marker, by another sync)
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fsync_dir(directory)
+    fsync_dir(parent)
+
+
+def clear_unsynced(directory: Path, token: bytes | None = None) -> bool:
+    """Remove the unsynced marker once ``sync_tree`` ran (only the marker holding ``token`` when given: a newer
+    directory of the same name keeps its own); whether it was removed."""
+    path = directory / UNSYNCED_FILE
+    try:
+        if token is not None:
+            with open(path, "rb") as f:
+                if f.read(len(token) + 1) != token:
+                    return False
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    fsync_dir(directory)
+    return True
 
 
 def is_marked_pinned(directory: Path) -> bool:

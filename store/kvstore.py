@@ -28,6 +28,7 @@ import numpy as np
 from store import disk_record, recovery
 from store.added_artifact import StagedArtifact
 from store.artifacts import ArtifactData
+from store.background_sync import BackgroundSync
 from store.capacity import EvictionResult, LeaseHandle, default_holder
 from store.config import StoreConfig
 from store.disk_record import ArtifactRead
@@ -115,6 +116,7 @@ class KVStore:
                                            namespace=self.config.metadata_namespace)
         self._staging: PinnedPool | None = None
         self._staging_lock = threading.Lock()
+        self._syncer = BackgroundSync(self.prefixes_dir)
         if recover:
             self.recover()
 
@@ -188,6 +190,18 @@ class KVStore:
             if self._staging is None:
                 self._staging = PinnedPool(self.config.pinned_staging_bytes)
             return self._staging
+
+    def sync_later(self, directory: Path, marker: bytes) -> None:
+        """Make a just-committed directory durable in the background (``StoreConfig.sync_after_commit``)."""
+        self._syncer.schedule(directory, marker)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every prefix committed so far is on the disk; whether all were within ``timeout``."""
+        return self._syncer.flush(timeout)
+
+    def unsynced(self) -> int:
+        """Committed prefixes of this store object not yet on the disk (being fsync'd in the background)."""
+        return self._syncer.pending()
 
     def _check_room(self, tenant: str, page_bytes: int) -> None:
         """QuotaExceeded when a new prefix of ``page_bytes`` would exceed the capacity or ``tenant``'s quotas;
@@ -597,7 +611,8 @@ class KVStore:
         return disk_record.artifact_problem(d, m) if artifacts else None
 
     def close(self) -> None:
-        """Release the metadata backend and the kept staging buffers."""
+        """Finish making committed prefixes durable; release the metadata backend and the kept staging buffers."""
+        self._syncer.close()
         self._meta.close()
         if self._staging is not None:
             self._staging.clear()

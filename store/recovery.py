@@ -3,7 +3,9 @@
 
 Both walk ``prefixes/``. A directory named like a prefix id with a valid manifest file
 (``store.disk_record``) is a committed prefix whatever the metadata says; ``recover`` never deletes
-one (nor any other prefix directory: only temp dirs of dead writers), ``check`` only when told to repair
+one that was on the disk (nor any other prefix directory: only temp dirs of dead writers, and prefixes still
+marked unsynced that fail their checksums: a power loss took them before their background fsync), ``check``
+only when told to repair
 a prefix it cannot serve (page or artifact files missing, the wrong size or failing their checksums: the
 directory holds the only copy of both, so nothing can restore them; prefill it again).
 """
@@ -63,6 +65,9 @@ DANGLING = "dangling"
 (and what is left of its directory)."""
 CORRUPT = "corrupt"
 """A prefix whose page or artifact files fail their checksums. Repair removes it (prefill it again)."""
+UNSYNCED = "unsynced"
+"""A committed prefix whose background fsync had not finished when its writer stopped. Every start verifies it in
+full: made durable when whole, removed (metadata first) when a crash lost any of its bytes."""
 UNRECORDED = "unrecorded"
 """A registered prefix whose page and artifact files match the metadata's manifest, but whose directory lacks
 that manifest file (missing, damaged or another one). Repair writes it from the metadata's manifest."""
@@ -164,6 +169,43 @@ def _restore_pin(store: StoreRoom, directory: Path) -> None:
         store._meta.pin(directory.name)
 
 
+def _recorded(directory: Path) -> Manifest | None:
+    """The manifest a directory's own file holds, or None when it holds no valid one."""
+    try:
+        return disk_record.read_manifest(directory)
+    except InvalidRecord:
+        return None
+
+
+def _settle_unsynced(store: StoreRoom, directory: Path) -> Problem | None:
+    """A committed directory still marked unsynced (caller holds its lock): verified in full, then made durable;
+    removed (its metadata first) when any file is missing or damaged. None when it was synced meanwhile."""
+    if not disk_record.is_marked_unsynced(directory):
+        return None
+    registered = store._meta.manifest(directory.name)
+    bad: str | None = None
+    m = registered
+    if m is None:
+        try:
+            m = disk_record.read_manifest(directory)
+        except InvalidRecord as e:
+            bad = str(e)
+    if m is not None:
+        bad = disk_record.file_problem(directory, m) or _hash_problem(directory, m, hash_pages=True)
+    if bad is None:
+        if registered is not None and _recorded(directory) != registered:  # the crash took its manifest file
+            disk_record.publish(directory, registered, fsync=False)  # (the files match it: checked above)
+        disk_record.sync_tree(directory, store.prefixes_dir)
+        disk_record.clear_unsynced(directory)
+        return Problem(kind=UNSYNCED, name=directory.name, fixed=True,
+                       detail="its writer stopped before the background fsync: verified whole, made durable")
+    if registered is not None:
+        store._unregister(registered)
+    store._drop_dir(directory.name)
+    return Problem(kind=UNSYNCED, name=directory.name, fixed=True,
+                   detail=f"lost before its background fsync ({bad}): removed, prefill it again")
+
+
 def recover(store: StoreRoom) -> CheckReport:
     """See ``KVStore.recover``."""
     known = set(store._meta.prefix_ids())
@@ -178,6 +220,16 @@ def recover(store: StoreRoom) -> CheckReport:
         elif not _is_prefix_id(entry.name) or not entry.is_dir():
             problems.append(Problem(kind=ORPHAN, name=entry.name, detail="not a prefix directory"))
         else:
+            if disk_record.is_marked_unsynced(entry):
+                with _held(store, entry.name) as taken:
+                    settled = _settle_unsynced(store, entry) if taken else None
+                if not taken:
+                    busy.append(entry.name)
+                if settled is not None:
+                    problems.append(settled)
+                if not entry.exists():  # lost in a crash, and removed
+                    known.discard(entry.name)
+                    continue
             on_disk.add(entry.name)
             if entry.name not in known:
                 try:
@@ -190,6 +242,9 @@ def recover(store: StoreRoom) -> CheckReport:
                 busy.append(entry.name)
             elif (p := _register(store, entry)) is not None:
                 problems.append(p)
+    if synced := [p for p in problems if p.kind == UNSYNCED]:
+        log.warning("%d prefixes were committed but not yet on the disk when their writer stopped: verified "
+                    "(removed when damaged): %s", len(synced), "; ".join(f"{p.name}: {p.detail}" for p in synced))
     registered = [p for p in problems if p.kind == UNREGISTERED]
     if registered:
         log.warning("registered %d committed prefixes the metadata did not list, from their directories under %s",

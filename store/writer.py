@@ -21,7 +21,7 @@ import numpy as np
 
 from store.artifacts import ArtifactData, as_chunks, new_digest
 from store.crc32 import crc32
-from store.disk_record import artifact_file_name, fsync_dir, publish
+from store.disk_record import artifact_file_name, fsync_dir, mark_unsynced, publish
 from store.errors import InvalidInput, StoreFull
 from store.layout import KVLayout
 from store.limits import MAX_ARTIFACTS, check_text, max_artifact_bytes
@@ -58,6 +58,10 @@ class WriterHome(Protocol):
 
     def staging_pool(self) -> PinnedPool | None:
         """The pinned buffers shared by the store's writers to stage device layers in; None: each writer its own."""
+        ...
+
+    def sync_later(self, directory: Path, marker: bytes) -> None:
+        """Make a just-committed directory (marked unsynced) durable in the background."""
         ...
 
 
@@ -142,8 +146,19 @@ class PrefixWriter:
         """Where device layers are staged (``_write_staged``): the store's pool, or this writer's own."""
         self._spares: list[StagingLease] = []
         """Pageable buffers of this writer (the pool was full when it staged a layer), free for its next layers."""
+        config = store.config
+        self._sync_later = config.fsync and config.sync_after_commit
+        self._fsync = config.fsync and not self._sync_later
+        """Whether each file is fsync'd as it is written (else after the commit, or never)."""
         self.tmp_dir = store.prefixes_dir / tmp_dir_name(self.prefix_id)
         self.tmp_dir.mkdir(parents=True)  # last: a failure above leaves nothing on disk
+        try:
+            self._marker: bytes | None = mark_unsynced(self.tmp_dir) if self._sync_later else None
+        except BaseException:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+            raise
+        """The unsynced marker's token (durable before any other file: a crash can never leave this directory
+        committed without it while its files are not on the disk)."""
         threads = store.config.write_threads
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvstash-write") if threads > 0 else None
 
@@ -215,8 +230,7 @@ class PrefixWriter:
         jobs: list[Future] = []
         try:
             jobs.append(self._run(functools.partial(bytes_digest, arr)))
-            jobs.append(self._run(functools.partial(write_bytes_durably, self.tmp_dir / name, arr,
-                                                    self.store.config.fsync)))
+            jobs.append(self._run(functools.partial(write_bytes_durably, self.tmp_dir / name, arr, self._fsync)))
             for h in range(lay.n_kv_heads):
                 jobs.append(self._run(functools.partial(self._page_crcs, layer, arr, h)))
         except BaseException:
@@ -293,7 +307,7 @@ class PrefixWriter:
     def _open_stream(self, name: str, *, budgeted: bool) -> ArtifactStream:
         staged = f"{STAGED_PREFIX}{self._n_staged:03d}"
         self._n_staged += 1
-        stream = ArtifactStream(self, name, self.tmp_dir / staged, fsync=self.store.config.fsync, budgeted=budgeted)
+        stream = ArtifactStream(self, name, self.tmp_dir / staged, fsync=self._fsync, budgeted=budgeted)
         self._artifact_streams[name] = stream
         return stream
 
@@ -333,9 +347,9 @@ class PrefixWriter:
             stream.write(data)
 
     def commit(self) -> Manifest:
-        """Make the prefix durable and visible: staged artifacts renamed to their final names and the manifest
-        written into the temp dir (the manifest last), the dir renamed into place (the commit point on disk),
-        then the metadata commit."""
+        """Make the prefix visible (and durable, or durable soon after with ``StoreConfig.sync_after_commit``):
+        staged artifacts renamed to their final names and the manifest written into the temp dir (the manifest
+        last), the dir renamed into place (the commit point on disk), then the metadata commit."""
         self._drain(0)
         self._shutdown()
         missing = sorted(set(range(self.layout.n_layers)) - set(self._files))
@@ -361,7 +375,7 @@ class PrefixWriter:
 
     def _publish(self, manifest: Manifest) -> None:
         """Write the manifest, rename the directory into place, register it (taken back when the metadata is full)."""
-        fsync = self.store.config.fsync
+        fsync = self._fsync
         publish(self.tmp_dir, manifest, fsync=fsync)  # fsyncs the dir: the artifacts' renames are durable too
         final = self.store.prefix_dir(self.prefix_id)
         if final.exists():  # an older copy the metadata does not list (we hold the prefill lock): replace it
@@ -378,6 +392,8 @@ class PrefixWriter:
             os.rename(final, gone)
             shutil.rmtree(gone, ignore_errors=True)
             raise
+        if self._marker is not None:
+            self.store.sync_later(final, self._marker)
 
     def abort(self) -> None:
         """Discard everything written so far."""

@@ -14,7 +14,7 @@ import torch
 from store import disk_record, limits
 from store.artifacts import digest
 from store.config import StoreConfig
-from store.disk_record import MANIFEST_FILE, artifact_file_name
+from store.disk_record import MANIFEST_FILE, UNSYNCED_FILE, artifact_file_name
 from store.errors import CorruptData, InvalidInput, PrefixNotFound, StoreUnavailable
 from store.kvstore import KVStore
 from store.layout import KVLayout
@@ -25,6 +25,11 @@ from store.prefix_key import PrefixKey, tenant_salt, token_hash
 
 REPO = Path(__file__).resolve().parents[1]
 
+
+
+def _written(directory: Path) -> list[str]:
+    """Names of the files a writer put in ``directory`` (its unsynced marker aside)."""
+    return sorted(p.name for p in directory.iterdir() if p.name != UNSYNCED_FILE)
 
 def _layout(page_size: int = 16) -> KVLayout:
     return KVLayout(n_layers=3, n_kv_heads=2, head_dim=16, dtype="float32", page_size=page_size)
@@ -164,7 +169,7 @@ def test_put_artifact_writes_its_file_and_keeps_no_bytes(store: KVStore) -> None
         w.put_artifact("../../b", b"first version")
         w.put_artifact("a", b"A" * 1000)
         w.put_artifact("../../b", b"second")  # replaces the first (its staged file goes)
-        staged = sorted(p.name for p in w.tmp_dir.iterdir())
+        staged = _written(w.tmp_dir)
         assert len(staged) == 2 and b"A" * 1000 in [(w.tmp_dir / n).read_bytes() for n in staged]
         for held in w._artifacts.values():  # only where each is staged, and its size and digest
             assert [type(x) for x in held] == [str, ArtifactInfo]
@@ -176,6 +181,7 @@ def test_put_artifact_writes_its_file_and_keeps_no_bytes(store: KVStore) -> None
     m = store.manifest(pid)
     assert [a.name for a in m.artifacts] == ["../../b", "a", "page_crc"]
     assert store.artifact(pid, "../../b") == b"second" and store.artifact(pid, "a") == b"A" * 1000
+    assert store.flush() and store.unsynced() == 0  # the background fsync removed the marker
     names = sorted(p.name for p in store.prefix_dir(pid).iterdir())  # names never become file names
     assert names == sorted([MANIFEST_FILE, *(artifact_file_name(i) for i in range(3)),
                             *(layer_file_name(i) for i in range(3))])
@@ -200,7 +206,7 @@ def test_artifacts_are_bounded_by_the_page_files(store: KVStore, monkeypatch: py
         with pytest.raises(InvalidInput, match="at most"):
             w.put_artifact("b", b"x" * (budget - crc_bytes - 999))  # together with "a": one byte too many
         w.put_artifact("a", b"x" * (budget - crc_bytes))  # a replacement counts once: exactly fits
-        assert [p.name for p in w.tmp_dir.iterdir()] == [w._artifacts["a"][0]]  # the refused ones left nothing
+        assert _written(w.tmp_dir) == [w._artifacts["a"][0]]  # the refused ones left nothing
         for layer, (k, v) in enumerate(_kv(n)):
             w.write_layer(layer, k, v)
         w.commit()
@@ -261,6 +267,7 @@ def test_streamed_artifact_is_the_same_on_disk_as_a_put_one(tmp_path: Path) -> N
     assert _commit_with(streamed_home, n, streamed) == pid
     want, got = put_home.manifest(pid), streamed_home.manifest(pid)
     assert got.artifacts == want.artifacts and got.files == want.files
+    assert streamed_home.flush() and put_home.flush()
     assert sorted(p.name for p in streamed_home.prefix_dir(pid).iterdir()) == \
         sorted(p.name for p in put_home.prefix_dir(pid).iterdir())
     for i in range(len(want.artifacts)):
@@ -286,7 +293,7 @@ def test_streamed_artifact_past_the_budget_is_refused_as_it_arrives(store: KVSto
         assert (w.tmp_dir / a.staged).stat().st_size == room - 10
         with pytest.raises(InvalidInput, match=f"at most {budget} bytes"):
             a.write(b"x" * 11)
-        assert [p.name for p in w.tmp_dir.iterdir()] == [w._artifacts["kept"][0]]
+        assert _written(w.tmp_dir) == [w._artifacts["kept"][0]]
         with pytest.raises(InvalidInput, match="closed"):
             a.write(b"x")
         # Open streams count against each other too.
@@ -309,7 +316,7 @@ def test_an_unclosed_artifact_stream_records_nothing(store: KVStore) -> None:
         with pytest.raises(RuntimeError), w.open_artifact("failed") as a:
             a.write(b"partial")
             raise RuntimeError("the producer failed")
-        assert list(w.tmp_dir.iterdir()) == [] and "failed" not in w._artifacts
+        assert _written(w.tmp_dir) == [] and "failed" not in w._artifacts
         w.open_artifact("open").write(b"x")
         with pytest.raises(InvalidInput, match="already being written"):
             w.open_artifact("open")

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_store import _key, _write
+from test_store import _key, _write, _written
 
 from store import limits
 from store.artifacts import bytes_to_tensors, digest, tensors_to_bytes, tensors_to_chunks
@@ -174,7 +174,7 @@ def test_layer_artifact_writes_layers_once_into_one_safetensors_file(store: KVSt
 
         offsets = {n: e["data_offsets"][0] for n, e in json.loads(data[8:8 + hlen]).items()}
         assert [n.split(".")[0] for n in sorted(offsets, key=offsets.__getitem__)] == ["0"] * 4 + ["1"] * 4 + ["2"] * 4
-        assert sorted(p.name for p in w.tmp_dir.iterdir()) == [staged]
+        assert _written(w.tmp_dir) == [staged]
 
 
 @pytest.mark.parametrize("bad", ["shape", "name", "order", "missing"])
@@ -194,7 +194,7 @@ def test_layer_artifact_refuses_a_layer_unlike_layer_0_and_leaves_nothing(store:
             else:
                 out.add(1, _layer(1))
                 out.close()
-        assert list(w.tmp_dir.iterdir()) == [] and "summary" not in w._artifacts
+        assert _written(w.tmp_dir) == [] and "summary" not in w._artifacts
 
 
 def test_layer_artifact_write_refused_by_the_budget_surfaces_and_leaves_nothing(store: KVStore,
@@ -208,7 +208,7 @@ def test_layer_artifact_write_refused_by_the_budget_surfaces_and_leaves_nothing(
         with pytest.raises(InvalidInput, match="at most 600 bytes"), out:
             for layer in range(50):
                 out.add(layer, _layer(layer, rows=4))
-        assert list(w.tmp_dir.iterdir()) == []
+        assert _written(w.tmp_dir) == []
 
 
 class _SlowFile:
@@ -303,9 +303,12 @@ def test_prefill_summaries_are_written_layer_by_layer(worker: Worker, store: KVS
     store.verify(pid)
 
 
-def test_layer_artifact_makes_each_layer_durable_as_it_is_written(store: KVStore,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every layer's bytes are synced to the disk once written (not all at close), when the store fsyncs."""
+@pytest.mark.parametrize("sync_after_commit", [False, True])
+def test_layer_artifact_makes_each_layer_durable_as_it_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   sync_after_commit: bool) -> None:
+    """Every layer's bytes are synced to the disk once written (not all at close) when the store fsyncs before
+    the commit; none is when it fsyncs after the commit (the prefill does not wait for the disk)."""
+    store = KVStore(StoreConfig(home=tmp_path / "home", page_size=16, sync_after_commit=sync_after_commit))
     assert store.config.fsync
     synced: list[int] = []
     real = os.fdatasync
@@ -315,4 +318,8 @@ def test_layer_artifact_makes_each_layer_durable_as_it_is_written(store: KVStore
         for layer in range(3):
             out.add(layer, _layer(layer))
         out.close()
-    assert len(synced) == 3 and synced == sorted(synced) and synced[0] > 0
+    store.close()
+    if sync_after_commit:
+        assert synced == []
+    else:
+        assert len(synced) == 3 and synced == sorted(synced) and synced[0] > 0
