@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -60,18 +61,21 @@ def forward_only(lm: LoadedModel, ids: list[int], chunk: int) -> None:
         del k, v
 
 
-def with_store(lm: LoadedModel, doc: str, home: Path, chunk: int, *, sync_after_commit: bool) -> dict[str, float]:
+def with_store(lm: LoadedModel, doc: str, home: Path, chunk: int, *,
+               sync_after_commit: bool) -> dict[str, float]:
     """``Worker.prefill`` of the document into a fresh store (the product path): seconds until it returned, and
-    until the store's background fsync was done too."""
+    until the store's background fsync was done too; the bytes it wrote (then removed: two 128k stores would
+    not fit some disks)."""
     store = KVStore(StoreConfig(home=home, page_size=lm.layout.page_size, sync_after_commit=sync_after_commit))
     try:
         t0 = time.perf_counter()
         Worker(store, lm, progress=False, offload=None, chunk_size=chunk).prefill(doc)
         returned = time.perf_counter() - t0
         store.flush()
-        return {"returned": returned, "durable": time.perf_counter() - t0}
+        return {"returned": returned, "durable": time.perf_counter() - t0, "bytes": stored_bytes(home)}
     finally:
         store.close()
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def stored_bytes(home: Path) -> int:
@@ -128,7 +132,7 @@ def run(args: argparse.Namespace, work: Path) -> dict:
                     "`Worker.prefill`, every file fsync'd before the commit")
             print(f"  {name}: {t[what]:.2f} s", flush=True)
             rows.append({"name": name, "seconds": t[what], "tokens_per_s": len(ids) / t[what]})
-    n_bytes = stored_bytes(work / "store")
+    n_bytes = int(t["bytes"])
     speed = disk_write_speed(work, min(n_bytes, DISK_PROBE_BYTES))
     floor = n_bytes / speed  # the store's bytes cannot reach the disk faster than this
     print(f"  the store wrote {n_bytes / 1e9:.2f} GB; the disk writes {speed / 1e9:.2f} GB/s (fsync'd): "
