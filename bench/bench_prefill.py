@@ -14,6 +14,7 @@ cache saves.
 
     python3 bench/bench_prefill.py --ctx 131072 --layers 32 --full-mlp --json out.json
     python3 bench/bench_prefill.py --quick          # smoke run (tiny shape, CPU)
+    python3 bench/bench_prefill.py --ctx 131072 --layers 32 --full-mlp --phases   # where the default row's time goes
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from transformers import DynamicCache
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench import prefill_phases  # noqa: E402
 from bench.common import (  # noqa: E402
     describe_device,
     document,
@@ -124,6 +126,12 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         with_store(lm, doc[:WARMUP_TOKENS], work / f"warm-{after}", args.chunk, sync_after_commit=after)
     dev = lm.device
     rows = [timed_row("forward only (in-place cache)", lambda: forward_only(lm, ids, args.chunk), dev, len(ids))]
+    if args.phases:
+        with prefill_phases.phases(dev) as clock:
+            t = with_store(lm, doc, work / "store", args.chunk, sync_after_commit=True)
+        print(f"  `Worker.prefill` (phases timed, device synchronized per phase): {t['returned']:.2f} s", flush=True)
+        return {"device": describe_device(dev), "ctx": len(ids), "layers": spec.n_layers, "rows": rows,
+                "prefill_s": t["returned"], "phases": dict(clock.seconds)}
     for after, home in ((True, "store"), (False, "store-sync")):
         sync(dev)
         t = with_store(lm, doc, work / home, args.chunk, sync_after_commit=after)
@@ -162,6 +170,7 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=prefill.DEFAULT_CHUNK)
     p.add_argument("--dynamic", action="store_true", help="add the forward pass over transformers' dynamic cache")
     p.add_argument("--quick", action="store_true", help="tiny shape (smoke run)")
+    p.add_argument("--phases", action="store_true", help="only the forward and the default prefill, its time by phase")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     if args.quick:
@@ -169,6 +178,14 @@ def main() -> None:
     out: list[dict] = []
     in_scratch_dir(lambda work: out.append(run(args, work)), prefix="kvstash-prefill-")  # removed on SIGTERM too
     r = out[0]
+    if args.phases:
+        print(f"\ndevice: {r['device']}; forward alone {r['rows'][0]['seconds']:.2f} s, `Worker.prefill` "
+              f"{r['prefill_s']:.2f} s\n\n| phase | s |\n|---|---|")
+        for name, s in sorted(r["phases"].items()):
+            print(f"| {name} | {s:.2f} |")
+        if args.json:
+            args.json.write_text(json.dumps(r, indent=2))
+        return
     print(f"\ndevice: {r['device']}; {r['ctx']} tokens, {r['layers']} layers (MLP {r['mlp']}), chunks of {r['chunk']}")
     print("\n| prefill | s | tokens/s | vs forward only |")
     print("|---|---|---|---|")
