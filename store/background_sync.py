@@ -28,7 +28,7 @@ class BackgroundSync:
         self._jobs: set[Future] = set()
         self._lock = threading.Lock()
 
-    def schedule(self, directory: Path, marker: bytes) -> Future:
+    def schedule(self, directory: Path, marker: str) -> Future:
         """fsync ``directory`` (committed, its unsynced marker holding ``marker``) then clear its marker; a future
         of whether it was made durable (False: it was removed meanwhile)."""
         with self._lock:
@@ -43,7 +43,7 @@ class BackgroundSync:
         with self._lock:
             self._jobs.discard(job)
 
-    def _sync(self, directory: Path, marker: bytes) -> bool:
+    def _sync(self, directory: Path, marker: str) -> bool:
         try:
             disk_record.sync_tree(directory, self.prefixes_dir)
             return disk_record.clear_unsynced(directory, marker)

@@ -99,12 +99,12 @@ def mark_pinned(directory: Path, pinned: bool, *, fsync: bool) -> None:
         fsync_dir(directory)
 
 
-def mark_unsynced(directory: Path) -> bytes:
+def mark_unsynced(directory: Path) -> str:
     """Durably mark ``directory`` as not yet on the disk (before any other file of it is written); the marker's
     token (random), so that only the sync of this very directory removes it, not one of an older directory of
     the same name."""
-    token = os.urandom(16).hex().encode()
-    write_file(directory / UNSYNCED_FILE, token, fsync=True)
+    token = os.urandom(16).hex()
+    write_file(directory / UNSYNCED_FILE, token.encode(), fsync=True)
     fsync_dir(directory)
     return token
 
@@ -130,14 +130,14 @@ def sync_tree(directory: Path, parent: Path) -> None:
     fsync_dir(parent)
 
 
-def clear_unsynced(directory: Path, token: bytes | None = None) -> bool:
+def clear_unsynced(directory: Path, token: str | None = None) -> bool:
     """Remove the unsynced marker once ``sync_tree`` ran (only the marker holding ``token`` when given: a newer
     directory of the same name keeps its own); whether it was removed."""
     path = directory / UNSYNCED_FILE
     try:
         if token is not None:
             with open(path, "rb") as f:
-                if f.read(len(token) + 1) != token:
+                if f.read(len(token) + 1) != token.encode():
                     return False
         os.unlink(path)
     except FileNotFoundError:

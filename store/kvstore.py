@@ -191,7 +191,7 @@ class KVStore:
                 self._staging = PinnedPool(self.config.pinned_staging_bytes)
             return self._staging
 
-    def sync_later(self, directory: Path, marker: bytes) -> None:
+    def sync_later(self, directory: Path, marker: str) -> None:
         """Make a just-committed directory durable in the background (``StoreConfig.sync_after_commit``)."""
         self._syncer.schedule(directory, marker)
 

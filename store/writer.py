@@ -60,7 +60,7 @@ class WriterHome(Protocol):
         """The pinned buffers shared by the store's writers to stage device layers in; None: each writer its own."""
         ...
 
-    def sync_later(self, directory: Path, marker: bytes) -> None:
+    def sync_later(self, directory: Path, marker: str) -> None:
         """Make a just-committed directory (marked unsynced) durable in the background."""
         ...
 
@@ -153,7 +153,7 @@ class PrefixWriter:
         self.tmp_dir = store.prefixes_dir / tmp_dir_name(self.prefix_id)
         self.tmp_dir.mkdir(parents=True)  # last: a failure above leaves nothing on disk
         try:
-            self._marker: bytes | None = mark_unsynced(self.tmp_dir) if self._sync_later else None
+            self._marker: str | None = mark_unsynced(self.tmp_dir) if self._sync_later else None
         except BaseException:
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
             raise
