@@ -72,8 +72,9 @@ class LayerArtifact(ClosedOrDiscarded):
             self._stream.write(header)
         for t in tensors:
             self._stream.write(_raw(t))
-        # Each layer to the disk as it comes: else gigabytes of summaries wait in the page cache for the fsync at
-        # close, and the whole prefill waits for them after the forward pass.
+        # Each layer to the disk as it comes when the store fsyncs before the commit: else gigabytes of summaries
+        # wait in the page cache for the fsync at close, and the whole prefill waits for them after the forward
+        # pass. (A no-op when the store fsyncs after the commit: the stream does not fsync then.)
         self._stream.sync()
 
     def close(self) -> None:
