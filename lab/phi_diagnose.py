@@ -58,7 +58,9 @@ def parse_fix(spec: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
     if kind == "shift":
         return lambda lz, le, mx: lz + x
     if kind == "cap":  # share p = σ(lz - le) <= x  <=>  lz <= le + logit(x)
-        cap = math.log(x / (1 - x))
+        if not 0 < x <= 1:
+            raise ValueError(f"cap takes a share in (0, 1], got {x}")
+        cap = math.inf if x == 1 else math.log(x / (1 - x))
         return lambda lz, le, mx: torch.minimum(lz, le + cap)
     if kind == "gate":
         return lambda lz, le, mx: lz.masked_fill(lz - mx > x, float("-inf"))
@@ -288,8 +290,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             a = opened("topk+phi")
             PhiProbe(a, kv, None, f)
             answers[f"topk+phi {spec}"] = decode(lm, a, len(ids), q_ids, max_new=args.max_new_tokens)
-        scored = {m: {"text": lm.tokenizer.decode(a), "score": sample.score(lm.tokenizer.decode(a))}
-                  for m, a in answers.items()}
+        texts = {m: str(lm.tokenizer.decode(a)) for m, a in answers.items()}
+        scored = {m: {"text": t, "score": sample.score(t)} for m, t in texts.items()}
         # teacher-forced diagnostics on full's answer
         rows = Rows()
         a = opened("topk+phi")
