@@ -14,7 +14,7 @@ from lab.tiny_random import TinyLlamaSpec, build_tiny_rat
 from store.kvstore import KVStore
 from workers.engine import Worker
 from workers.model import LoadedModel, load_model
-from workers.ratplus import RatForCausalLM, has_decaying_memory, set_memory_cap_scale
+from workers.ratplus import RatForCausalLM, has_decaying_memory, memory_gates, set_memory_cap_scale
 from workers.requests import GenerationStats, SamplingParams
 
 WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
@@ -111,6 +111,34 @@ def test_gates_get_gradient_while_the_cap_ramps(reference) -> None:
     assert all(float(w.abs().max()) > 0 and float(b.abs().max()) > 0 for w, b in grads[0.3])
     with pytest.raises(ValueError):
         set_memory_cap_scale(model, 1.5)
+
+
+def test_memory_floor_penalty_opens_gates_below_the_floor_only(reference) -> None:
+    """With the gates recording their means, the floor penalty is zero at a floor under every layer's mean gate,
+    positive above it, and its gradient raises every gate's bias (descent opens the memory); without a recorded
+    forward it refuses."""
+    import copy
+
+    from lab.train.objective import memory_floor_penalty
+
+    model = copy.deepcopy(reference).train()
+    gates = memory_gates(model, record_mean=True)
+    assert len(gates) == len(model.model.layers)
+    with pytest.raises(ValueError, match="recorded"):
+        memory_floor_penalty(gates, 0.5)
+    model(torch.arange(3, 60)[None])
+    means = [float(g.last_mean) for g in gates]  # type: ignore[arg-type]
+    assert all(0 < m < 1 for m in means)
+    assert float(memory_floor_penalty(gates, min(means) - 1e-3)) == 0.0
+    above = max(means) + 0.05
+    penalty = memory_floor_penalty(gates, above)
+    assert float(penalty) == pytest.approx(sum((above - m) ** 2 for m in means) / len(means), rel=1e-5)
+    penalty.backward()
+    # descent raises the biases: every channel of the last layer (no gate downstream of it), and each layer's
+    # channels together (an earlier layer's bias also moves the later layers' inputs, hence their gates)
+    assert float(gates[-1].bias.grad.max()) < 0  # type: ignore[union-attr]
+    assert all(float(g.bias.grad.sum()) < 0 for g in gates)  # type: ignore[union-attr]
+    assert memory_gates(model)[0].last_mean is None and not gates[0].record_mean  # recording off again
 
 
 # Document lengths straddle page (16) and prefill-chunk (40) boundaries.

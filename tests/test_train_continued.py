@@ -141,3 +141,37 @@ def test_ramp_option_reaches_the_rat_config_and_card(plain_export: Path, tmp_pat
         "rat", rat, rat.start_step + 1, "cmd", "")
     assert "ramp" not in card("rat", replace(rat, memory_ramp_steps=0), rat.start_step + 1, "cmd", "")
     assert "ramp" not in card("plain", plain, plain.start_step + 1, "cmd", "")
+
+
+def test_loop_holds_the_mean_gate_up_with_a_floor(plain_export: Path, tmp_path: Path) -> None:
+    """With `memory_gate_floor` the loss carries the floor penalty: the gates' biases end higher than in the same
+    run without it, and the log reports the penalty and the mean gate (only then)."""
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(plain_export)
+    cfg = TrainConfig(model=replace(TINY_MODEL, memory_max_length=64.0, memory_gate_bias=0.0),
+                      curriculum=(Stage(until=1.0, lengths=(128,)),), start_step=1, steps=4, tokens_per_batch=256,
+                      workers=0, log_every=1, memory_gate_floor=0.9, memory_floor_weight=100.0)
+    biases = {}
+    for name, c in (("floor", cfg), ("none", replace(cfg, memory_gate_floor=0.0))):
+        train(c, tmp_path / name, tok, init=plain_export, device="cpu")
+        state = ckpt.load_state(tmp_path / name)
+        assert state is not None
+        biases[name] = torch.stack([state["model"][f"model.layers.{i}.self_attn.memory_gate.bias"]
+                                    for i in range(TINY_MODEL.num_layers)]).mean()
+        logged = [json.loads(line) for line in (tmp_path / name / LOG_FILE).read_text().splitlines()]
+        has = ["mean_gate" in r and "memory_floor_penalty" in r for r in logged]
+        assert all(has) if name == "floor" else not any(has)
+    assert float(biases["floor"]) > float(biases["none"]) + 1e-4  # 3 warm-up steps: small, but one way
+    with pytest.raises(ValueError):
+        replace(cfg, memory_gate_floor=1.0)
+
+
+def test_floor_option_reaches_the_rat_config_and_card(plain_export: Path, tmp_path: Path) -> None:
+    """`--memory-gate-floor` / `--memory-floor-weight` set the RAT+ run's floor (the plain baseline has none)."""
+    args = parse_args(["--out", str(tmp_path), "--max-minutes", "1", "--init", str(plain_export), "--tiny",
+                       "--steps", "900", "--memory-gate-floor", "0.9", "--memory-floor-weight", "3"])
+    base = base_config(args)
+    rat, plain = variant_config(base, "rat"), variant_config(base, "plain")
+    assert (rat.memory_gate_floor, rat.memory_floor_weight) == (0.9, 3.0) and plain.memory_gate_floor == 0.0
+    assert "mean gate held above 0.9 by a penalty of weight 3" in card("rat", rat, rat.start_step + 1, "cmd", "")
+    assert "mean gate held" not in card("plain", plain, plain.start_step + 1, "cmd", "")

@@ -169,6 +169,14 @@ class TrainConfig:
     """RAT+ only: the stage's first steps during which the gates' cap grows linearly from 0 (k̃ = k: the plain
     model) to its full value 1 − 1/``memory_max_length`` (``memory_cap_scale``), while the gates train from the
     first step; 0: full cap throughout. Training-only: an export always has the full cap."""
+    memory_gate_floor: float = 0.0
+    """RAT+ only (ours, not the paper's): a floor on each layer's mean gate at the full cap, kept by the penalty
+    ``memory_floor_weight · mean over layers of relu(floor − mean gate)²`` added to the loss, so the memory stays
+    open on average while the gates may still close at the tokens a head must copy (without it continued training
+    closes them to 1-2 tokens, docs/benchmarks/ratplus.md). The effective length 1 / (1 − g) of a floor g: 0.9 ->
+    10 tokens, 0.95 -> 20. 0: off."""
+    memory_floor_weight: float = 1.0
+    """Weight of the ``memory_gate_floor`` penalty."""
     seed: int = 0
     checkpoint_every: int = 200
     log_every: int = 20
@@ -182,6 +190,9 @@ class TrainConfig:
             raise ValueError(f"need 0 <= start_step < steps, got {self.start_step} and {self.steps}")
         if self.memory_ramp_steps < 0:
             raise ValueError(f"memory_ramp_steps must be >= 0, got {self.memory_ramp_steps}")
+        if not 0.0 <= self.memory_gate_floor < 1.0 or self.memory_floor_weight < 0:
+            raise ValueError(f"need 0 <= memory_gate_floor < 1 and memory_floor_weight >= 0, got "
+                             f"{self.memory_gate_floor} and {self.memory_floor_weight}")
 
     def progress(self, step: int) -> float:
         """Fraction of this stage done before `step` (0 at `start_step`, 1 at `steps`)."""

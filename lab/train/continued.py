@@ -58,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--memory-gate-bias", type=float, help="RAT+ gates' initial logit (default: the config's)")
     p.add_argument("--memory-lr-scale", type=float, help="RAT+ gates' learning-rate multiplier")
     p.add_argument("--memory-hold-steps", type=int, help="first steps with the RAT+ gates held at their init")
+    p.add_argument("--memory-gate-floor", type=float,
+                   help="RAT+: a floor on each layer's mean gate, kept by a loss penalty (ours; 0: off)")
+    p.add_argument("--memory-floor-weight", type=float, help="weight of the --memory-gate-floor penalty")
     p.add_argument("--memory-ramp-steps", type=int,
                    help="first steps over which the RAT+ gates' cap grows linearly from 0 (plain) to full")
     return p.parse_args(argv)
@@ -66,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def variant_config(base: TrainConfig, variant: str) -> TrainConfig:
     """The run config of ``variant``: identical for both but for the memory module."""
     if variant == "plain":
-        return replace(base, memory_hold_steps=0, memory_ramp_steps=0)
+        return replace(base, memory_hold_steps=0, memory_ramp_steps=0, memory_gate_floor=0.0)
     return replace(base, model=replace(base.model, memory_max_length=MEMORY_LENGTH))
 
 
@@ -77,7 +80,8 @@ def base_config(args: argparse.Namespace) -> TrainConfig:
         cfg = replace(cfg, model=TINY_MODEL, tokens_per_batch=768, workers=0, log_every=1, checkpoint_every=2,
                       curriculum=(replace(cfg.curriculum[-1], lengths=(128,)),))
     overrides = {"steps": args.steps, "workers": args.workers, "memory_lr_scale": args.memory_lr_scale,
-                 "memory_hold_steps": args.memory_hold_steps, "memory_ramp_steps": args.memory_ramp_steps}
+                 "memory_hold_steps": args.memory_hold_steps, "memory_ramp_steps": args.memory_ramp_steps,
+                 "memory_gate_floor": args.memory_gate_floor, "memory_floor_weight": args.memory_floor_weight}
     cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
     if args.memory_gate_bias is not None:
         cfg = replace(cfg, model=replace(cfg.model, memory_gate_bias=args.memory_gate_bias))
@@ -169,6 +173,8 @@ def card(variant: str, cfg: TrainConfig, step: int, command: str, log: str) -> s
            + (f", held at their init for the first {cfg.memory_hold_steps} steps" if cfg.memory_hold_steps else "")
            + (f", their cap ramped linearly from 0 (the plain model) to 1 − 1/{MEMORY_LENGTH:g} over the first "
               f"{cfg.memory_ramp_steps} steps" if cfg.memory_ramp_steps else "")
+           + (f", each layer's mean gate held above {cfg.memory_gate_floor:g} by a penalty of weight "
+              f"{cfg.memory_floor_weight:g} (ours, not the paper's)" if cfg.memory_gate_floor else "")
            + ", " if variant == "rat" else "")
         + f"{cfg.tokens_per_batch} tokens per batch, seed {cfg.seed}).",
         "",

@@ -13,8 +13,9 @@ import torch
 from lab.train import checkpoint as ckpt
 from lab.train.config import TrainConfig
 from lab.train.data import batch_length, loader
-from lab.train.objective import build_model, compute_loss
-from workers.ratplus import set_memory_cap_scale
+from lab.train.objective import build_model, compute_loss, memory_floor_penalty
+from workers.ratplus import memory_gates, set_memory_cap_scale
+from workers.ratplus.modeling import MemoryGate
 
 LOG_FILE = "log.jsonl"
 RESTART_WARMUP = 50
@@ -72,6 +73,13 @@ def restore(cfg: TrainConfig, out: Path, init: Path | None, tokenizer, device: s
     return model, opt, step, restart
 
 
+def floor_record(gates: list[MemoryGate], penalty: torch.Tensor) -> dict[str, float]:
+    """The log fields of the memory floor: its penalty and the layers' mean gate at the full cap."""
+    means = [float(g.last_mean) for g in gates if g.last_mean is not None]
+    return {"memory_floor_penalty": round(float(penalty.detach()), 6),
+            "mean_gate": round(sum(means) / max(1, len(means)), 4)}
+
+
 def train(
     cfg: TrainConfig,
     out: Path,
@@ -92,6 +100,7 @@ def train(
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else nullcontext()
     t0, last_t, last_step, records = time.time(), time.time(), step, []
     out.mkdir(parents=True, exist_ok=True)
+    floored = memory_gates(model, record_mean=True) if cfg.memory_gate_floor > 0 else []
     for batch in loader(cfg, tokenizer, step, pin=device == "cuda"):
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         held = step - cfg.start_step < cfg.memory_hold_steps
@@ -102,7 +111,8 @@ def train(
             group["lr"] = 0.0 if frozen else lr_at(cfg, step, restart) * group.get("lr_scale", 1.0)
         with autocast:
             parts = compute_loss(model, batch, cfg.lm_weight, cfg.agg_weight)
-        parts.loss.backward()
+        penalty = memory_floor_penalty(floored, cfg.memory_gate_floor) if floored else None
+        (parts.loss if penalty is None else parts.loss + cfg.memory_floor_weight * penalty).backward()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -121,6 +131,7 @@ def train(
                 "gnorm": round(float(gnorm), 3),
                 "lr": lr_at(cfg, step - 1, restart),
                 **({"memory_cap_scale": round(cap_scale, 4)} if cfg.memory_ramp_steps else {}),
+                **(floor_record(floored, penalty) if penalty is not None else {}),
                 "s_per_step": round((now - last_t) / (step - last_step), 4),
                 "elapsed": round(now - t0, 1),
             }
@@ -134,6 +145,7 @@ def train(
         if time.time() - t0 > time_budget or (stop_at is not None and step >= stop_at):
             break
     set_memory_cap_scale(model, 1.0)  # the ramp is training-only state: the model leaves with its full cap
+    memory_gates(model, record_mean=False)  # nor do the gates keep recording
     ckpt.save_state(out, model, opt, step, cfg.to_dict())
     if export_to is not None:
         ckpt.export(model, export_to, step, cfg.to_dict(), ckpt.stage_history(init))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +11,7 @@ from transformers import LlamaForCausalLM
 
 from lab.train.config import ModelConfig
 from lab.train.encode import AGGREGATE, ANSWER, LM
+from workers.ratplus.modeling import MemoryGate
 
 
 def build_model(cfg: ModelConfig, tokenizer, seed: int) -> LlamaForCausalLM:
@@ -73,3 +75,12 @@ def compute_loss(
         agg_loss=agg.detach(),
         agg_acc=_mean(hit[is_agg]),
     )
+
+
+def memory_floor_penalty(gates: Sequence[MemoryGate], floor: float) -> torch.Tensor:
+    """Mean over the layers' gates of ``relu(floor − last forward's mean gate)²`` (``TrainConfig.memory_gate_floor``);
+    the gates must record their means (``workers.ratplus.memory_gates(model, record_mean=True)``)."""
+    means = [g.last_mean for g in gates]
+    if not means or any(m is None for m in means):
+        raise ValueError("memory_floor_penalty needs gates that recorded a forward (record_mean)")
+    return torch.stack([F.relu(floor - m) ** 2 for m in means if m is not None]).mean()

@@ -12,6 +12,7 @@ from workers.ratplus.modeling import (
     RatForCausalLM,
     RatModel,
     has_decaying_memory,
+    memory_gates,
     register_rat,
     set_memory_cap_scale,
 )
@@ -19,4 +20,4 @@ from workers.ratplus.modeling import (
 register_rat()
 
 __all__ = ["MEMORY_KWARG", "MemorySegments", "RatConfig", "RatForCausalLM", "RatModel", "has_decaying_memory",
-           "register_rat", "set_memory_cap_scale"]
+           "memory_gates", "register_rat", "set_memory_cap_scale"]

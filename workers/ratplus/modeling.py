@@ -61,10 +61,16 @@ class MemoryGate(nn.Module):
         self.cap_scale = 1.0
         """Train-time multiplier of the cap (a cap ramp opens the memory from 0, the plain model, to 1); not
         saved: a loaded model always has the full cap."""
+        self.record_mean = False
+        """Training only: keep ``last_mean``, the mean gate of the last forward at the full cap (with its graph)."""
+        self.last_mean: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[..., hidden]`` -> gates ``[..., Hkv * D]`` in ``[0, cap · cap_scale]``."""
-        return (self.cap * self.cap_scale) * torch.sigmoid(nn.functional.linear(x, self.weight, self.bias).float())
+        open_ = torch.sigmoid(nn.functional.linear(x, self.weight, self.bias).float())
+        if self.record_mean:  # training with a floor on the memory (lab.train: memory_gate_floor)
+            self.last_mean = self.cap * open_.mean()
+        return (self.cap * self.cap_scale) * open_
 
 
 def set_memory_cap_scale(model: nn.Module, scale: float) -> None:
@@ -75,6 +81,15 @@ def set_memory_cap_scale(model: nn.Module, scale: float) -> None:
     for module in model.modules():
         if isinstance(module, MemoryGate):
             module.cap_scale = float(scale)
+
+
+def memory_gates(model: nn.Module, *, record_mean: bool = False) -> list[MemoryGate]:
+    """Every memory gate of ``model`` in layer order (none for a plain model); with ``record_mean`` each keeps
+    the mean of its last forward's gates (``MemoryGate.last_mean``), for a training penalty on them."""
+    gates = [m for m in model.modules() if isinstance(m, MemoryGate)]
+    for g in gates:
+        g.record_mean, g.last_mean = record_mean, None
+    return gates
 
 
 class RatAttention(llama.LlamaAttention):
