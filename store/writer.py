@@ -162,6 +162,11 @@ class PrefixWriter:
         threads = store.config.write_threads
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvstash-write") if threads > 0 else None
 
+    @property
+    def fsyncs_each_file(self) -> bool:
+        """Whether each file is fsync'd as it is written (before the commit), not after it or never."""
+        return self._fsync
+
     def write_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one layer's K and V, each ``[kv_heads, n_tokens, head_dim]``."""
         lay = self.layout
@@ -468,7 +473,7 @@ class LayerStream:
         if self.written != self.size:
             raise InvalidInput(f"layer {self.layer}: {self.written} of its {self.size} bytes were written")
         self._file.flush()
-        if self._writer.store.config.fsync:
+        if self._writer.fsyncs_each_file:
             os.fsync(self._file.fileno())
         self._file.close()
         info = FileInfo(name=self._name, size=self.size, blake2b=self._hash.hexdigest())

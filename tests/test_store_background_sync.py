@@ -5,6 +5,7 @@ between every such prefix is verified in full at the next start (kept when whole
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_store import _kv, _write
+from test_store import _key, _kv, _write
 
 from services.store_flags import add_store_limit_args, store_limits
 from store import disk_record, recovery
@@ -22,7 +23,7 @@ from store.config import StoreConfig
 from store.disk_record import UNSYNCED_FILE
 from store.errors import PrefixNotFound
 from store.kvstore import KVStore
-from store.pages import layer_file_name
+from store.pages import layer_file_name, pack_layer
 
 
 def _open(home: Path, **kw: object) -> KVStore:
@@ -101,6 +102,31 @@ def test_a_prefix_is_served_before_it_is_synced_then_synced_in_the_background(
     assert not (d / UNSYNCED_FILE).exists()
     by_sync = {name for thread, name in fsyncs if thread.startswith("kvstash-sync")}
     assert pages <= by_sync and disk_record.MANIFEST_FILE in by_sync
+    store.close()
+
+
+def test_streamed_layers_are_synced_after_the_commit_too(tmp_path: Path, gates: Gates,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store service's path (each layer streamed to its file as its bytes arrive) fsyncs no page file on
+    the writer's way either; the background sync does."""
+    store = _open(tmp_path / "home")
+    fsyncs = _fsyncs(monkeypatch)
+    key, kv = _key(40), _kv(40)
+    with store.write_prefix(key, model_name="m", n_tokens=40) as w:
+        assert not w.fsyncs_each_file
+        for layer, (k, v) in enumerate(kv):
+            data = pack_layer(key.layout, k, v).numpy().tobytes()
+            with contextlib.closing(w.open_layer(layer)) as stream:
+                for off in range(0, len(data), 1000):
+                    stream.write(data[off:off + 1000])
+        w.commit()
+    pages = {layer_file_name(i) for i in range(3)}
+    assert not pages & {name for _, name in fsyncs}
+    gates.open_all()
+    assert store.flush(timeout=30)
+    assert pages <= {name for thread, name in fsyncs if thread.startswith("kvstash-sync")}
+    k2, v2 = store.read_layer(key.prefix_id, 2, verify=True)
+    assert torch.equal(k2, kv[2][0]) and torch.equal(v2, kv[2][1])
     store.close()
 
 
