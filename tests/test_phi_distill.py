@@ -21,6 +21,7 @@ from lab.train.phi_distill import (
     save_map,
     student_logits,
     train_map,
+    value_error,
 )
 from store.artifacts import bytes_to_tensors
 from workers.methods.memory import MemorySource
@@ -139,3 +140,39 @@ def test_a_map_for_another_model_shape_is_refused_at_load(tmp_path):
     save_map(ReZeroMLPFeatureMap(phi_dim=4, hidden=8, **SHAPE), model_dir, cfg, SHAPE, {})
     with pytest.raises(ValueError, match="phi_map is for"):
         load_model(str(model_dir), progress=False)
+
+
+def test_value_term_is_off_by_default_zero_for_a_perfect_student_and_sees_a_wrong_remainder_mean():
+    g = torch.Generator().manual_seed(0)
+    s, v = torch.randn(2, 3, 50, generator=g) * 4, torch.randn(2, 50, 6, generator=g)
+    c = DistillLoss(lambda_value=1.0, residual_top=8)
+    assert float(distill_loss(s, s.clone(), c, v)["value"]) == pytest.approx(0.0, abs=1e-6)
+    off = distill_loss(s, s + torch.randn(s.shape, generator=g), DistillLoss(), v)
+    assert float(off["value"]) == 0.0  # the shipped recipe is unchanged
+    shifted = s + 3.0  # same remainder distribution: the mean value is blind to a uniform shift
+    assert float(distill_loss(s, shifted, c, v)["value"]) == pytest.approx(0.0, abs=1e-5)
+    wrong = distill_loss(s, s + 2 * torch.randn(s.shape, generator=g), c, v)
+    assert float(wrong["value"]) > 0.05
+    # the term's own definition: the relative squared error of the mean over the keys outside the top 8
+    idx = s.topk(8, -1).indices
+    want = torch.softmax(s.scatter(-1, idx, float("-inf")), -1) @ v
+    got = torch.softmax((s + 1.0).scatter(-1, idx, float("-inf")), -1) @ v
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError):
+        distill_loss(s, s, c)  # values are required when the term is on
+
+
+@pytest.mark.slow
+def test_value_aware_distillation_captures_values_and_lowers_the_remainder_mean_error(teacher):
+    model, tok = teacher
+    train = capture(model, tok, "train", 4, (384,), seed=0, values=True)
+    held = capture(model, tok, "eval", 2, (384,), seed=1, values=True)
+    assert train[0].v is not None and train[0].v[0].shape == train[0].k[0].shape
+    assert capture(model, tok, "eval", 1, (384,), seed=1)[0].v is None  # off by default
+    shape = model_shape(model.config)
+    loss = DistillLoss(lambda_kl=0.5, lambda_residual=2.0, lambda_value=4.0, residual_top=8)
+    cfg = DistillConfig(phi_dim=8, hidden=16, steps=60, lr=1e-2, loss=loss)
+    untrained = value_error(ReZeroMLPFeatureMap(phi_dim=8, hidden=16, seed=0, **shape), held, drop_top=8)
+    fmap, log = train_map(train, held, cfg, shape, "cpu")
+    assert log[-1]["value"] > 0 and "heldout_value_err" in log[-1]
+    assert log[-1]["heldout_value_err"] < untrained, (log[-1], untrained)

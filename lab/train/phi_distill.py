@@ -64,6 +64,12 @@ class DistillLoss:
     one-way subtraction. Without it peaked rows get their tiny residual overestimated several-fold
     (many far keys each a little too high), which the KL and top-band terms barely see."""
     residual_top: int = 32
+    lambda_value: float = 0.0
+    """Ours (0 = off, the shipped recipe): weight of the relative squared error of the remainder's mean value,
+    ``||softmax(ŝ_R) V_R - softmax(s_R) V_R||² / ||softmax(s_R) V_R||²`` over the same remainder as
+    `lambda_residual` (outside the teacher's `residual_top` keys). This is N̂_R/Ẑ_R, the value completion
+    adds (issue 14: the appendix-B terms see logits only, and the distilled map's remainder mean was 45-62 %
+    off). Needs the traces' values (`capture(..., values=True)`)."""
 
 
 SHIPPED_LOSS = DistillLoss(lambda_kl=0.5, lambda_residual=2.0)
@@ -92,11 +98,13 @@ class DistillConfig:
 
 @dataclass
 class Trace:
-    """One document's teacher tensors per layer: queries [Hq, T, D] and mid keys [Hkv, M, D]."""
+    """One document's teacher tensors per layer: queries [Hq, T, D], mid keys [Hkv, M, D] and, if captured,
+    mid values [Hkv, M, D]."""
 
     q: list[torch.Tensor]
     k: list[torch.Tensor]
     scale: float
+    v: list[torch.Tensor] | None = None
 
 
 class _Recorder:
@@ -106,6 +114,8 @@ class _Recorder:
         self.doc_len = 0
         self.q: list[torch.Tensor] = []
         self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.values = False
         self.scale = 1.0
 
 
@@ -116,6 +126,8 @@ def capture_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     """Causal SDPA that also records post-RoPE queries after the document and the document keys."""
     REC.q.append(query[0, :, REC.doc_len :].detach().float().cpu())
     REC.k.append(key[0, :, : REC.doc_len].detach().float().cpu())
+    if REC.values:
+        REC.v.append(value[0, :, : REC.doc_len].detach().float().cpu())
     REC.scale = float(scaling or query.shape[-1] ** -0.5)
     groups = query.shape[1] // key.shape[1]
     out = F.scaled_dot_product_attention(
@@ -128,8 +140,10 @@ AttentionInterface.register(CAPTURE_ATTN, capture_attention)
 
 
 @torch.no_grad()
-def capture(model, tok, split: Split, n_docs: int, lengths: tuple[int, ...], seed: int) -> list[Trace]:
-    """Teacher traces of `n_docs` task documents of `split` (question + gold answer appended)."""
+def capture(model, tok, split: Split, n_docs: int, lengths: tuple[int, ...], seed: int,
+            values: bool = False) -> list[Trace]:
+    """Teacher traces of `n_docs` task documents of `split` (question + gold answer appended); with
+    `values`, the mid values too (for `DistillLoss.lambda_value`)."""
     ctx = SynthContext(tok, split)
     anchors = DecodeConfig()
     traces = []
@@ -138,10 +152,11 @@ def capture(model, tok, split: Split, n_docs: int, lengths: tuple[int, ...], see
         s = generate(task, length, seed * 100_003 + i, ctx)
         doc = tok(s.document).input_ids
         tail = tok(s.query + s.target, add_special_tokens=False).input_ids
-        REC.doc_len, REC.q, REC.k = len(doc), [], []
+        REC.doc_len, REC.q, REC.k, REC.v, REC.values = len(doc), [], [], [], values
         model(torch.tensor([doc + tail], device=model.device))
         lo, hi = mid_range(len(doc), anchors.sink, anchors.tail)
-        traces.append(Trace(q=REC.q, k=[k[:, lo:hi] for k in REC.k], scale=REC.scale))
+        traces.append(Trace(q=REC.q, k=[k[:, lo:hi] for k in REC.k], scale=REC.scale,
+                            v=[v[:, lo:hi] for v in REC.v] if values else None))
     return traces
 
 
@@ -169,8 +184,15 @@ def huber(x: torch.Tensor, delta: float) -> torch.Tensor:
     return torch.where(a <= delta, 0.5 * x.square(), delta * (a - 0.5 * delta))
 
 
-def distill_loss(s: torch.Tensor, s_hat: torch.Tensor, c: DistillLoss) -> dict[str, torch.Tensor]:
-    """Appendix B (eqs. 20-32) over rows of teacher / student logits [..., M]; means over rows."""
+def remainder_mean(s: torch.Tensor, v: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Softmax-weighted mean value over the keys not in `idx`: logits [..., T, M], values [..., M, D] -> [..., T, D]."""
+    return torch.softmax(s.scatter(-1, idx, -math.inf), -1) @ v
+
+
+def distill_loss(s: torch.Tensor, s_hat: torch.Tensor, c: DistillLoss,
+                 v: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Appendix B (eqs. 20-32) over rows of teacher / student logits [..., M]; means over rows. `v` [..., M, D]
+    (the values, broadcast over rows) is needed for `c.lambda_value` > 0."""
     b = s.amax(-1, keepdim=True)
     r, r_hat = s - b, s_hat - b
     log_p = torch.log_softmax(r / c.tau, -1)
@@ -188,7 +210,16 @@ def distill_loss(s: torch.Tensor, s_hat: torch.Tensor, c: DistillLoss) -> dict[s
         log_rest_hat = torch.logsumexp(s_hat.scatter(-1, idx, -math.inf), -1)
         l_res = huber(log_rest_hat - torch.logsumexp(s.scatter(-1, idx, -math.inf), -1), c.huber).mean()
         loss = loss + c.lambda_residual * l_res
-    return {"loss": loss, "kl": kl, "top": l_top, "fp": l_fp, "z": l_z, "residual": l_res}
+    l_val = s.new_zeros(())
+    if c.lambda_value > 0 and s.shape[-1] > c.residual_top:
+        if v is None:
+            raise ValueError("lambda_value > 0 needs the values (capture(..., values=True))")
+        idx = s.topk(c.residual_top, -1).indices
+        want = remainder_mean(s, v, idx)
+        got = remainder_mean(s_hat, v, idx)
+        l_val = ((got - want).square().sum(-1) / want.square().sum(-1).clamp_min(1e-6)).mean()
+        loss = loss + c.lambda_value * l_val
+    return {"loss": loss, "kl": kl, "top": l_top, "fp": l_fp, "z": l_z, "residual": l_res, "value": l_val}
 
 
 @torch.no_grad()
@@ -208,6 +239,29 @@ def log_z_error(fmap: FeatureMap, traces: list[Trace], drop_top: int = 0) -> flo
     return float(torch.stack(errs).mean())
 
 
+@torch.no_grad()
+def value_error(fmap: FeatureMap, traces: list[Trace], drop_top: int = 32) -> float:
+    """Mean ||v̂_R - v̄_R|| / ||v̄_R|| over held-out rows and heads (traces with values): the remainder's mean
+    value after the teacher's top `drop_top` keys, the student's against the teacher's."""
+    errs = []
+    for tr in traces:
+        assert tr.v is not None
+        for layer, (q, k, v) in enumerate(zip(tr.q, tr.k, tr.v)):
+            s = teacher_logits(q, k, tr.scale)
+            s_hat = student_logits(fmap, layer, q, k, tr.scale)
+            idx = s.topk(min(drop_top, s.shape[-1] - 1), -1).indices
+            vv = v.repeat_interleave(q.shape[0] // v.shape[0], 0)
+            want = remainder_mean(s, vv, idx)
+            errs.append(((remainder_mean(s_hat, vv, idx) - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-9))
+                        .mean())
+    return float(torch.stack(errs).mean())
+
+
+def _values(tr: Trace, layer: int, n_heads: int) -> torch.Tensor | None:
+    """Layer `layer`'s mid values repeated to the query heads [Hq, M, D], or None if not captured."""
+    return None if tr.v is None else tr.v[layer].repeat_interleave(n_heads // tr.v[layer].shape[0], 0)
+
+
 def train_map(traces: list[Trace], heldout: list[Trace], cfg: DistillConfig, shape: dict, device: str) -> tuple:
     """The distilled map and a log of (step, loss parts, held-out log-Z errors)."""
     torch.manual_seed(cfg.seed)
@@ -215,7 +269,8 @@ def train_map(traces: list[Trace], heldout: list[Trace], cfg: DistillConfig, sha
     opt = torch.optim.AdamW(fmap.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     rng = random.Random(cfg.seed)
     log = []
-    moved, held = ([Trace(q=[x.to(device) for x in t.q], k=[x.to(device) for x in t.k], scale=t.scale) for t in ts]
+    moved, held = ([Trace(q=[x.to(device) for x in t.q], k=[x.to(device) for x in t.k], scale=t.scale,
+                          v=None if t.v is None else [x.to(device) for x in t.v]) for t in ts]
                    for ts in (traces, heldout))
     for step in range(1, cfg.steps + 1):
         tr = moved[rng.randrange(len(moved))]
@@ -225,7 +280,8 @@ def train_map(traces: list[Trace], heldout: list[Trace], cfg: DistillConfig, sha
         parts = []
         for layer, (q, k) in enumerate(zip(tr.q, tr.k)):
             s = teacher_logits(q, k, tr.scale)
-            parts.append(distill_loss(s, student_logits(fmap, layer, q, k, tr.scale), cfg.loss))
+            parts.append(distill_loss(s, student_logits(fmap, layer, q, k, tr.scale), cfg.loss,
+                                      _values(tr, layer, q.shape[0])))
         loss = torch.stack([p["loss"] for p in parts]).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -235,6 +291,8 @@ def train_map(traces: list[Trace], heldout: list[Trace], cfg: DistillConfig, sha
             rec = {k: round(float(torch.stack([p[k].detach() for p in parts]).mean()), 4) for k in parts[0]}
             rec.update(step=step, heldout_log_z_err=round(log_z_error(fmap, held), 4),
                        heldout_residual_log_z_err=round(log_z_error(fmap, held, drop_top=16), 4))
+            if held and all(t.v is not None for t in held):
+                rec["heldout_value_err"] = round(value_error(fmap, held, cfg.loss.residual_top), 4)
             log.append(rec)
             print(json.dumps(rec), flush=True)
     return fmap.cpu(), log
@@ -281,17 +339,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tau", type=float, default=DEFAULTS.loss.tau, help="distillation temperature")
     p.add_argument("--lambda-residual", type=float, default=DEFAULTS.loss.lambda_residual,
                    help="weight of the residual log-mass penalty (ours; 0 = the paper's objective alone)")
+    p.add_argument("--lambda-value", type=float, default=DEFAULTS.loss.lambda_value,
+                   help="weight of the remainder mean-value error (ours, issue 14; 0 = off, the shipped recipe; "
+                        "> 0 also captures the values)")
+    p.add_argument("--heldout-values", action="store_true",
+                   help="capture the held-out values and log heldout_value_err (implied by --lambda-value > 0)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
-    loss = DistillLoss(lambda_kl=args.lambda_kl, tau=args.tau, lambda_residual=args.lambda_residual)
+    loss = DistillLoss(lambda_kl=args.lambda_kl, tau=args.tau, lambda_residual=args.lambda_residual,
+                       lambda_value=args.lambda_value)
     cfg = DistillConfig(phi_dim=args.phi_dim, docs=args.docs, steps=args.steps, lengths=tuple(args.lengths), loss=loss)
     model = LlamaForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation=CAPTURE_ATTN)
     model = model.to(args.device).eval()
     tok = AutoTokenizer.from_pretrained(args.model)
     shape = model_shape(model.config)
     t0 = time.time()
-    train = capture(model, tok, "train", cfg.docs, cfg.lengths, cfg.seed)
-    held = capture(model, tok, "eval", cfg.heldout_docs, cfg.lengths, cfg.seed + 1)
+    use_v = loss.lambda_value > 0
+    train = capture(model, tok, "train", cfg.docs, cfg.lengths, cfg.seed, values=use_v)
+    held = capture(model, tok, "eval", cfg.heldout_docs, cfg.lengths, cfg.seed + 1,
+                   values=use_v or args.heldout_values)
     t1 = time.time()
     favor = FavorFeatureMap(shape["head_dim"])  # the training-free default, for reference
     baseline = {"favor_log_z_err": round(log_z_error(favor, held), 4),
