@@ -127,7 +127,7 @@ def test_memory_floor_penalty_opens_gates_below_the_floor_only(reference) -> Non
     with pytest.raises(ValueError, match="recorded"):
         memory_floor_penalty(gates, 0.5)
     model(torch.arange(3, 60)[None])
-    means = [float(g.last_mean) for g in gates]  # type: ignore[arg-type]
+    means = [float(g.last_mean.detach()) for g in gates]  # type: ignore[union-attr]
     assert all(0 < m < 1 for m in means)
     assert float(memory_floor_penalty(gates, min(means) - 1e-3)) == 0.0
     above = max(means) + 0.05

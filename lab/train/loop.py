@@ -75,7 +75,7 @@ def restore(cfg: TrainConfig, out: Path, init: Path | None, tokenizer, device: s
 
 def floor_record(gates: list[MemoryGate], penalty: torch.Tensor) -> dict[str, float]:
     """The log fields of the memory floor: its penalty and the layers' mean gate at the full cap."""
-    means = [float(g.last_mean) for g in gates if g.last_mean is not None]
+    means = [float(g.last_mean.detach()) for g in gates if g.last_mean is not None]
     return {"memory_floor_penalty": round(float(penalty.detach()), 6),
             "mean_gate": round(sum(means) / max(1, len(means)), 4)}
 
