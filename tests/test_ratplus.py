@@ -129,10 +129,10 @@ def test_memory_floor_penalty_opens_gates_below_the_floor_only(reference) -> Non
     model(torch.arange(3, 60)[None])
     means = [float(g.last_mean.detach()) for g in gates]  # type: ignore[union-attr]
     assert all(0 < m < 1 for m in means)
-    assert float(memory_floor_penalty(gates, min(means) - 1e-3)) == 0.0
+    assert float(memory_floor_penalty(gates, min(means) - 1e-3).detach()) == 0.0
     above = max(means) + 0.05
     penalty = memory_floor_penalty(gates, above)
-    assert float(penalty) == pytest.approx(sum((above - m) ** 2 for m in means) / len(means), rel=1e-5)
+    assert float(penalty.detach()) == pytest.approx(sum((above - m) ** 2 for m in means) / len(means), rel=1e-5)
     penalty.backward()
     # descent raises the biases: every channel of the last layer (no gate downstream of it), and each layer's
     # channels together (an earlier layer's bias also moves the later layers' inputs, hence their gates)
