@@ -169,31 +169,21 @@ def _restore_pin(store: StoreRoom, directory: Path) -> None:
         store._meta.pin(directory.name)
 
 
-def _recorded(directory: Path) -> Manifest | None:
-    """The manifest a directory's own file holds, or None when it holds no valid one."""
-    try:
-        return disk_record.read_manifest(directory)
-    except InvalidRecord:
-        return None
-
-
 def _settle_unsynced(store: StoreRoom, directory: Path) -> Problem | None:
     """A committed directory still marked unsynced (caller holds its lock): verified in full, then made durable;
     removed (its metadata first) when any file is missing or damaged. None when it was synced meanwhile."""
     if not disk_record.is_marked_unsynced(directory):
         return None
     registered = store._meta.manifest(directory.name)
-    bad: str | None = None
-    m = registered
-    if m is None:
-        try:
-            m = disk_record.read_manifest(directory)
-        except InvalidRecord as e:
-            bad = str(e)
+    try:
+        recorded, bad = disk_record.read_manifest(directory), None
+    except InvalidRecord as e:
+        recorded, bad = None, str(e)
+    m = registered or recorded
     if m is not None:
         bad = disk_record.file_problem(directory, m) or _hash_problem(directory, m, hash_pages=True)
     if bad is None:
-        if registered is not None and _recorded(directory) != registered:  # the crash took its manifest file
+        if registered is not None and recorded != registered:  # the crash took its manifest file: written back
             disk_record.publish(directory, registered, fsync=False)  # (the files match it: checked above)
         disk_record.sync_tree(directory, store.prefixes_dir)
         disk_record.clear_unsynced(directory)

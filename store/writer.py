@@ -147,13 +147,13 @@ class PrefixWriter:
         self._spares: list[StagingLease] = []
         """Pageable buffers of this writer (the pool was full when it staged a layer), free for its next layers."""
         config = store.config
-        self._sync_later = config.fsync and config.sync_after_commit
-        self._fsync = config.fsync and not self._sync_later
+        sync_later = config.fsync and config.sync_after_commit
+        self._fsync = config.fsync and not sync_later
         """Whether each file is fsync'd as it is written (else after the commit, or never)."""
         self.tmp_dir = store.prefixes_dir / tmp_dir_name(self.prefix_id)
         self.tmp_dir.mkdir(parents=True)  # last: a failure above leaves nothing on disk
         try:
-            self._marker: str | None = mark_unsynced(self.tmp_dir) if self._sync_later else None
+            self._marker: str | None = mark_unsynced(self.tmp_dir) if sync_later else None
         except BaseException:
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
             raise
