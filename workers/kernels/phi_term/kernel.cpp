@@ -40,21 +40,6 @@ inline float exp_f(float x) {
   return tiny ? 0.0f : y * scale;
 }
 
-// torch's vectorized CPU GELU (approximate="none"): x * 0.5 * (1 + erf(x / sqrt 2)), erf per A&S 7.1.26.
-inline float gelu_f(float x) {
-  const float e = x * 0.70710678118654752440f;
-  const float ax = std::fabs(e);
-  const float t = 1.0f / (0.3275911f * ax + 1.0f);
-  float r = 1.061405429f * t + -1.453152027f;
-  r = r * t + 1.421413741f;
-  r = r * t + -0.284496736f;
-  r = r * t + 0.254829592f;
-  const float ex = -exp_f(-(e * e));
-  float erf = (ex * t) * r + 1.0f;
-  erf = e < 0.0f ? -erf : erf;
-  return (x * 0.5f) * (1.0f + erf);
-}
-
 // The weights of one layer of a HeadwiseMLP (phi_maps.py): [H, D, E], [H, E], [H, E, E], [H, E], [H, E, E], [H, E],
 // [H], [H, E, F], [H, F], each contiguous.
 struct Mlp {
@@ -109,20 +94,25 @@ inline v16f exp_v(v16f x) {
   return tiny ? splat(0.0f) : out;
 }
 
-// gelu_f on 16 lanes.
-inline v16f gelu_v(v16f x) {
-  const v16f e = x * 0.70710678118654752440f;
-  const v16f ax = e < 0.0f ? -e : e;
-  const v16f t = 1.0f / (0.3275911f * ax + 1.0f);
-  v16f r = 1.061405429f * t + -1.453152027f;
+// torch's vectorized CPU GELU (approximate="none"): x * 0.5 * (1 + erf(x / sqrt 2)), erf per A&S 7.1.26; one body
+// for a float and for 16 lanes (|e| as a select: the same value as fabs, -0 and NaN included).
+template <class T, T (*Exp)(T)>
+inline T gelu_of(T x) {
+  const T e = x * 0.70710678118654752440f;
+  const T ax = e < 0.0f ? -e : e;
+  const T t = 1.0f / (0.3275911f * ax + 1.0f);
+  T r = 1.061405429f * t + -1.453152027f;
   r = r * t + 1.421413741f;
   r = r * t + -0.284496736f;
   r = r * t + 0.254829592f;
-  const v16f ex = -exp_v(-(e * e));
-  v16f erf = (ex * t) * r + 1.0f;
+  const T ex = -Exp(-(e * e));
+  T erf = (ex * t) * r + 1.0f;
   erf = e < 0.0f ? -erf : erf;
   return (x * 0.5f) * (1.0f + erf);
 }
+
+inline float gelu_f(float x) { return gelu_of<float, exp_f>(x); }
+inline v16f gelu_v(v16f x) { return gelu_of<v16f, exp_v>(x); }
 
 // Columns [c0, c0 + 16 C) of y[r, :] = x[r, 0:k] @ w[k, m] + b for kRows rows: one pass down w's rows (each row's
 // C vectors read once, in order: the weights stream from memory, where a decode step finds them), C * kRows
