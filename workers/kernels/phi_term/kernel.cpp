@@ -18,21 +18,28 @@
 
 namespace {
 
-// e^x to about 1 ulp; 0 below -87.3 (where float32 goes denormal) and for -inf, clamped to e^88 above.
-inline float exp_f(float x) {
-  const bool tiny = x < -87.33654f;
-  float c = std::min(std::max(x, -87.33654f), 88.0f);
-  const float fx = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  float r = c - fx * 0.693359375f;
+// Cephes' expf on a clamped argument c, for a float or 16 lanes: returns e^(c - fx ln 2) by its polynomial and sets
+// fx, c / ln 2 rounded to nearest (the caller scales by 2^fx).
+template <class T>
+inline T exp_reduced(T c, T& fx) {
+  fx = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  T r = c - fx * 0.693359375f;
   r = r - fx * -2.12194440e-4f;
-  const float z = r * r;
-  float y = 1.9875691500e-4f;
+  const T z = r * r;
+  T y = T{} + 1.9875691500e-4f;  // T{} + x: x itself, or x on every lane
   y = y * r + 1.3981999507e-3f;
   y = y * r + 8.3334519073e-3f;
   y = y * r + 4.1665795894e-2f;
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
-  y = y * z + r + 1.0f;
+  return y * z + r + 1.0f;
+}
+
+// e^x to about 1 ulp; 0 below -87.3 (where float32 goes denormal) and for -inf, clamped to e^88 above.
+inline float exp_f(float x) {
+  const bool tiny = x < -87.33654f;
+  float fx;
+  const float y = exp_reduced(std::min(std::max(x, -87.33654f), 88.0f), fx);
   const int32_t n = static_cast<int32_t>(fx);
   const int32_t bits = (n + 127) << 23;
   float scale;
@@ -76,17 +83,8 @@ inline v16f exp_v(v16f x) {
   const v16i tiny = x < -87.33654f;
   v16f c = x < -87.33654f ? splat(-87.33654f) : x;
   c = c > 88.0f ? splat(88.0f) : c;
-  const v16f fx = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  v16f r = c - fx * 0.693359375f;
-  r = r - fx * -2.12194440e-4f;
-  const v16f z = r * r;
-  v16f y = splat(1.9875691500e-4f);
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * z + r + 1.0f;
+  v16f fx;
+  const v16f y = exp_reduced(c, fx);
   const v16i bits = (__builtin_convertvector(fx, v16i) + 127) << 23;
   v16f scale;
   std::memcpy(&scale, &bits, sizeof scale);
