@@ -46,7 +46,7 @@ from bench.common import (  # noqa: E402
 from lab.tiny_random import TinyLlamaSpec  # noqa: E402
 from store.config import StoreConfig  # noqa: E402
 from store.kvstore import KVStore  # noqa: E402
-from workers import prefill  # noqa: E402
+from workers import engine, prefill  # noqa: E402
 from workers.engine import Worker  # noqa: E402
 from workers.model import LoadedModel  # noqa: E402
 
@@ -64,14 +64,15 @@ def forward_only(lm: LoadedModel, ids: list[int], chunk: int) -> None:
 
 
 def with_store(lm: LoadedModel, doc: str, home: Path, chunk: int, *,
-               sync_after_commit: bool) -> dict[str, float]:
+               sync_after_commit: bool, summaries_beside: bool = True) -> dict[str, float]:
     """``Worker.prefill`` of the document into a fresh store (the product path): seconds until it returned, and
     until the store's background fsync was done too; the bytes it wrote (then removed: two 128k stores would
     not fit some disks)."""
     store = KVStore(StoreConfig(home=home, page_size=lm.layout.page_size, sync_after_commit=sync_after_commit))
     try:
         t0 = time.perf_counter()
-        Worker(store, lm, progress=False, offload=None, chunk_size=chunk).prefill(doc)
+        Worker(store, lm, progress=False, offload=None, chunk_size=chunk,
+               summaries_beside=summaries_beside).prefill(doc)
         returned = time.perf_counter() - t0
         store.flush()
         return {"returned": returned, "durable": time.perf_counter() - t0, "bytes": stored_bytes(home)}
@@ -147,6 +148,20 @@ def run(args: argparse.Namespace, work: Path) -> dict:
           f"{floor:.2f} s at least", flush=True)
     rows.append({"name": "the store's bytes at the disk's write speed (a floor for the row above)",
                  "seconds": floor, "tokens_per_s": len(ids) / floor, "bytes": n_bytes, "disk_bytes_per_s": speed})
+    if args.compare:
+        t = with_store(lm, doc, work / "store-inline", args.chunk, sync_after_commit=True, summaries_beside=False)
+        name = "`Worker.prefill`, the default with each layer's summaries inline on the forward's stream"
+        print(f"  {name}: {t['returned']:.2f} s", flush=True)
+        rows.append({"name": name, "seconds": t["returned"], "tokens_per_s": len(ids) / t["returned"]})
+        saved_summarizers = engine.build_summarizers
+        engine.build_summarizers = lambda *a, **kw: []  # type: ignore[assignment]
+        try:
+            t = with_store(lm, doc, work / "store-bare", args.chunk, sync_after_commit=True)
+        finally:
+            engine.build_summarizers = saved_summarizers  # type: ignore[assignment]
+        name = "`Worker.prefill`, the default without any summary (pages, CRCs, commit only)"
+        print(f"  {name}: {t['returned']:.2f} s", flush=True)
+        rows.append({"name": name, "seconds": t["returned"], "tokens_per_s": len(ids) / t["returned"]})
     if args.dynamic:
         saved = prefill.filled_cache
         prefill.filled_cache = lambda lm, n: DynamicCache(config=lm.model.config)  # type: ignore[assignment]
@@ -169,12 +184,14 @@ def main() -> None:
     p.add_argument("--full-mlp", action="store_true", help="Llama-3.1-8B's MLP width (14336), not 4096")
     p.add_argument("--chunk", type=int, default=prefill.DEFAULT_CHUNK)
     p.add_argument("--dynamic", action="store_true", help="add the forward pass over transformers' dynamic cache")
+    p.add_argument("--compare", action="store_true",
+                   help="add the default prefill with summaries inline, and without any summary")
     p.add_argument("--quick", action="store_true", help="tiny shape (smoke run)")
     p.add_argument("--phases", action="store_true", help="only the forward and the default prefill, its time by phase")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     if args.quick:
-        args.ctx, args.layers, args.dynamic = 4096, 2, True
+        args.ctx, args.layers, args.dynamic, args.compare = 4096, 2, True, True
     out: list[dict] = []
     in_scratch_dir(lambda work: out.append(run(args, work)), prefix="kvstash-prefill-")  # removed on SIGTERM too
     r = out[0]

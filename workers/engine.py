@@ -29,6 +29,7 @@ from workers.offload.fast_path import FastOpen
 from workers.offload.summaries import SummaryCache
 from workers.own_kv import FIRST_STEPS, OwnKV
 from workers.prefill import DEFAULT_CHUNK, prefill_kv
+from workers.prefill_summaries import SummaryLane
 from workers.progress import PrefillProgress
 from workers.ratplus import has_decaying_memory
 from workers.requests import DecodeConfig, GenerationStats, SamplingParams, compress_names
@@ -65,8 +66,11 @@ class Worker:
 
     def __init__(self, store: KVStore, lm: LoadedModel, *, secret: str = "", chunk_size: int = DEFAULT_CHUNK,
                  progress: bool = True, offload: OffloadConfig | None = DEFAULT_OFFLOAD,
-                 engine: EngineConfig | None = None):
+                 engine: EngineConfig | None = None, summaries_beside: bool = True):
         self.store, self.lm, self.secret = store, lm, secret
+        self.summaries_beside = summaries_beside
+        """On a CUDA device, compute each layer's prefill summaries on a side stream beside the forward pass
+        (``workers.prefill_summaries``); else inline, between layers."""
         self.engine = DecodeEngine(lm, engine)
         """Batches this worker's concurrent generations (its ``turn`` is set by a server's scheduler)."""
         self.chunk_size, self.progress = chunk_size, progress
@@ -163,12 +167,13 @@ class Worker:
             # device and host memory hold a couple of layers' of them, and no byte is written twice.
             outs = [(s, held.enter_context(LayerArtifact(w.open_artifact(s.name), self.lm.layout.n_layers)))
                     for s in summarizers]
+            lane = held.enter_context(SummaryLane(outs, self.lm.device, beside=self.summaries_beside))
             for layer, k, v in shown.layers(prefill_kv(self.lm, ids, chunk_size=self.chunk_size,
                                                        progress=self.progress, desc=shown.forward_desc)):
                 w.write_layer(layer, k, v)
-                for s, out in outs:
-                    out.add(layer, s.summarize(layer, k, v))
+                lane.add(layer, k, v)
             with shown.committing():  # pending page writes, fsyncs, artifacts and the metadata commit
+                lane.close()
                 for _, out in outs:
                     out.close()
                 w.put_artifact(TOKENS_ARTIFACT, tokens_to_bytes(ids))
