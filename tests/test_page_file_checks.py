@@ -16,7 +16,7 @@ from offload_helpers import open_store, write_prefix
 from test_store import _key, _kv, _write
 from test_store_background_sync import Gates, _after_crash, _crash, _open
 
-from store import disk_record, recovery
+from store import disk_record, page_files_check, recovery
 from store.errors import CorruptData, PrefixNotFound
 from store.kvstore import KVStore
 from store.manifest import FILE_DIGEST, PAGE_CRCS, FileInfo, Manifest
@@ -156,6 +156,20 @@ def test_verify_and_check_find_a_flipped_byte(tmp_path: Path, fmt: str, offset: 
     assert report.names(recovery.CORRUPT) == [pid]
     assert store.check(hash_pages=False).ok  # the quick check reads no page
     store.verify(other)
+    store.close()
+
+
+@pytest.mark.parametrize("offset", OFFSETS)
+def test_without_the_kernel_verify_finds_a_flipped_byte(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       offset: int) -> None:
+    """Where no kernel builds, the whole-file check runs on ``verify_pages`` (chunk CRCs) and names the page."""
+    monkeypatch.setattr(page_files_check, "native_available", lambda: False)
+    store = _open(tmp_path)
+    pid = _prefix(store, "page_crc")
+    store.verify(pid)
+    _flip(store.prefix_dir(pid) / layer_file_name(0), offset)
+    with pytest.raises(CorruptData, match="layer 0 head [01] page [0-2] failed"):
+        store.verify(pid)
     store.close()
 
 
