@@ -80,7 +80,6 @@ def phases(device: torch.device) -> Iterator[PhaseClock]:
     patch(writer.PrefixWriter, "commit", "main: commit (pending writes, artifacts, manifest)", sync=False)
     patch(layer_artifact.LayerArtifact, "add", "main: summary artifact add (queue)", sync=True)
     patch(layer_artifact.LayerArtifact, "close", "main: summary artifacts close", sync=False)
-    patch(writer, "bytes_digest", "jobs: page file digest", sync=False)
     patch(writer, "write_bytes_durably", "jobs: page file write", sync=False)
     patch(writer.PrefixWriter, "_page_crcs", "jobs: page CRCs", sync=False)
     patch(layer_artifact.LayerArtifact, "_write", "jobs: summary layer write", sync=False)

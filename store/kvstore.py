@@ -45,15 +45,16 @@ from store.errors import (
 from store.layout import KVLayout
 from store.limits import MAX_ARTIFACTS, check_holder, check_text, check_write, max_added_artifact_bytes
 from store.locks import file_lock, try_file_lock
-from store.manifest import ArtifactInfo, Manifest
+from store.manifest import PAGE_CRC_ARTIFACT, ArtifactInfo, Manifest
 from store.metadata import Lease, MetadataBackend, PrefixUsage, lease_prefix, prefix_bytes
 from store.metadata_factory import open_metadata
+from store.page_files_check import page_files_problem
 from store.page_io import PageCheck, PosixPageReader, read_checked
-from store.pages import file_digest, unpack_pages
+from store.pages import unpack_pages
 from store.pinned_pool import PinnedPool
 from store.prefix_key import PrefixKey, check_prefix_id, tenant_salt
 from store.recovery import CheckReport, Problem
-from store.writer import PAGE_CRC_ARTIFACT, PrefixWriter, tmp_dir_name
+from store.writer import PrefixWriter, tmp_dir_name
 
 QUOTA_LOCK_WAIT_S = 60.0
 """Longest a commit waits for another commit of the same tenant to pass its quota check."""
@@ -589,14 +590,14 @@ class KVStore:
             reader.close()
 
     def verify(self, prefix_id: str) -> None:
-        """Check every page and artifact file's size and digest; raises CorruptData."""
+        """Check every page and artifact file's size and bytes (page files by their page CRCs, or their digest in
+        manifests written before version 2; artifacts by their digest); raises CorruptData."""
         m = self.manifest(prefix_id)
         d = self.prefix_dir(prefix_id)
         if (bad := disk_record.file_problem(d, m)) is not None:
             raise CorruptData(f"prefix {prefix_id}: {bad}")
-        for f in m.files:
-            if file_digest(d / f.name) != f.blake2b:
-                raise CorruptData(f"page file {f.name} of prefix {prefix_id} failed its checksum")
+        if (bad := page_files_problem(d, m)) is not None:
+            raise CorruptData(f"prefix {prefix_id}: {bad}")
         if (bad := disk_record.artifact_problem(d, m)) is not None:
             raise CorruptData(f"prefix {prefix_id}: {bad}")
 

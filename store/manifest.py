@@ -8,16 +8,42 @@ from typing import Any
 
 from store.prefix_key import PrefixKey
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+"""Version 2: page files may be checked by their page CRCs alone (``FileInfo.check``). Version 1 manifests (every
+page file with a blake2b digest) load as before, and one whose files all carry a digest is still written as
+version 1, byte for byte as before."""
+READS_VERSIONS = (1, 2)
+PAGE_CRC_ARTIFACT = "page_crc"
+"""The artifact holding every page's keyed CRC ``uint32 [layers, kv_heads, pages]``."""
+FILE_DIGEST = "blake2b"
+"""``FileInfo.check`` of a page file with a blake2b digest of its whole (manifests written before version 2)."""
+PAGE_CRCS = "page_crc"
+"""``FileInfo.check`` of a page file checked by its keyed page CRCs alone (the ``page_crc`` artifact's entries,
+that artifact covered by its own blake2b in the manifest): each byte of the file is in exactly one page."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class FileInfo:
-    """One page file of a prefix: its name, size and blake2b digest."""
+    """One page file of a prefix: its name, size and how its bytes are checked (``check``)."""
 
     name: str
     size: int
-    blake2b: str
+    blake2b: str = ""
+    """blake2b digest of the whole file when ``check`` is ``FILE_DIGEST``; empty when ``PAGE_CRCS``."""
+    check: str = FILE_DIGEST
+    """``FILE_DIGEST`` (the digest above; manifests written before version 2) or ``PAGE_CRCS``."""
+
+    def __post_init__(self) -> None:
+        if self.check not in (FILE_DIGEST, PAGE_CRCS):
+            raise ValueError(f"unknown page file check {self.check!r}")
+        if (self.check == FILE_DIGEST) != bool(self.blake2b):
+            raise ValueError(f"page file {self.name}: a blake2b digest goes with check {FILE_DIGEST!r}, and only then")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON fields: a file with a digest gives exactly the version 1 fields (no ``check``)."""
+        if self.check == FILE_DIGEST:
+            return {"name": self.name, "size": self.size, "blake2b": self.blake2b}
+        return {"name": self.name, "size": self.size, "check": self.check}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,14 +93,15 @@ class Manifest:
         """Serialize to JSON."""
         d: dict[str, Any] = asdict(self)
         d["key"] = self.key.to_dict()
-        d["version"] = MANIFEST_VERSION
+        d["files"] = [f.to_dict() for f in self.files]
+        d["version"] = MANIFEST_VERSION if any(f.check != FILE_DIGEST for f in self.files) else 1
         return json.dumps(d, sort_keys=True)
 
     @classmethod
     def from_json(cls, s: str | bytes) -> Manifest:
         """Parse JSON written by ``to_json``."""
         d = json.loads(s)
-        if d.pop("version", None) != MANIFEST_VERSION:
+        if d.pop("version", None) not in READS_VERSIONS:
             raise ValueError("unsupported manifest version")
         d["key"] = PrefixKey.from_dict(d["key"])
         d["files"] = tuple(FileInfo(**f) for f in d["files"])

@@ -62,12 +62,6 @@ def unpack_pages(layout: KVLayout, raw: torch.Tensor) -> tuple[torch.Tensor, tor
     return kv[..., 0, :, :], kv[..., 1, :, :]
 
 
-def write_file_durably(path: Path, data: np.ndarray, fsync: bool = True) -> str:
-    """Write bytes to ``path`` (fsync'd unless told not to); returns their blake2b digest."""
-    write_bytes_durably(path, data, fsync)
-    return bytes_digest(data)
-
-
 def write_bytes_durably(path: Path, data: np.ndarray, fsync: bool = True) -> None:
     """Write bytes to ``path`` (fsync'd unless told not to)."""
     with open(path, "wb") as f:
@@ -77,13 +71,8 @@ def write_bytes_durably(path: Path, data: np.ndarray, fsync: bool = True) -> Non
             os.fsync(f.fileno())
 
 
-def bytes_digest(data: np.ndarray) -> str:
-    """blake2b digest of an array's bytes (the digest ``file_digest`` gives for a file holding them)."""
-    return hashlib.blake2b(np.ascontiguousarray(data).data.cast("B"), digest_size=32).hexdigest()
-
-
 def file_digest(path: Path) -> str:
-    """blake2b digest of a file's contents."""
+    """blake2b digest of a file's contents (page files of manifests written before version 2 carry one)."""
     h = hashlib.blake2b(digest_size=32)
     with open(path, "rb") as f:
         while chunk := f.read(HASH_CHUNK):

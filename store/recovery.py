@@ -24,7 +24,7 @@ from store import disk_record
 from store.disk_record import InvalidRecord
 from store.errors import InvalidInput, LockTimeout
 from store.manifest import Manifest
-from store.pages import file_digest
+from store.page_files_check import page_files_problem
 from store.prefix_key import check_prefix_id
 from store.writer import TMP_PREFIX
 
@@ -253,9 +253,8 @@ def recover(store: StoreRoom) -> CheckReport:
 def _hash_problem(directory: Path, m: Manifest, hash_pages: bool) -> str | None:
     """Page files (when ``hash_pages``) and artifact files (always: they are the summaries a decode reads whole)
     that fail their checksums."""
-    for f in m.files if hash_pages else ():
-        if file_digest(directory / f.name) != f.blake2b:
-            return f"page file {f.name} failed its checksum"
+    if hash_pages and (bad := page_files_problem(directory, m)) is not None:
+        return bad
     return disk_record.artifact_problem(directory, m)
 
 

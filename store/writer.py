@@ -4,7 +4,6 @@ the metadata commit of the manifest (``store.disk_record`` describes the directo
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import shutil
 import threading
@@ -20,14 +19,14 @@ from typing import TYPE_CHECKING, BinaryIO, Protocol, Self
 import numpy as np
 
 from store.artifacts import ArtifactData, as_chunks, new_digest
-from store.crc32 import crc32
 from store.disk_record import artifact_file_name, fsync_dir, mark_unsynced, publish
 from store.errors import InvalidInput, StoreFull
 from store.layout import KVLayout
 from store.limits import MAX_ARTIFACTS, check_text, max_artifact_bytes
-from store.manifest import ArtifactInfo, FileInfo, Manifest
+from store.manifest import PAGE_CRC_ARTIFACT, PAGE_CRCS, ArtifactInfo, FileInfo, Manifest
 from store.metadata import prefix_bytes
-from store.pages import bytes_digest, layer_file_name, pack_layer, page_crc, page_crc_seed, write_bytes_durably
+from store.page_crc_native import page_crcs
+from store.pages import layer_file_name, pack_layer, write_bytes_durably
 from store.pinned_pool import PinnedPool, StagingLease, size_class
 from store.prefix_key import PrefixKey
 
@@ -82,12 +81,11 @@ class ArtifactHome(Protocol):
         ...
 
 
-PAGE_CRC_ARTIFACT = "page_crc"
-"""The artifact holding every page's keyed CRC ``uint32 [layers, kv_heads, pages]``."""
 MAX_PENDING_LAYERS = 4
-"""Layers a prefix writer may hold in flight (memory bound: each is one layer's page-file bytes). Their file
-digests run in parallel: one blake2b over a 128k-token layer (512 MiB at Llama-3.1-8B's shape) takes about
-a second on one core, twice the time of its durable write."""
+"""Layers a prefix writer may hold in flight (memory bound: each is one layer's page-file bytes). Their page CRCs
+(one kernel call per KV head, ``store.page_crc_native``) and durable writes run in parallel. Page files carry no
+digest of their whole: their page CRCs cover every byte (``store.manifest.PAGE_CRCS``); a blake2b of a 128k-token
+layer (512 MiB at Llama-3.1-8B's shape) took about a second of a core, twice its durable write."""
 TMP_PREFIX = ".tmp-"
 """Name prefix of writers' temp dirs (``.tmp-<prefix id>-<pid>-<random>``)."""
 MAX_OPEN_STREAMS = 8
@@ -104,13 +102,12 @@ class PendingLayer:
     layer: int
     name: str
     size: int
-    digest_job: Future
-    other_jobs: list[Future]
+    jobs: list[Future]
     lease: StagingLease | None
 
     def settle(self) -> None:
         """Wait for every job, a failed one included: then nothing reads the layer's bytes any more."""
-        wait([self.digest_job, *self.other_jobs])
+        wait(self.jobs)
 
 
 def tmp_dir_name(prefix_id: str) -> str:
@@ -234,14 +231,13 @@ class PrefixWriter:
         self._drain(MAX_PENDING_LAYERS - 1)
         jobs: list[Future] = []
         try:
-            jobs.append(self._run(functools.partial(bytes_digest, arr)))
             jobs.append(self._run(functools.partial(write_bytes_durably, self.tmp_dir / name, arr, self._fsync)))
             for h in range(lay.n_kv_heads):
                 jobs.append(self._run(functools.partial(self._page_crcs, layer, arr, h)))
         except BaseException:
             wait(jobs)  # the ones already started finish before the caller may reuse ``arr``
             raise
-        self._pending.append(PendingLayer(layer, name, arr.nbytes, jobs[0], jobs[1:], lease))
+        self._pending.append(PendingLayer(layer, name, arr.nbytes, jobs, lease))
 
     def _check_new_layer(self, layer: int) -> None:
         if not 0 <= layer < self.layout.n_layers:
@@ -273,8 +269,8 @@ class PrefixWriter:
         return done
 
     def _page_crcs(self, layer: int, arr: np.ndarray, head: int) -> None:
-        for p in range(arr.shape[1]):
-            self._crc[layer, head, p] = page_crc(self.prefix_id, layer, head, p, memoryview(arr[head, p]))
+        n_pages = arr.shape[1]
+        self._crc[layer, head] = page_crcs(self.prefix_id, layer, n_pages, head * n_pages, arr[head], arr.shape[2])
 
     def _drain(self, keep: int) -> None:
         """Wait for pending layer writes until at most ``keep`` remain; the first failure raises."""
@@ -282,9 +278,9 @@ class PrefixWriter:
             p = self._pending.pop(0)
             p.settle()
             self._hand_back(p.lease)
-            for f in p.other_jobs:
+            for f in p.jobs:
                 f.result()
-            self._files[p.layer] = FileInfo(name=p.name, size=p.size, blake2b=str(p.digest_job.result()))
+            self._files[p.layer] = FileInfo(name=p.name, size=p.size, check=PAGE_CRCS)
 
     def put_artifact(self, name: str, data: ArtifactData) -> None:
         """Write an artifact to its file in the temp dir now (``open_artifact`` fed every chunk of ``data``)."""
@@ -407,7 +403,7 @@ class PrefixWriter:
         for artifact in list(self._artifact_streams.values()):
             artifact.discard()
         for p in self._pending:
-            for f in (p.digest_job, *p.other_jobs):
+            for f in p.jobs:
                 f.cancel()
         self._shutdown()  # running writes finish before their files are removed (and their buffers go back)
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
@@ -427,8 +423,8 @@ class PrefixWriter:
 
 
 class LayerStream:
-    """One layer's page file, written as its bytes arrive: the file digest and the per-page CRCs are computed
-    on the way, so nothing but a partial page is held in memory."""
+    """One layer's page file, written as its bytes arrive: the per-page CRCs are computed on the way (one kernel
+    call per write for its whole pages), so nothing but a partial page is held in memory."""
 
     def __init__(self, writer: PrefixWriter, layer: int) -> None:
         lay = writer.layout
@@ -436,7 +432,6 @@ class LayerStream:
         self._writer, self._page_bytes, self._n_pages = writer, lay.page_bytes, lay.n_pages(writer.n_tokens)
         self._name = layer_file_name(layer)
         self._file = open(writer.tmp_dir / self._name, "wb")  # noqa: SIM115 - closed by close/discard
-        self._hash = hashlib.blake2b(digest_size=32)
         self._carry = bytearray()
         self._crcs = np.zeros((lay.n_kv_heads, self._n_pages), dtype=np.uint32)
         self._next_page = 0
@@ -446,7 +441,6 @@ class LayerStream:
         if self.written + len(data) > self.size:
             raise InvalidInput(f"layer {self.layer}: more than its {self.size} bytes")
         self._file.write(data)
-        self._hash.update(data)
         self.written += len(data)
         mv, pb = memoryview(data).cast("B"), self._page_bytes
         if self._carry:
@@ -455,18 +449,19 @@ class LayerStream:
             mv = mv[take:]
             if len(self._carry) < pb:
                 return
-            self._page(self._carry)
+            self._pages(self._carry)
             self._carry = bytearray()
-        while len(mv) >= pb:
-            self._page(mv[:pb])
-            mv = mv[pb:]
-        self._carry += mv
+        whole = len(mv) - len(mv) % pb
+        if whole:
+            self._pages(mv[:whole])
+        self._carry += mv[whole:]
 
-    def _page(self, payload: bytes | bytearray | memoryview) -> None:
-        head, page = divmod(self._next_page, self._n_pages)
-        seed = page_crc_seed(self._writer.prefix_id, self.layer, head, page)
-        self._crcs[head, page] = crc32(payload, seed) & 0xFFFFFFFF
-        self._next_page += 1
+    def _pages(self, payload: bytes | bytearray | memoryview) -> None:
+        """CRCs of the next whole pages (``payload``: a multiple of the page size)."""
+        crcs = page_crcs(self._writer.prefix_id, self.layer, self._n_pages, self._next_page, payload,
+                         self._page_bytes)
+        self._crcs.reshape(-1)[self._next_page:self._next_page + crcs.shape[0]] = crcs
+        self._next_page += crcs.shape[0]
 
     def close(self) -> None:
         """Finish the layer (durable unless the store skips fsync); InvalidInput when bytes are missing."""
@@ -476,7 +471,7 @@ class LayerStream:
         if self._writer.fsyncs_each_file:
             os.fsync(self._file.fileno())
         self._file.close()
-        info = FileInfo(name=self._name, size=self.size, blake2b=self._hash.hexdigest())
+        info = FileInfo(name=self._name, size=self.size, check=PAGE_CRCS)
         self._writer._finish_stream(self, info, self._crcs)
 
     def discard(self) -> None:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from native.build import CpuKernelBuild
 from workers.kernels.doublep_select import ops as doublep_ops
 from workers.kernels.gather_entries import ops as gather_ops
-from workers.kernels.index_page_mass.build import CpuKernelBuild
 from workers.kernels.page_entries import cpu as page_entries_cpu
 from workers.kernels.token_rows import ops as token_rows_ops
 from workers.kernels.unit_topk import cpu as unit_topk_cpu

@@ -16,6 +16,7 @@ import logging
 import pytest
 import torch
 
+from native import build as native_build
 from workers.kernels.index_page_mass import (
     CodeTiles,
     IndexPageMassConfig,
@@ -152,7 +153,7 @@ def test_without_a_compiler_topk_takes_the_torch_reference(monkeypatch: pytest.M
     monkeypatch.setenv("CXX", "kvstash-no-such-compiler")
     kernel_build.load.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger=kernel_build.__name__):
+        with caplog.at_level(logging.WARNING, logger=native_build.__name__):
             assert not cpu_kernel_available() and not cpu_kernel_available()
             n = 1000
             k = _keys(2, n, 64, seed=3)
@@ -188,10 +189,11 @@ def test_a_build_without_avx512_leaves_topk_on_torch(monkeypatch: pytest.MonkeyP
 def test_the_build_is_cached_per_source_and_cpu() -> None:
     """A second build with the same source, flags and CPU reuses the library: one build per machine (about 1 s
     with g++ 12; the suite's first use of the kernel pays it)."""
-    cfg = kernel_build.CpuKernelBuild()
-    lib = kernel_build.build(cfg)
+    cfg = native_build.CpuKernelBuild()
+    lib = native_build.build(cfg, source=kernel_build.SOURCE, name="index_page_mass")
     mtime = lib.stat().st_mtime_ns
-    assert kernel_build.build(cfg) == lib and lib.stat().st_mtime_ns == mtime
+    again = native_build.build(cfg, source=kernel_build.SOURCE, name="index_page_mass")
+    assert again == lib and lib.stat().st_mtime_ns == mtime
     assert lib.parent == cfg.cache_dir and not list(cfg.cache_dir.glob("tmp*"))  # no temporary left behind
 
 

@@ -1,6 +1,6 @@
 """Double-P's per-step bookkeeping on the CPU after the stage-1 masses, in a C++ kernel.
 
-``doublep_select`` is the launcher (the kernel built once per machine by ``index_page_mass/build.py``; it raises
+``doublep_select`` is the launcher (the kernel built once per machine by ``native/build.py``; it raises
 when the kernel is unavailable, so callers check ``cpu_kernel_available`` and keep their numpy/torch path);
 ``doublep_select_ref`` the plain torch reference; both return a ``DoublePPick``.
 """

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from workers.kernels.index_page_mass.build import CpuKernelBuild, load_library
+from native.build import CpuKernelBuild, load_library
 
 from .types import DoublePPick
 

@@ -1,6 +1,6 @@
 """A decode row's attended K/V entries gathered from a CPU pool in one C++ call (copies only: the same bits).
 
-``gather_entries`` is the launcher (built once per machine by ``index_page_mass/build.py``; it raises when the
+``gather_entries`` is the launcher (built once per machine by ``native/build.py``; it raises when the
 kernel is unavailable: callers check ``gather_entries_usable`` and keep the torch path otherwise);
 ``gather_entries_ref`` the plain torch reference; ``attend_entries`` the torch form's attention over the entries.
 """

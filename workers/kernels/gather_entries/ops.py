@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from workers.kernels.index_page_mass.build import CpuKernelBuild, load_library
+from native.build import CpuKernelBuild, load_library
 
 __all__ = ["attend_entries", "cpu_kernel_available", "gather_entries", "gather_entries_usable"]
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from workers.kernels.index_page_mass.build import CpuKernelBuild, load_library
+from native.build import CpuKernelBuild, load_library
 
 from .entries import PageEntries
 

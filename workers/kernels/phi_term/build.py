@@ -1,4 +1,4 @@
-"""Loads ``kernel.cpp`` through ctypes, built once per machine and cached by ``index_page_mass``'s build (its
+"""Loads ``kernel.cpp`` through ctypes, built once per machine and cached by ``native.build`` (its
 ``CpuKernelBuild``: the compiler, flags, cache directory and ``KVSTASH_CPU_KERNEL=0`` switch are shared)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from workers.kernels.index_page_mass.build import CpuKernelBuild, load_library
+from native.build import CpuKernelBuild, load_library
 
 SOURCE = Path(__file__).with_name("kernel.cpp")
 

@@ -1,7 +1,7 @@
 """A step's token ids -> host-view pool rows and the distinct pages read, in a C++ kernel (integer work only).
 
 ``token_rows`` is the launcher, ``page_rows`` its page-id form (built once per machine by
-``index_page_mass/build.py``; they raise when the kernel is unavailable: callers check ``cpu_kernel_available`` and
+``native/build.py``; they raise when the kernel is unavailable: callers check ``cpu_kernel_available`` and
 keep numpy otherwise); ``token_rows_ref`` the plain torch reference.
 """
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from workers.kernels.index_page_mass.build import CpuKernelBuild, load_library
+from native.build import CpuKernelBuild, load_library
 
 __all__ = ["cpu_kernel_available", "page_rows", "token_rows"]
 

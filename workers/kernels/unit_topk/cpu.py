@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from workers.kernels.index_page_mass.build import CpuKernelBuild, load_library
+from native.build import CpuKernelBuild, load_library
 
 __all__ = ["cpu_kernel_available", "top_units_cpu", "top_units_usable"]
 
