@@ -67,11 +67,11 @@ def _failing(monkeypatch: pytest.MonkeyPatch, at_layer: int) -> None:
     monkeypatch.setattr(QuestBounds, "summarize", summarize)
 
 
-def _fails_and_commits_nothing(tmp_path: Path, lm, monkeypatch: pytest.MonkeyPatch) -> None:
+def _fails_and_commits_nothing(tmp_path: Path, lm, monkeypatch: pytest.MonkeyPatch, *, beside: bool) -> None:
     _failing(monkeypatch, at_layer=lm.layout.n_layers - 1)
     store = KVStore(StoreConfig(home=tmp_path / "f", page_size=16))
     try:
-        worker = Worker(store, lm, progress=False)
+        worker = Worker(store, lm, progress=False, summaries_beside=beside)
         with pytest.raises(RuntimeError, match="summary failed"):
             worker.prefill(DOC)
         assert store.find(worker.prefix_key(worker.tokenize_document(DOC)).prefix_id) is None
@@ -80,7 +80,7 @@ def _fails_and_commits_nothing(tmp_path: Path, lm, monkeypatch: pytest.MonkeyPat
 
 
 def test_a_failing_summary_fails_the_prefill_on_cpu(tmp_path: Path, lm, monkeypatch: pytest.MonkeyPatch) -> None:
-    _fails_and_commits_nothing(tmp_path, lm, monkeypatch)
+    _fails_and_commits_nothing(tmp_path, lm, monkeypatch, beside=False)
 
 
 @pytest.fixture(scope="module")
@@ -103,4 +103,4 @@ def test_cuda_summaries_beside_equal_inline(tmp_path: Path, cuda_lm) -> None:
 @CUDA
 def test_cuda_a_failing_summary_beside_fails_the_prefill(tmp_path: Path, cuda_lm,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    _fails_and_commits_nothing(tmp_path, cuda_lm, monkeypatch)
+    _fails_and_commits_nothing(tmp_path, cuda_lm, monkeypatch, beside=True)

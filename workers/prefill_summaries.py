@@ -6,6 +6,11 @@ cache's chunks). Run on the forward's stream they add to it; here a background t
 summaries on a stream of its own, after that layer's K/V are final (an event on the forward's stream), while the
 forward pass goes on with the next layer. The summaries are the same tensors either way (the same kernels on the
 same inputs); only their place in time moves. Elsewhere (the CPU, or ``beside=False``) they are computed inline.
+
+Measured at 128k tokens on an H200 (docs/benchmarks/engine.md): beside won while the store's per-page checksums
+held the GIL (25.84 s against 27.74 s inline), and lost once they no longer did (25.64 s against 24.01 s): the
+lane's Python (k-means' loop) then takes the GIL from the forward pass's launches. ``Worker`` keeps it off by
+default (``summaries_beside``).
 """
 
 from __future__ import annotations
