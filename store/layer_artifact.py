@@ -9,7 +9,7 @@ writes run on a background thread, at most ``MAX_PENDING_SUMMARY_LAYERS`` layers
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -25,29 +25,21 @@ MAX_PENDING_SUMMARY_LAYERS = 2
 the next layer's summaries are computed beside the last one's write."""
 
 
-class LayerArtifact(ClosedOrDiscarded):
-    """Tensors named ``"{layer}.{name}"`` for layers ``0..n_layers-1``, added a layer at a time in order, written
-    to ``stream`` as they come; ``close`` waits for the writes and records the artifact, ``discard`` drops it. A
-    context manager that closes on success and discards on an exception."""
+class LayerLayout:
+    """The layout of an artifact of ``n_layers`` layers of like tensors (``"{layer}.{name}"``), learnt from layer 0:
+    checks each next layer and gives the bytes that go before its tensors' (the header, before layer 0's)."""
 
-    def __init__(self, stream: ArtifactStream, n_layers: int, *,
-                 max_pending: int = MAX_PENDING_SUMMARY_LAYERS) -> None:
-        if n_layers <= 0 or max_pending <= 0:
-            raise ValueError("n_layers and max_pending must be positive")
-        self.name, self.n_layers = stream.name, n_layers
-        self._stream, self._max_pending = stream, max_pending
+    def __init__(self, name: str, n_layers: int) -> None:
+        self.name, self.n_layers = name, n_layers
         self._entries: dict[str, _Entry] | None = None  # one layer's, by tensor name
         self._order: list[str] = []
-        self._added = 0
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"artifact-{stream.name}")
-        self._pending: deque[Future[None]] = deque()
-        self._done = False
+        self._next = 0
 
-    def add(self, layer: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Queue layer ``layer``'s tensors (the next layer; the same names, dtypes and shapes as layer 0's); raises
-        the error of an earlier layer's write, if one failed."""
-        if layer != self._added or layer >= self.n_layers:
-            raise InvalidInput(f"artifact {self.name!r}: layer {layer} added; expected layer {self._added} "
+    def next_layer(self, layer: int, tensors: Mapping[str, torch.Tensor]) -> tuple[bytes, list[torch.Tensor]]:
+        """Layer ``layer``'s (the next one's) leading bytes and its tensors in file order; InvalidInput when it is
+        out of order or its tensors' names, dtypes or shapes differ from layer 0's."""
+        if layer != self._next or layer >= self.n_layers:
+            raise InvalidInput(f"artifact {self.name!r}: layer {layer} added; expected layer {self._next} "
                                f"of {self.n_layers}")
         entries = {name: _entry(t) for name, t in tensors.items()}
         header = b""
@@ -60,10 +52,51 @@ class LayerArtifact(ClosedOrDiscarded):
         elif entries != self._entries:
             raise InvalidInput(f"artifact {self.name!r}: layer {layer}'s tensors {entries} differ from layer 0's "
                                f"{self._entries}")
+        self._next += 1
+        return header, [tensors[n] for n in self._order]
+
+
+def layer_artifact_chunks(name: str, n_layers: int, layers: Iterable[Mapping[str, torch.Tensor]]
+                          ) -> Iterator[bytes | memoryview]:
+    """The bytes of a ``LayerArtifact`` of ``layers`` (each layer's tensors, pulled one layer at a time), as
+    chunks for ``KVStore.add_artifact``; InvalidInput when there are not ``n_layers`` of them."""
+    layout = LayerLayout(name, n_layers)
+    count = 0
+    for layer, tensors in enumerate(layers):
+        header, held = layout.next_layer(layer, tensors)
+        if header:
+            yield header
+        for t in held:
+            yield _raw(t)
+        count += 1
+    if count != n_layers:
+        raise InvalidInput(f"artifact {name!r}: {count} of {n_layers} layers")
+
+
+class LayerArtifact(ClosedOrDiscarded):
+    """Tensors named ``"{layer}.{name}"`` for layers ``0..n_layers-1``, added a layer at a time in order, written
+    to ``stream`` as they come; ``close`` waits for the writes and records the artifact, ``discard`` drops it. A
+    context manager that closes on success and discards on an exception."""
+
+    def __init__(self, stream: ArtifactStream, n_layers: int, *,
+                 max_pending: int = MAX_PENDING_SUMMARY_LAYERS) -> None:
+        if n_layers <= 0 or max_pending <= 0:
+            raise ValueError("n_layers and max_pending must be positive")
+        self.name, self.n_layers = stream.name, n_layers
+        self._stream, self._max_pending = stream, max_pending
+        self._layout = LayerLayout(stream.name, n_layers)
+        self._added = 0
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"artifact-{stream.name}")
+        self._pending: deque[Future[None]] = deque()
+        self._done = False
+
+    def add(self, layer: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Queue layer ``layer``'s tensors (the next layer; the same names, dtypes and shapes as layer 0's); raises
+        the error of an earlier layer's write, if one failed."""
+        header, held = self._layout.next_layer(layer, tensors)  # held: kept alive until written
         self._added += 1
         while len(self._pending) >= self._max_pending:
             self._pending.popleft().result()
-        held = [tensors[n] for n in self._order]  # kept alive until written
         self._pending.append(self._pool.submit(self._write, header, held))
 
     def _write(self, header: bytes, tensors: list[torch.Tensor]) -> None:

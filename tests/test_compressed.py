@@ -169,7 +169,7 @@ def test_concurrent_first_uses_build_once(worker: Worker) -> None:
         t.join()
     assert not errors
     assert (worker.compressions.scorings, worker.compressions.builds) == (1, 2)
-    assert worker.compressions._locks == {}  # no lock is kept once its builds are done
+    assert worker.compressions._flights.in_flight() == 0  # no lock is kept once its builds are done
 
 
 def test_add_artifact_keeps_the_first_writer(worker: Worker, store: KVStore) -> None:

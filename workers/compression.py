@@ -11,10 +11,7 @@ scores (query-agnostic, ratio-free) are an artifact of their own: a cache at ano
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 
@@ -26,6 +23,7 @@ from workers.methods.compressed import CompressionMethod, compact_cache
 from workers.methods.source import PrefixSource
 from workers.model import LoadedModel
 from workers.progress import PrefillProgress
+from workers.single_flight import SingleFlight
 
 TOKENS_ARTIFACT = "tokens"
 """The prefix's token ids, stored at prefill: reconstruction scoring repeats them."""
@@ -38,32 +36,14 @@ class Compressions:
 
     def __init__(self, store: KVStore, lm: LoadedModel, *, progress: bool = False):
         self.store, self.lm, self.progress = store, lm, progress
-        self._locks: dict[tuple[str, str], tuple[threading.Lock, int]] = {}
-        """Per (prefix, artifact) being built: its lock and how many requests hold or wait for it."""
-        self._guard = threading.Lock()
+        self._flights = SingleFlight()
+        """Per (prefix, artifact) being built."""
         self.builds = 0
         """Compact caches this worker built (not counting those found committed)."""
         self.scorings = 0
         """Scoring passes this worker ran."""
         self.seconds: dict[str, float] = {}
         """Wall time of the last scoring (``score``) and compaction (``compact``)."""
-
-    @contextmanager
-    def _single_flight(self, prefix_id: str, name: str) -> Iterator[None]:
-        key = (prefix_id, name)
-        with self._guard:
-            lock, users = self._locks.get(key, (threading.Lock(), 0))
-            self._locks[key] = (lock, users + 1)
-        try:
-            with lock:
-                yield
-        finally:
-            with self._guard:  # the last one out drops the entry: one per build in flight, not per cache ever built
-                lock, users = self._locks[key]
-                if users == 1:
-                    del self._locks[key]
-                else:
-                    self._locks[key] = (lock, users - 1)
 
     def ensure(self, manifest: Manifest, method: CompressionMethod, ratio: float) -> Manifest:
         """The prefix's manifest listing ``method``'s compact cache at ``ratio`` (built now if missing)."""
@@ -74,7 +54,7 @@ class Compressions:
         base = method.base_method()
         if base is not None:  # built from the base's cache, which is ensured first (outside this build's lock)
             manifest = self.ensure(manifest, base, ratio)
-        with self._single_flight(pid, name):
+        with self._flights.hold((pid, name)):
             m = self.store.manifest(pid)
             if m.artifact(name) is not None:  # another request (or worker) built it while we waited
                 return m
@@ -111,7 +91,7 @@ class Compressions:
                 kv: list[tuple[torch.Tensor, torch.Tensor]], *,
                 at_prefill: bool = False) -> tuple[Manifest, torch.Tensor]:
         """The stored scores, computed and stored first when missing (single flight too)."""
-        with self._single_flight(m.prefix_id, name):
+        with self._flights.hold((m.prefix_id, name)):
             m = self.store.manifest(m.prefix_id)
             if m.artifact(name) is not None:
                 return m, bytes_to_tensors(self.store.artifact(m.prefix_id, name))[SCORES_KEY]

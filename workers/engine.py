@@ -18,6 +18,7 @@ from workers.attention import PrefixAttention
 from workers.compression import TOKENS_ARTIFACT, Compressions, tokens_to_bytes
 from workers.decode_batch import DecodeEngine, EngineConfig, Generation
 from workers.device_bytes import DeviceMeter
+from workers.late_summaries import LatePolicy, LateSummaries
 from workers.methods.base import ReportsReads, UsesCudaGraphs
 from workers.methods.compressed import CompressionMethod
 from workers.methods.lookahead import LookaheadModel
@@ -66,7 +67,8 @@ class Worker:
 
     def __init__(self, store: KVStore, lm: LoadedModel, *, secret: str = "", chunk_size: int = DEFAULT_CHUNK,
                  progress: bool = True, offload: OffloadConfig | None = DEFAULT_OFFLOAD,
-                 engine: EngineConfig | None = None, summaries_beside: bool = False):
+                 engine: EngineConfig | None = None, summaries_beside: bool = False,
+                 late_summaries: LatePolicy = "auto"):
         self.store, self.lm, self.secret = store, lm, secret
         self.summaries_beside = summaries_beside
         """On a CUDA device, compute each layer's prefill summaries on a side stream beside the forward pass
@@ -82,6 +84,8 @@ class Worker:
         self.summaries = SummaryCache((offload or DEFAULT_OFFLOAD).summary_cache_bytes)
         """Parsed summaries and page-CRC tables of recently opened prefixes (host memory, LRU)."""
         self.compressions = Compressions(store, lm, progress=progress)
+        self.late = LateSummaries(store, lm, policy=late_summaries, progress=progress)
+        """Builds the costly (``late``) summaries after a prefill's commit, or on first use (``LatePolicy``)."""
         """Builds compressed caches of stored prefixes on first use (single flight)."""
         if lm.layout.page_size != store.config.page_size:
             raise ValueError("model layout and store disagree on page_size")
@@ -130,6 +134,7 @@ class Worker:
                     cached = True
                 else:
                     m, cached = self._write_prefix(key, ids, tenant), False
+        self.late.after_commit(m)  # a cached prefix too: its build may have been cut short
         for method in scorers:  # outside the prefill lock: scoring has its own single flight
             m = self.compressions.ensure_scores(m, method)
         return PrefillResult(prefix_id=pid, n_tokens=m.n_tokens, cached=cached, manifest=m)
@@ -160,7 +165,7 @@ class Worker:
             yield
 
     def _write_prefix(self, key: PrefixKey, ids: list[int], tenant: str) -> Manifest:
-        summarizers = build_summarizers(self.lm.phi_map)
+        summarizers = build_summarizers(self.lm.phi_map, skip=self.late.deferred())
         shown = PrefillProgress(enabled=self.progress, n_layers=self.lm.layout.n_layers)
         with self.store.write_prefix(key, model_name=self.lm.name, n_tokens=len(ids), tenant=tenant) as w, \
                 contextlib.ExitStack() as held:
@@ -216,6 +221,7 @@ class Worker:
                                  f"of {self.lm.max_context}")
         impl = get_method(method, self.lm.phi_map, self._lookahead(), self.lm.head_scores)
         decode = decode or DecodeConfig()
+        m = self.late.ensure(m, impl.summarizers)  # a late summary it reads: built now if not yet
         source = PrefixSource(self.store, m, self.lm.device, summaries=self.summaries)
         source.stream_summaries = True  # the engine verifies them when the query is in (VerifiesSummaries)
         held = contextlib.ExitStack()

@@ -55,6 +55,10 @@ class PrefillProgress:
         """A compression method's scoring pass (no counts either: elapsed time, like ``committing``)."""
         return self._ticking(scoring_desc(method))
 
+    def summarizing(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """A late summary built after the prefill (``workers.late_summaries``; elapsed time)."""
+        return self._ticking(f"building the {name} summary")
+
     @contextlib.contextmanager
     def _ticking(self, desc: str) -> Iterator[None]:
         bar = tqdm(total=None, desc=desc, bar_format="{desc}: {elapsed}", disable=not self.enabled, leave=False)

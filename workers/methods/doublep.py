@@ -54,6 +54,7 @@ class ClusterSummarizer(Summarizer):
 
     name = "clusters"
     version = 2
+    late = True
     cluster_size = 8
     """Mean tokens per cluster (``ceil(n_mid / cluster_size)`` clusters). At 16 a rare, sharply attended key
     (a variable-tracking needle) shares its cluster with haystack keys whose mean logit hides it; at 8 vt at

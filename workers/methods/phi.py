@@ -56,6 +56,7 @@ class PhiSummarizer(Summarizer):
 
     name = "phi"
     version = 1
+    late = True
     phi_dim: int | None = None
     """Feature dimension of the default FAVOR+ map (None: the head dimension, the paper's setting)."""
     seed = 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from store.errors import UnknownMethod
 from workers.methods.base import Method, Summarizer
 from workers.methods.compressed import CompressionMethod
@@ -80,6 +82,12 @@ def prefill_summarizers() -> list[type[Summarizer]]:
     return [seen[n] for n in sorted(seen)]
 
 
-def build_summarizers(phi_map: FeatureMap | None = None) -> list[Summarizer]:
-    """Instances of `prefill_summarizers`; the φ cache is built with the model's `phi_map` when given."""
-    return [s(phi_map) if issubclass(s, PhiSummarizer) else s() for s in prefill_summarizers()]
+def build_summarizer(kind: type[Summarizer], phi_map: FeatureMap | None = None) -> Summarizer:
+    """An instance of summarizer ``kind``; the φ cache is built with the model's ``phi_map`` when given."""
+    return kind(phi_map) if issubclass(kind, PhiSummarizer) else kind()
+
+
+def build_summarizers(phi_map: FeatureMap | None = None, *,
+                      skip: Collection[type[Summarizer]] = ()) -> list[Summarizer]:
+    """Instances of `prefill_summarizers` but those in ``skip``, each with `build_summarizer`."""
+    return [build_summarizer(s, phi_map) for s in prefill_summarizers() if s not in skip]
