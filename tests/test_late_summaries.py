@@ -170,3 +170,22 @@ def test_cuda_background_answers_equal_inline(tmp_path: Path, tiny_model_dir: Pa
         b = "".join(bg.generate(pid, QUERY, GREEDY, method=method, decode=DecodeConfig(budget=0.25)))
         assert a == b, method
     bg.late.close()
+
+
+def test_one_pass_reads_each_layer_once_through_the_worker_tiers(tmp_path: Path, lm,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from workers.methods.source import PrefixSource
+
+    w = _worker(tmp_path, lm, "on_use", "r")
+    pid = w.prefill(DOC).prefix_id
+    reads: list[tuple[int, bool]] = []
+    real = PrefixSource.whole_layer
+
+    def counted(self, layer, *, step=None):  # type: ignore[no-untyped-def]
+        reads.append((layer, self.fetcher is not None))
+        return real(self, layer, step=step)
+
+    monkeypatch.setattr(PrefixSource, "whole_layer", counted)
+    w.late.ensure(w.store.manifest(pid))
+    assert reads == [(layer, True) for layer in range(lm.layout.n_layers)]  # both summaries from one read each
+    assert w.late.builds == 2 and LATE <= set(_digests(w, pid))

@@ -41,7 +41,8 @@ def _assert_same(a: dict[str, dict[str, torch.Tensor]], b: dict[str, dict[str, t
 
 def _prefill(tmp: Path, lm, *, beside: bool, tag: str) -> tuple[KVStore, str]:
     store = KVStore(StoreConfig(home=tmp / tag, page_size=16))
-    return store, Worker(store, lm, progress=False, summaries_beside=beside).prefill(DOC).prefix_id
+    return store, Worker(store, lm, progress=False, summaries_beside=beside,
+                         late_summaries="inline").prefill(DOC).prefix_id
 
 
 def test_cpu_lane_is_inline_and_stores_every_summary(tmp_path: Path, lm) -> None:
@@ -71,7 +72,7 @@ def _fails_and_commits_nothing(tmp_path: Path, lm, monkeypatch: pytest.MonkeyPat
     _failing(monkeypatch, at_layer=lm.layout.n_layers - 1)
     store = KVStore(StoreConfig(home=tmp_path / "f", page_size=16))
     try:
-        worker = Worker(store, lm, progress=False, summaries_beside=beside)
+        worker = Worker(store, lm, progress=False, summaries_beside=beside, late_summaries="inline")
         with pytest.raises(RuntimeError, match="summary failed"):
             worker.prefill(DOC)
         assert store.find(worker.prefix_key(worker.tokenize_document(DOC)).prefix_id) is None

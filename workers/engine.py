@@ -84,11 +84,17 @@ class Worker:
         self.summaries = SummaryCache((offload or DEFAULT_OFFLOAD).summary_cache_bytes)
         """Parsed summaries and page-CRC tables of recently opened prefixes (host memory, LRU)."""
         self.compressions = Compressions(store, lm, progress=progress)
-        self.late = LateSummaries(store, lm, policy=late_summaries, progress=progress)
+        self.late = LateSummaries(store, lm, policy=late_summaries, progress=progress, open_fetcher=self._fetcher)
         """Builds the costly (``late``) summaries after a prefill's commit, or on first use (``LatePolicy``)."""
         """Builds compressed caches of stored prefixes on first use (single flight)."""
         if lm.layout.page_size != store.config.page_size:
             raise ValueError("model layout and store disagree on page_size")
+
+    def _fetcher(self, m: Manifest) -> PageFetcher | None:
+        """A tiered page reader of prefix ``m`` over this worker's host tier (None without offload)."""
+        if self.offload is None:
+            return None
+        return PageFetcher(self.store, m, self.lm.device, self.offload, self.host_tier(), summaries=self.summaries)
 
     def host_tier(self) -> HostTier | None:
         """The worker's pinned host tier, shared by its generations (allocated on first use)."""

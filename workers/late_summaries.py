@@ -18,11 +18,14 @@ store (the tests compare the artifacts' digests).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Literal, get_args
+
+import torch
 
 from store.kvstore import KVStore
 from store.layer_artifact import layer_artifact_chunks
@@ -31,6 +34,7 @@ from workers.methods.base import Summarizer
 from workers.methods.registry import build_summarizer, prefill_summarizers
 from workers.methods.source import PrefixSource
 from workers.model import LoadedModel
+from workers.offload import PageFetcher
 from workers.progress import PrefillProgress
 from workers.single_flight import SingleFlight
 
@@ -45,10 +49,14 @@ LATE_POLICIES: tuple[str, ...] = get_args(LatePolicy)
 class LateSummaries:
     """One worker's builder of the late summaries of its prefixes (thread-safe)."""
 
-    def __init__(self, store: KVStore, lm: LoadedModel, *, policy: LatePolicy = "auto", progress: bool = False):
+    def __init__(self, store: KVStore, lm: LoadedModel, *, policy: LatePolicy = "auto", progress: bool = False,
+                 open_fetcher: Callable[[Manifest], PageFetcher | None] | None = None):
         if policy not in LATE_POLICIES:
             raise ValueError(f"late summaries policy must be one of {LATE_POLICIES}, got {policy!r}")
         self.store, self.lm, self.progress = store, lm, progress
+        self._open_fetcher = open_fetcher
+        """The worker's tiered reader of a prefix's pages (its pinned host tier: the build warms it for the
+        prefix's first generations); None: each layer read from its page file."""
         self.policy: LatePolicy = policy if policy != "auto" else (
             "background" if lm.device.type == "cuda" else "inline")
         self._flights = SingleFlight()
@@ -57,7 +65,7 @@ class LateSummaries:
         self.builds = 0
         """Late summaries this worker built (not counting those found committed)."""
         self.seconds: dict[str, float] = {}
-        """Wall time of each summary's last build, by artifact name."""
+        """Wall time of the last build of each set of summaries built together (by their names, comma-joined)."""
 
     def deferred(self) -> tuple[type[Summarizer], ...]:
         """The summarizers a prefill leaves out (none under ``inline``)."""
@@ -91,26 +99,42 @@ class LateSummaries:
                shown: bool = True) -> Manifest:
         """The prefix's manifest listing every late summary among ``needed`` (default: all), built now if missing
         (with a progress bar, when the worker shows them and ``shown``)."""
-        for kind in self.missing(manifest, needed):
-            manifest = self._build(manifest, kind, shown=shown)
-        return manifest
-
-    def _build(self, manifest: Manifest, kind: type[Summarizer], *, shown: bool) -> Manifest:
+        kinds = sorted(self.missing(manifest, needed), key=lambda s: s.name)  # one lock order for every caller
+        if not kinds:
+            return manifest
         pid = manifest.prefix_id
-        with self._flights.hold((pid, kind.name)):
+        with contextlib.ExitStack() as held:
+            for kind in kinds:
+                held.enter_context(self._flights.hold((pid, kind.name)))
             m = self.store.manifest(pid)
-            if m.artifact(kind.name) is not None:  # built while we waited (here, or by another worker)
-                return m
-            t0 = time.perf_counter()
-            summarizer = build_summarizer(kind, self.lm.phi_map)
-            with self.store.lease(pid), PrefillProgress(enabled=self.progress and shown).summarizing(kind.name):
-                source = PrefixSource(self.store, m, self.lm.device)
-                layers = _summaries(summarizer, source, m.layout.n_layers)
-                m = self.store.add_artifact(pid, kind.name, layer_artifact_chunks(kind.name, m.layout.n_layers,
-                                                                                  layers))
-            self.seconds[kind.name] = time.perf_counter() - t0
-            self.builds += 1
+            todo = [k for k in kinds if m.artifact(k.name) is None]  # the rest were built while we waited
+            if todo:
+                m = self._build(m, todo, shown=shown)
             return m
+
+    def _build(self, m: Manifest, kinds: list[type[Summarizer]], *, shown: bool) -> Manifest:
+        """Build ``kinds`` in one pass over the layers (each layer's K/V read once): the first one's layers go
+        to its artifact as they come, the others' are kept on the host (they are small: the φ cache is under
+        1 MB a layer) and stored after it."""
+        pid, n_layers = m.prefix_id, m.layout.n_layers
+        t0 = time.perf_counter()
+        summarizers = [build_summarizer(kind, self.lm.phi_map) for kind in kinds]
+        kept: list[list[dict[str, torch.Tensor]]] = [[] for _ in kinds[1:]]
+        names = ", ".join(k.name for k in kinds)
+        with self.store.lease(pid), PrefillProgress(enabled=self.progress and shown).summarizing(names):
+            source = PrefixSource(self.store, m, self.lm.device)
+            source.fetcher = self._open_fetcher(m) if self._open_fetcher is not None else None
+            try:
+                first = _first_and_kept(summarizers, source, n_layers, kept)
+                m = self.store.add_artifact(pid, kinds[0].name, layer_artifact_chunks(kinds[0].name, n_layers, first))
+                for kind, layers in zip(kinds[1:], kept, strict=True):
+                    m = self.store.add_artifact(pid, kind.name, layer_artifact_chunks(kind.name, n_layers, layers))
+            finally:
+                if source.fetcher is not None:
+                    source.fetcher.close()
+        self.seconds[names] = time.perf_counter() - t0
+        self.builds += len(kinds)
+        return m
 
     def wait(self) -> None:
         """Wait for the background builds started so far (their errors are logged, not raised)."""
@@ -125,8 +149,12 @@ class LateSummaries:
             self._pool = None
 
 
-def _summaries(summarizer: Summarizer, source: PrefixSource, n_layers: int) -> Iterator[dict]:
-    """Each layer's summary tensors, one layer's K/V read at a time."""
+def _first_and_kept(summarizers: list[Summarizer], source: PrefixSource, n_layers: int,
+                    kept: list[list[dict[str, torch.Tensor]]]) -> Iterator[dict[str, torch.Tensor]]:
+    """Each layer's summary tensors of the first summarizer, one layer's K/V read at a time (through the worker's
+    tiers when the source has a fetcher); the other summarizers' go to ``kept`` on the host."""
     for layer in range(n_layers):
-        k, v = source.layer_kv(layer)
-        yield summarizer.summarize(layer, k, v)
+        k, v = source.whole_layer(layer)
+        for s, out in zip(summarizers[1:], kept, strict=True):
+            out.append({name: t.cpu() for name, t in s.summarize(layer, k, v).items()})
+        yield summarizers[0].summarize(layer, k, v)
