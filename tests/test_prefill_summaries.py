@@ -45,9 +45,7 @@ def _prefill(tmp: Path, lm, *, beside: bool, tag: str) -> tuple[KVStore, str]:
                          late_summaries="inline").prefill(DOC).prefix_id
 
 
-def test_cpu_lane_is_inline_and_stores_every_summary(tmp_path: Path, lm) -> None:
-    lane = SummaryLane([], lm.device, beside=True)
-    assert not lane.beside  # no side stream on the CPU: between layers, as before
+def _beside_equals_inline(tmp_path: Path, lm) -> None:
     a, pa = _prefill(tmp_path, lm, beside=True, tag="a")
     b, pb = _prefill(tmp_path, lm, beside=False, tag="b")
     try:
@@ -55,6 +53,11 @@ def test_cpu_lane_is_inline_and_stores_every_summary(tmp_path: Path, lm) -> None
     finally:
         a.close()
         b.close()
+
+
+def test_cpu_lane_is_inline_and_stores_every_summary(tmp_path: Path, lm) -> None:
+    assert not SummaryLane([], lm.device, beside=True).beside  # no side stream on the CPU: between layers
+    _beside_equals_inline(tmp_path, lm)
 
 
 def _failing(monkeypatch: pytest.MonkeyPatch, at_layer: int) -> None:
@@ -92,13 +95,7 @@ def cuda_lm(tiny_model_dir: Path):  # type: ignore[no-untyped-def]
 @CUDA
 def test_cuda_summaries_beside_equal_inline(tmp_path: Path, cuda_lm) -> None:
     assert SummaryLane([], cuda_lm.device, beside=True).beside
-    a, pa = _prefill(tmp_path, cuda_lm, beside=True, tag="a")
-    b, pb = _prefill(tmp_path, cuda_lm, beside=False, tag="b")
-    try:
-        _assert_same(_summaries(a, pa), _summaries(b, pb))
-    finally:
-        a.close()
-        b.close()
+    _beside_equals_inline(tmp_path, cuda_lm)
 
 
 @CUDA

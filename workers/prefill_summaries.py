@@ -22,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from store.layer_artifact import LayerArtifact
+from store.writer import ClosedOrDiscarded
 from workers.methods.base import Summarizer
 
 MAX_LAYERS_AHEAD = 2
@@ -29,9 +30,10 @@ MAX_LAYERS_AHEAD = 2
 memory their K/V hold (one layer is 512 MiB at 128k tokens with Llama-3.1-8B's KV shape)."""
 
 
-class SummaryLane:
+class SummaryLane(ClosedOrDiscarded):
     """Computes each layer's summaries and adds them to their artifacts, in layer order: on a side CUDA stream from
-    a background thread when ``beside`` (and the device is CUDA), else inline in ``add``."""
+    a background thread when ``beside`` (and the device is CUDA), else inline in ``add``. A context manager that
+    closes on success and discards on an exception."""
 
     def __init__(self, outs: Sequence[tuple[Summarizer, LayerArtifact]], device: torch.device, *, beside: bool = True,
                  max_ahead: int = MAX_LAYERS_AHEAD) -> None:
@@ -101,12 +103,3 @@ class SummaryLane:
     def _shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-
-    def __enter__(self) -> SummaryLane:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.discard()
