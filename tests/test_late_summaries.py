@@ -188,4 +188,4 @@ def test_one_pass_reads_each_layer_once_through_the_worker_tiers(tmp_path: Path,
     monkeypatch.setattr(PrefixSource, "whole_layer", counted)
     w.late.ensure(w.store.manifest(pid))
     assert reads == [(layer, True) for layer in range(lm.layout.n_layers)]  # both summaries from one read each
-    assert w.late.builds == 2 and LATE <= set(_digests(w, pid))
+    assert w.late.builds == 2 and set(_digests(w, pid)) >= LATE

@@ -290,7 +290,7 @@ def test_prefill_summaries_are_written_layer_by_layer(worker: Worker, store: KVS
     gathered: dict[str, dict[str, torch.Tensor]] = {}
     real = engine.build_summarizers
     monkeypatch.setattr(engine, "build_summarizers",
-                        lambda phi_map=None: [_Tracked(s, arrays, alive, gathered) for s in real(phi_map)])
+                        lambda phi_map=None, **kw: [_Tracked(s, arrays, alive, gathered) for s in real(phi_map, **kw)])
     pid = worker.prefill("The quick brown fox jumps over the lazy dog. " * 6).prefix_id
     n_layers = worker.lm.layout.n_layers
     assert n_layers >= 2 and {layer for layer, _ in alive} == set(range(n_layers))
