@@ -4,7 +4,8 @@ For each synthetic-suite sample (same seeds as ``kvstash eval``: ``EVAL_SEED_BAS
 
 1. prefill the document (``workers.prefill.prefill_kv``) and keep K/V in a ``MemorySource`` with the product's
    summaries (the φ cache is built with the model's shipped map);
-2. answer greedily with ``full``, ``topk`` and ``topk+phi`` (and any ``--fix`` variants of ``topk+phi``), the
+2. answer greedily with ``full``, ``topk`` and ``topk+phi`` with φ's own value (``phi_value="phi"``; the product's
+   default index value with ``--product-index MASS``), and any ``--fix`` / ``--value`` variants of it, the
    product's method objects (``get_method(...).open``) attending the prefix for every query and answer token,
    and score the answers with the task's scorer;
 3. teacher-force the query and *full's* answer through ``topk+phi`` and ``topk`` and, at every layer, KV head,
@@ -24,13 +25,31 @@ Candidate corrections (``--fix``, this script only; the product is unchanged): `
 ``log Ẑ_R``; ``cap:P`` caps φ's share of the prefix attention at P; ``gate:X`` drops φ in rows where
 ``log Ẑ_R - max exact logit`` exceeds X (φ claims more than e^X times the best read token's weight).
 
+Remainder VALUE estimators (``--value``, this script; ``lab/notes/phi_value_estimators.md``): each replaces φ's
+pseudo-entry value N̂_R/Ẑ_R (and, with ``@M``, its logit log Ẑ_R) by
+
+- ``read``: the attention-weighted mean (exact logits) of the mid tokens the step read (no extra reads);
+- ``blkB``: per-block value means over blocks of B tokens (aligned to absolute positions), each block's remainder
+  (the block minus the tokens read, by exact subtraction) weighted by its estimated remainder mass on the key index
+  Top-K already holds, ``Σ_{i∈b∩R} exp(ŝ_i)`` (a stored summary of ``head_dim`` values per block and KV head);
+- ``kblkB``: the same block value means weighted as Double-P's centroids, ``n_{R,b} exp(scale q·k̄_{R,b})`` with the
+  block's remainder key mean (a second stored summary: the block key sums);
+- ``idxtok``: an oracle, not a product candidate: the index's per-token weights with the exact values of R (the best
+  a value estimate from the index's weights can do);
+- ``true``: the true remainder mean (the floor, ``err phi|true value``);
+
+and ``@M`` picks the pseudo-entry's mass: ``phi`` (default: φ's log Ẑ_R), ``idx`` (the index's log-sum-exp over
+R), ``kblk`` (``LSE_b log n_{R,b} + scale q·k̄_{R,b}``, blocks of the value's B or 64), ``true``. Every ``--value``
+is answered greedily and measured at the attention level (``err_val[spec]``, ``verr_val[spec]``).
+
     OMP_NUM_THREADS=1 python -m lab.phi_diagnose --task fwe --length 8192 --samples 1,7 --budget 0.01 \\
-        --fix shift:-1 --fix cap:0.5
+        --fix shift:-1 --fix cap:0.5 --value read --value blk64 --value blk64@idx
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -67,6 +86,128 @@ def parse_fix(spec: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
     raise ValueError(f"unknown fix {spec!r} (shift:X, cap:P, gate:X)")
 
 
+VALUE_KINDS = ("read", "blk", "kblk", "idxtok", "qv", "pca", "true")
+MASS_KINDS = ("phi", "idx", "kblk", "true")
+
+
+@dataclass(frozen=True)
+class ValueSpec:
+    """A parsed ``--value`` spec: the value estimator, its block size, and the mass of the pseudo-entry."""
+
+    spec: str
+    value: str
+    block: int
+    mass: str
+
+
+def parse_value(spec: str) -> ValueSpec:
+    """``read`` / ``blkB`` / ``kblkB`` / ``idxtok`` / ``true``, optionally ``@phi|idx|kblk|true``."""
+    val, _, mass = spec.partition("@")
+    mass = mass or "phi"
+    kind = val.rstrip("0123456789")
+    digits = val[len(kind):]
+    if kind not in VALUE_KINDS or mass not in MASS_KINDS or (kind in ("blk", "kblk", "qv", "pca")) != bool(digits):
+        raise ValueError(f"unknown value estimator {spec!r} ({', '.join(VALUE_KINDS)}; blk and kblk take a block "
+                         f"size, e.g. blk64; @ one of {', '.join(MASS_KINDS)})")
+    block = int(digits) if digits else 64
+    if block < 1:
+        raise ValueError(f"block size must be >= 1 in {spec!r}")
+    return ValueSpec(spec, kind, block, mass)
+
+
+def approx_values(v: torch.Tensor, spec: ValueSpec, lo: int, hi: int) -> torch.Tensor | None:
+    """The per-token value summary of ``qvB`` (values quantized like the key index: B bits per element, per channel
+    over 64-token blocks) or ``pcaR`` (each KV head's mid values projected on their top R principal directions,
+    float16 coefficients), float64 ``[Hkv, N, D]``; None for the other estimators."""
+    from workers.methods.key_index import KeyIndexConfig, dequantize_keys, quantize_keys
+
+    if spec.value == "qv":
+        if spec.block == 2:  # 2 bits: no packed layout in the key index; quantize in float here
+            x = _blocks_d(v.float(), 64)
+            lo_, hi_ = x.amin(2, keepdim=True), x.amax(2, keepdim=True)
+            step = ((hi_ - lo_) / 3).clamp_min(1e-8)
+            out = (lo_ + step * torch.round((x - lo_) / step).clamp(0, 3)).view(v.shape[0], -1, v.shape[-1])
+            return out[:, :v.shape[1]].double()
+        cfg = KeyIndexConfig(bits=spec.block)
+        q = quantize_keys(v.float(), cfg)
+        return dequantize_keys(q["codes"], q["lo"], q["step"], cfg.bits, cfg.block).double()
+    if spec.value == "pca":
+        mid = v[:, lo:hi].double()
+        mu = mid.mean(1, keepdim=True)
+        _, _, vh = torch.linalg.svd(mid - mu, full_matrices=False)  # [Hkv, D, D]
+        basis = vh[:, :spec.block].transpose(1, 2)  # [Hkv, D, R]
+        coef = ((v.double() - mu) @ basis).half().double()
+        return mu + coef @ basis.transpose(1, 2)
+    return None
+
+
+def _blocks(x: torch.Tensor, block: int, fill: float = 0.0) -> torch.Tensor:
+    """``[..., N]`` -> ``[..., nb, block]`` (padded at the end with ``fill``)."""
+    n = x.shape[-1]
+    pad = -n % block
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad), value=fill)
+    return x.view(*x.shape[:-1], -1, block)
+
+
+def _blocks_d(v: torch.Tensor, block: int) -> torch.Tensor:
+    """``[Hkv, N, D]`` -> ``[Hkv, nb, block, D]`` (zero-padded)."""
+    n = v.shape[1]
+    pad = -n % block
+    if pad:
+        v = torch.nn.functional.pad(v, (0, 0, 0, pad))
+    return v.view(v.shape[0], -1, block, v.shape[-1])
+
+
+def estimate(spec: ValueSpec, *, q: torch.Tensor, scale: float, s: torch.Tensor, rem: torch.Tensor,
+             read_mid: torch.Tensor, k: torch.Tensor, v: torch.Tensor, approx: torch.Tensor,
+             lz_phi: torch.Tensor, mean_phi: torch.Tensor, lz_true: torch.Tensor, v_true: torch.Tensor,
+             v_hat: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logit ``[T, Hkv, G]``, value ``[T, Hkv, G, D]``) of the pseudo-entry under ``spec`` (float64).
+
+    ``s``: exact logits ``[T, Hkv, G, N]``; ``rem``/``read_mid``: ``[T, Hkv, 1, N]`` masks of the unread and the read
+    mid tokens; ``approx``: the key index's logits ``[T, Hkv, G, N]`` (``-inf`` outside the mid region)."""
+    neg = torch.tensor(float("-inf"), dtype=s.dtype)
+    rem3 = rem.squeeze(2).double()  # [T, Hkv, N]
+    b = spec.block
+
+    def kblk_logits() -> tuple[torch.Tensor, torch.Tensor]:
+        n_r = torch.einsum("thnb->thn", _blocks(rem3, b))  # [T, Hkv, nb]
+        ks = torch.einsum("thnb,hnbd->thnd", _blocks(rem3, b), _blocks_d(k, b))  # remainder key sums
+        kbar = ks / n_r.clamp_min(1).unsqueeze(-1)
+        lg = torch.einsum("thgd,thnd->thgn", q, kbar) * scale + n_r.clamp_min(1e-300).log().unsqueeze(2)
+        return torch.where(n_r.unsqueeze(2) > 0, lg, neg), n_r
+
+    if spec.value == "true":
+        val = v_true
+    elif spec.value == "read":
+        p = torch.softmax(torch.where(read_mid, s, neg), -1).nan_to_num(0.0)
+        val = torch.einsum("thgn,hnd->thgd", p, v)
+        val = torch.where(read_mid.any(-1, keepdim=True), val, mean_phi)
+    elif spec.value in ("idxtok", "qv", "pca"):
+        p = torch.softmax(torch.where(rem, approx, neg), -1).nan_to_num(0.0)
+        val = torch.einsum("thgn,hnd->thgd", p, v if v_hat is None else v_hat)
+    else:
+        sums = torch.einsum("thnb,hnbd->thnd", _blocks(rem3, b), _blocks_d(v, b))  # remainder value sums per block
+        n_r = _blocks(rem3, b).sum(-1)
+        means = sums / n_r.clamp_min(1).unsqueeze(-1)  # [T, Hkv, nb, D]
+        if spec.value == "blk":
+            w_log = torch.logsumexp(_blocks(torch.where(rem, approx, neg), b, float("-inf")), -1)  # [T, Hkv, G, nb]
+        else:
+            w_log, _ = kblk_logits()
+        w = torch.softmax(w_log, -1).nan_to_num(0.0)
+        val = torch.einsum("thgn,thnd->thgd", w, means)
+    if spec.mass == "phi":
+        lz = lz_phi
+    elif spec.mass == "true":
+        lz = lz_true
+    elif spec.mass == "idx":
+        lz = torch.logsumexp(torch.where(rem, approx, neg), -1)
+    else:
+        lz = torch.logsumexp(kblk_logits()[0], -1)
+    return lz, val
+
+
 def rel_l1(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """Eq. 53 per row."""
     return (out - ref).abs().sum(-1) / (ref.abs().sum(-1) + 1e-6)
@@ -91,15 +232,20 @@ class PhiProbe:
     prefix (``kv``) and optionally rewrites φ's logit (``fix``)."""
 
     def __init__(self, attn: Any, kv: list[tuple[torch.Tensor, torch.Tensor]], record: Rows | None,
-                 fix: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None):
+                 fix: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None,
+                 value: ValueSpec | None = None, measure: tuple[ValueSpec, ...] = ()):
         self.kv, self.record, self.fix = kv, record, fix
+        self.value, self.measure = value, measure
+        """``value``: the estimator this generation uses (answers); ``measure``: estimators recorded (``record``)."""
+        self.selector = attn.selector
+        self._vhat: dict[tuple[int, str], torch.Tensor | None] = {}
         comp = attn.completion
         inner = comp.term
 
         def term(layer: int, ctx: Any, q: torch.Tensor, scale: float, k_sel: torch.Tensor, v_sel: torch.Tensor,
                  counts: torch.Tensor, **kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
             log_z, mean = inner(layer, ctx, q, scale, k_sel, v_sel, counts, **kw)
-            if self.record is None and self.fix is None:
+            if self.record is None and self.fix is None and self.value is None:
                 return log_z, mean
             return self._probe(layer, ctx, q, scale, counts, kw, log_z, mean)
 
@@ -139,6 +285,32 @@ class PhiProbe:
             return (1 - w) * o_e + w * val
 
         new = self.fix(lz, lz_e, mx_e) if self.fix is not None else lz
+        specs = tuple(dict.fromkeys(((self.value,) if self.value is not None else ()) + self.measure))
+        est: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        if specs:
+            ax = self.selector.approx_logits(layer, ctx, q, scale).double()  # [T, Hkv, G, n_mid]
+            approx = torch.full_like(s, float("-inf"))
+            approx[..., ctx.lo:ctx.hi] = ax
+            read_mid = (mid & picked).unsqueeze(2)
+            for sp in specs:
+                key = (layer, f"{sp.value}{sp.block}")
+                if key not in self._vhat:
+                    self._vhat[key] = approx_values(v, sp, ctx.lo, ctx.hi)
+                est[sp.spec] = estimate(sp, q=q.double(), scale=scale, s=s, rem=rem, read_mid=read_mid, k=k.double(),
+                                        v=v.double(), approx=approx, lz_phi=lz, mean_phi=mean.double(), lz_true=lz_r,
+                                        v_true=v_r, v_hat=self._vhat[key])
+        if self.record is not None and self.measure:
+            cols: dict[str, torch.Tensor] = {}
+            for sp in self.measure:
+                lz_x, v_x = est[sp.spec]
+                cols[f"err_val[{sp.spec}]"] = rel_l1(mix(lz_x, v_x), o_full)
+                cols[f"verr_val[{sp.spec}]"] = (v_x - v_r).norm(dim=-1) / v_r.norm(dim=-1).clamp_min(1e-9)
+            self.record.add(**cols)
+        if self.value is not None:
+            lz_x, v_x = est[self.value.spec]
+            if self.fix is not None:
+                lz_x = self.fix(lz_x, lz_e, mx_e)
+            return lz_x.to(log_z.dtype), v_x.to(mean.dtype)
         if self.record is not None:
             pm = torch.softmax(s, -1)[..., ctx.lo:ctx.hi].amax(-1)
             top = torch.softmax(s, -1).argmax(-1)  # the token full attends most
@@ -232,6 +404,7 @@ def summarize(rows: dict[str, torch.Tensor]) -> dict[str, Any]:
             **{k: float(r[k].nan_to_num(0.0).mean()) for k in
                ("pR", "pR_est", "pR_fix", "err_exact", "err_phi", "err_true_mass", "err_true_value", "err_fix",
                 "v_err", "v_cos", "w_top_full", "w_top_exact", "w_top_phi", "top_read")},
+            **{k: float(x.nan_to_num(0.0).mean()) for k, x in r.items() if k.startswith(("err_val[", "verr_val["))},
         }
     return res
 
@@ -254,6 +427,32 @@ def per_head(rows: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
     return out
 
 
+def read_fractions(report: Any, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
+    """A generation's reads (``methods/reads.py``) over what full attention reads in its steps: as run (float32 K/V)
+    and bf16-equivalent (its exact tokens at 2 bytes an element, the summaries' bytes as they are; the k of a
+    float32 run, so an estimate of the product's)."""
+    steps = max(1, len(report.tokens_per_step))
+    k0 = kv[0][0]
+    tokens = sum(report.tokens_per_step)
+    full_tokens = steps * len(kv) * k0.shape[0] * k0.shape[1]
+    tb32, tb16 = 2 * k0.shape[-1] * 4, 2 * k0.shape[-1] * 2
+    return {"steps": steps, "once_bytes": report.once_bytes,
+            "fraction": (report.step_bytes + report.once_bytes) / (full_tokens * tb32),
+            "fraction_bf16": (tokens * tb16 + report.once_bytes) / (full_tokens * tb16)}
+
+
+def per_layer(rows: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
+    """Per layer: mean output errors (exact entries only, φ, the ``--value`` estimators) and value errors."""
+    keys = [k for k in rows if k in ("err_exact", "err_phi", "err_true_value", "v_err")
+            or k.startswith(("err_val[", "verr_val["))]
+    out = []
+    for layer in sorted(set(rows["layer"].long().tolist())):
+        sel = rows["layer"] == layer
+        out.append({"layer": layer, "rows": int(sel.sum()),
+                    **{k: float(rows[k][sel].nan_to_num(0.0).mean()) for k in keys}})
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from lab.eval.accuracy import EVAL_SEED_BASE
     from lab.synth import SynthContext, generate
@@ -265,6 +464,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     fmap = lm.phi_map
     ctx = SynthContext(tokenizer=lm.tokenizer, split="eval")
     fixes = {spec: parse_fix(spec) for spec in args.fix}
+    values = tuple(parse_value(spec) for spec in args.value)
     classes = {s for m in ("topk", "topk+phi") for s in METHODS[m].summarizers}
     summarizers = [PhiSummarizer(fmap) if s is PhiSummarizer else s for s in classes]
     result: dict[str, Any] = {"args": vars(args), "samples": []}
@@ -278,24 +478,40 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         src = MemorySource.build(kv, summarizers)
         cfg = DecodeConfig(budget=args.budget, gen_len=args.gen_len)
 
-        def opened(name: str, source: MemorySource = src, config: DecodeConfig = cfg) -> Any:
-            return get_method(name, fmap).open(source, config)
+        def opened(name: str, source: MemorySource = src, config: DecodeConfig = cfg, **options: Any) -> Any:
+            method = get_method(name, fmap)
+            if name == "topk+phi":  # φ's own value unless asked: what the probe and the earlier notes measure
+                method = dataclasses.replace(method, **{"phi_value": "phi", **options})  # type: ignore[type-var]
+            return method.open(source, config)
 
         answers: dict[str, Any] = {}
+        reads: dict[str, dict[str, float]] = {}
+
+        def answer(label: str, attn: Any, answers: dict[str, Any] = answers, reads: dict[str, Any] = reads,
+                   ids: list[int] = ids, q_ids: list[int] = q_ids, kv: list[Any] = kv) -> None:
+            answers[label] = decode(lm, attn, len(ids), q_ids, max_new=args.max_new_tokens)
+            reads[label] = read_fractions(attn.read_report(), kv)
+
         full_ans = decode(lm, Dense(kv), len(ids), q_ids, max_new=args.max_new_tokens)
         answers["full"] = full_ans
-        answers["topk"] = decode(lm, opened("topk"), len(ids), q_ids, max_new=args.max_new_tokens)
-        answers["topk+phi"] = decode(lm, opened("topk+phi"), len(ids), q_ids, max_new=args.max_new_tokens)
+        answer("topk", opened("topk"))
+        answer("topk+phi", opened("topk+phi"))
+        for mass in args.product_index:  # the product's index remainder (value_index.py), not the probe's
+            answer(f"topk+phi index@{mass}", opened("topk+phi", phi_value="index", phi_mass=mass))
         for spec, f in fixes.items():
             a = opened("topk+phi")
             PhiProbe(a, kv, None, f)
             answers[f"topk+phi {spec}"] = decode(lm, a, len(ids), q_ids, max_new=args.max_new_tokens)
+        for vs in values:
+            a = opened("topk+phi")
+            PhiProbe(a, kv, None, None, vs)
+            answers[f"topk+phi value:{vs.spec}"] = decode(lm, a, len(ids), q_ids, max_new=args.max_new_tokens)
         texts = {m: str(lm.tokenizer.decode(a)) for m, a in answers.items()}
         scored = {m: {"text": t, "score": sample.score(t)} for m, t in texts.items()}
         # teacher-forced diagnostics on full's answer
         rows = Rows()
         a = opened("topk+phi")
-        PhiProbe(a, kv, rows, fixes[args.fix[0]] if args.fix else None)
+        PhiProbe(a, kv, rows, fixes[args.fix[0]] if args.fix else None, measure=values)
         decode(lm, a, len(ids), q_ids, max_new=0, forced=full_ans)
         te = Rows()
         decode(lm, Outputs(opened("topk"), kv, te), len(ids), q_ids, max_new=0, forced=full_ans)
@@ -303,7 +519,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for k, x in r.items():
             all_rows.cols[k].append(x)
         topk_err.cols["err"].append(te.cat()["err"])
-        result["samples"].append({"index": i, "answers": sample.answers, "scored": scored,
+        result["samples"].append({"index": i, "answers": sample.answers, "scored": scored, "reads": reads,
                                   "summary": summarize(r), "topk_err_own_k": float(te.cat()["err"].mean()),
                                   "seconds": round(time.perf_counter() - t0, 1)})
         print(json.dumps({"index": i, "scores": {m: s["score"] for m, s in scored.items()},
@@ -312,6 +528,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["summary"] = summarize(rows_all)
     result["topk_err_own_k"] = float(topk_err.cat()["err"].mean())
     result["per_head"] = per_head(rows_all)
+    result["per_layer"] = per_layer(rows_all)
     return result
 
 
@@ -328,6 +545,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fix", action="append", default=[],
                    help="candidate correction of φ's logit, repeatable: shift:X, cap:P, gate:X (the first one is "
                         "also measured at the attention level)")
+    p.add_argument("--value", action="append", default=[],
+                   help="remainder value estimator, repeatable: read, blkB, kblkB, idxtok, true, each optionally "
+                        "@phi|idx|kblk|true for the mass (module docstring); answered and measured")
+    p.add_argument("--product-index", action="append", default=[], choices=("phi", "index"),
+                   help="also answer with the product's topk+phi phi_value='index' at this phi_mass (repeatable)")
     p.add_argument("--output", help="write the JSON result here")
     args = p.parse_args(argv)
     torch.manual_seed(0)

@@ -11,6 +11,8 @@ entries (one softmax). Everything is computed in the log domain, in float32 or b
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from workers.kernels.phi_term import MlpLayer, cpu_kernel_available, phi_pack, phi_step, phi_term
@@ -28,6 +30,7 @@ from workers.methods.phi_features import CPU_PHI_FEATURE_BYTES, TokenFeatures
 from workers.methods.phi_maps import MAP_KINDS, FavorFeatureMap, FeatureMap, ReZeroMLPFeatureMap
 from workers.methods.selector import LayerContext
 from workers.methods.source import PrefixSource
+from workers.methods.value_index import IndexRemainder
 from workers.requests import DecodeConfig
 
 BUILD_CHUNK = 8192
@@ -81,6 +84,34 @@ class PhiSummarizer(Summarizer):
         return FavorFeatureMap(self.phi_dim or head_dim, self.seed)
 
 
+class Completion(Protocol):
+    """What ``SparsePrefixAttention`` asks of a completion term: ``PhiCompletion``, or the indexes' own
+    (``value_index.IndexCompletion``)."""
+
+    phi_dim: int
+    """Feature dimension the budget plan charges (0: no φ cache fetched)."""
+    elem_bytes: int
+    remainder: IndexRemainder | None
+
+    def summary_range(self, layer: int) -> tuple[int, int] | None:
+        """Tokens its summary covers (None: no limit)."""
+        ...
+
+    def prepare(self, layer: int, ctx: LayerContext) -> None:
+        """Load what the layer's steps need."""
+        ...
+
+    def reads_pools(self, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether ``term`` takes a step's pools with ``rows``."""
+        ...
+
+    def term(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, k_sel: torch.Tensor,
+             v_sel: torch.Tensor, counts: torch.Tensor, *, valid: torch.Tensor | None = None,
+             tokens: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The remainder pseudo-entry (``PhiCompletion.term``)."""
+        ...
+
+
 class PhiCompletion:
     """Decode-time φ completion over one stored prefix (the cache is fetched once per generation)."""
 
@@ -102,6 +133,9 @@ class PhiCompletion:
         self._maps: dict[int, tuple[MlpLayer, MlpLayer] | None] = {}
         """Per layer, the distilled map's kernel weights (``kernel_layers``) as this generation's first step without
         autograd found them (the map is not changed while a generation decodes)."""
+        self.remainder: IndexRemainder | None = None
+        """Where set, the pseudo-entry's value (and optionally its logit) comes from the key and value indexes
+        (``value_index.py``) instead of φ's ``N̂_R / Ẑ_R`` (Top-K's default: φ's value is 45-62 % off)."""
 
     def summary_range(self, layer: int) -> tuple[int, int]:
         """Tokens ``[lo, hi)`` the stored cache covers."""
@@ -135,8 +169,22 @@ class PhiCompletion:
         are the mid tokens attended exactly; their contributions are subtracted. The logit is ``-inf``
         where nothing remains. ``tokens [T, Hkv, n]``: the entries' token ids, to reuse their features on the CPU.
         ``rows [T, Hkv, n]``: ``k_sel``, ``v_sel`` are a step's pools ``[Hkv, R, D]`` and these the entries' rows
-        in them (only where ``reads_pools``).
+        in them (only where ``reads_pools``). With ``remainder`` set, ``tokens`` is required: the value (and with its
+        ``mass="index"`` the logit) is the index estimate over the mid tokens outside them.
         """
+        log_z, mean = self._phi(layer, ctx, q, scale, k_sel, v_sel, counts, valid, tokens, rows)
+        if self.remainder is None:
+            return log_z, mean
+        if tokens is None:
+            raise ValueError("the index remainder needs the entries' token ids")
+        if valid is None:
+            valid = torch.arange(tokens.shape[-1], device=tokens.device) < counts.unsqueeze(-1)
+        return self.remainder.apply(layer, ctx, q, scale, tokens, valid, log_z, mean)
+
+    def _phi(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, k_sel: torch.Tensor,
+             v_sel: torch.Tensor, counts: torch.Tensor, valid: torch.Tensor | None, tokens: torch.Tensor | None,
+             rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """φ's own pseudo-entry (``term`` without ``remainder``)."""
         if self._kernel_ready(k_sel, v_sel):
             return self._term_kernel(layer, ctx, q, scale, k_sel, v_sel, counts, valid, tokens, rows)
         if rows is not None:

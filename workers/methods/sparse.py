@@ -30,7 +30,7 @@ from workers.methods.base import Method, ReadReport, mid_range
 from workers.methods.layer_kv import StepKV
 from workers.methods.page_step import PagePlan, entry_bias, entry_tokens, page_plan, step_pages
 from workers.methods.pages_together import PageScoring
-from workers.methods.phi import PhiCompletion
+from workers.methods.phi import Completion, PhiCompletion
 from workers.methods.phi_maps import FeatureMap
 from workers.methods.reads import KV_ONCE, ReadCounter, mark_tokens
 from workers.methods.selector import LayerContext, Selection, Selector
@@ -102,7 +102,7 @@ class SparsePrefixAttention:
     """``PrefixAttention`` of a selector (+ optional φ completion) over one stored prefix."""
 
     def __init__(self, source: PrefixSource, config: DecodeConfig, selector: Selector,
-                 completion: PhiCompletion | None, k: int | None, counter: ReadCounter):
+                 completion: Completion | None, k: int | None, counter: ReadCounter):
         self.source, self.config, self.selector, self.completion = source, config, selector, completion
         self.k, self.counter = k, counter
         self._ctx: dict[int, tuple[LayerContext, torch.Tensor | None]] = {}
@@ -412,6 +412,10 @@ class SparseMethod(Method):
     def selector(self, source: PrefixSource, config: DecodeConfig) -> Selector:
         """The selector of one generation."""
 
+    def make_completion(self, source: PrefixSource, selector: Selector) -> Completion:
+        """The completion term of one generation (its summaries read now, so charged with the others): φ's."""
+        return PhiCompletion(source, self.feature_map)
+
     def open(self, source: PrefixSource, config: DecodeConfig) -> SparsePrefixAttention:
         """State for one generation: budget plan, selector, φ cache, read counter.
 
@@ -426,8 +430,8 @@ class SparseMethod(Method):
         plan_args = {"prefill_len": source.n_tokens, "head_dim": lay.head_dim, "sink": config.sink,
                      "tail": config.tail, "gen_len": config.gen_len}
         covered = fraction is not None and plan_budget(fraction=fraction, **plan_args).k_topk >= hi - lo
-        completion = PhiCompletion(source, self.feature_map) if self.completion and not covered else None
         selector = self.selector(source, config)
+        completion = self.make_completion(source, selector) if self.completion and not covered else None
         k = None
         if fraction is not None:
             phi_dim = completion.phi_dim if completion else 0

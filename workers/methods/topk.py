@@ -13,7 +13,8 @@ cost of reading every mid key.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 import torch
 
@@ -27,10 +28,11 @@ from workers.methods.key_index import (
     index_logits,
     shared_key_index,
 )
-from workers.methods.phi import PhiSummarizer
+from workers.methods.phi import Completion, PhiCompletion, PhiSummarizer
 from workers.methods.selector import LayerContext, Selection, Selector, group_mass, top_tokens
 from workers.methods.source import PrefixSource
 from workers.methods.sparse import SparseMethod
+from workers.methods.value_index import IndexCompletion, IndexRemainder, Mass, ValueIndexSummarizer
 from workers.requests import DecodeConfig
 
 SHORTLIST = 2
@@ -166,13 +168,39 @@ class TopKToken(TopK):
         return IndexedTopKSelector(shared_key_index(source))
 
 
+@dataclass(kw_only=True)
 class TopKPhi(TopK):
     """Sink/tail anchors + indexed Top-K over the mid region, plus φ completion of the unretrieved mid
-    remainder."""
+    remainder.
+
+    ``phi_value="index"`` (the default): the pseudo-entry's value is the key index's softmax over the unread tokens
+    applied to their values in a 4-bit value index (``value_index.py``; φ's own value ``N̂_R / Ẑ_R`` is 45-62 % off
+    on the shipped model and makes answers worse than Top-K's); ``"phi"``: the paper's φ pseudo-entry, value and
+    logit. With ``phi_value="index"``, ``phi_mass`` picks the logit: the key index's log-sum-exp over the unread
+    tokens (``"index"``, the default: then no φ cache is fetched or charged, and k is Top-K's) or φ's ``log Ẑ_R``
+    (``"phi"``). Measured in ``lab/notes/phi_value_estimators.md``.
+    """
 
     name = "topk+phi"
-    summarizers = (*TopK.summarizers, PhiSummarizer)
+    summarizers = (*TopK.summarizers, PhiSummarizer, ValueIndexSummarizer)
     completion = True
+    phi_value: Literal["phi", "index"] = "index"
+    phi_mass: Mass = "index"
+
+    def make_completion(self, source: PrefixSource, selector: Selector) -> Completion:
+        """φ's term with the index estimate of the remainder's value (``phi_value="index"``) and mass
+        (``phi_mass="index"``) on this selector's key index; both from the indexes: no φ cache at all."""
+        if self.phi_value not in ("phi", "index"):
+            raise ValueError(f"phi_value must be 'phi' or 'index', got {self.phi_value!r}")
+        if self.phi_value == "phi":
+            return super().make_completion(source, selector)
+        assert isinstance(selector, IndexedTopKSelector)
+        remainder = IndexRemainder(source, selector.approx_logits, self.phi_mass)
+        if self.phi_mass == "index":
+            return IndexCompletion(remainder)
+        phi = PhiCompletion(source, self.feature_map)
+        phi.remainder = remainder
+        return phi
 
 
 class TopKExact(SparseMethod):

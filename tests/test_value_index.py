@@ -1,0 +1,142 @@
+"""The index remainder of `topk+phi` (`workers/methods/value_index.py`): its value and mass against a float64
+reference, exact attention when the indexes are lossless, and its one-time reads charged."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from workers.attention import dense_attention
+from workers.methods.key_index import KeyIndexSummarizer, dequantize_keys
+from workers.methods.layer_kv import ResidentKV
+from workers.methods.memory import MemorySource
+from workers.methods.phi import PhiSummarizer
+from workers.methods.registry import get_method
+from workers.methods.selector import LayerContext
+from workers.methods.topk import IndexedTopKSelector, TopKPhi
+from workers.methods.value_index import (
+    IndexRemainder,
+    ValueIndexSummarizer,
+    remainder_mask,
+    remainder_ref,
+)
+from workers.requests import DecodeConfig
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _grid(hkv: int, n: int, d: int, seed: int) -> torch.Tensor:
+    """Values on a 4-bit grid per channel and 64-token block (0 and 15 steps present): the indexes hold them
+    exactly."""
+    x = torch.randint(0, 16, (hkv, n, d), generator=_gen(seed)).float()
+    x[:, 0::64], x[:, 1::64] = 0.0, 15.0
+    return x * 0.25 - 1.0
+
+
+def test_value_index_round_trips_within_half_a_step() -> None:
+    v = torch.randn(2, 200, 8, generator=_gen(1))
+    t = ValueIndexSummarizer().summarize(0, v, v)
+    bits, block = (int(x) for x in t["meta"][:2])
+    assert (bits, block) == (4, 64) and t["codes"].shape == (2, 200, 4)
+    back = dequantize_keys(t["codes"], t["lo"], t["step"], bits, block)
+    step = t["step"].float().repeat_interleave(block, 1)[:, :200]
+    assert ((back - v).abs() <= step / 2 + 2e-3).all()  # float16 lo/step add a little rounding
+
+
+def test_remainder_mask_marks_the_unread_mid_tokens() -> None:
+    k = torch.zeros(1, 40, 4)
+    ctx = LayerContext(ResidentKV(k, k, page_size=16), 4, 30)
+    tokens = torch.tensor([[[4, 10, 29, 7]]])
+    valid = torch.tensor([[[True, True, True, False]]])
+    rem = remainder_mask(ctx, tokens, valid)
+    expect = torch.ones(1, 1, 26, dtype=torch.bool)
+    expect[0, 0, [0, 6, 25]] = False
+    assert torch.equal(rem, expect)
+
+
+@pytest.mark.parametrize("mass", ["phi", "index"])
+def test_index_remainder_matches_the_float64_reference(mass: str) -> None:
+    """The product's float32 estimate (decoded keys, bmm) against ``remainder_ref`` in float64 on the same indexes."""
+    hkv, n, d, g = 2, 300, 16, 3
+    k, v = torch.randn(hkv, n, d, generator=_gen(2)), torch.randn(hkv, n, d, generator=_gen(3))
+    src = MemorySource.build([(k, v)], [KeyIndexSummarizer, ValueIndexSummarizer])
+    sel = IndexedTopKSelector(src.artifact("keyindex"))
+    est = IndexRemainder(src, sel.approx_logits, mass)  # type: ignore[arg-type]
+    ctx = LayerContext(ResidentKV(k, v, page_size=16), 4, n - 16)
+    q = torch.randn(5, hkv, g, d, generator=_gen(4)) * 2
+    tokens = torch.randint(ctx.lo, ctx.hi, (5, hkv, 24), generator=_gen(5))
+    valid = torch.rand(5, hkv, 24, generator=_gen(6)) < 0.8
+    phi_z, phi_mean = torch.randn(5, hkv, g), torch.randn(5, hkv, g, d)
+    phi_z[0, 1, 2] = float("-inf")  # φ's "nothing left": kept as it is
+    log_z, mean = est.apply(0, ctx, q, d ** -0.5, tokens, valid, phi_z, phi_mean)
+    ki, vi = src.artifact("keyindex"), src.artifact("valueindex")
+    keys = dequantize_keys(ki["0.codes"], ki["0.lo"], ki["0.step"], 4, 64)[:, ctx.lo:ctx.hi]
+    values = dequantize_keys(vi["0.codes"], vi["0.lo"], vi["0.step"], 4, 64)[:, ctx.lo:ctx.hi]
+    ref_z, ref_mean = remainder_ref(q, keys, values, remainder_mask(ctx, tokens, valid), d ** -0.5)
+    keep = torch.isfinite(phi_z)
+    expect_z = torch.where(keep, ref_z if mass == "index" else phi_z.double(), phi_z.double())
+    expect_mean = torch.where(keep.unsqueeze(-1), ref_mean, phi_mean.double())
+    assert torch.isinf(log_z[0, 1, 2]) and torch.equal(mean[0, 1, 2], phi_mean[0, 1, 2])
+    torch.testing.assert_close(log_z.double(), expect_z, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mean.double(), expect_mean, rtol=1e-5, atol=1e-5)
+    assert log_z.dtype == torch.float32 and mean.dtype == torch.float32
+
+
+@pytest.mark.parametrize("fraction", [0.05, 0.2])
+def test_lossless_indexes_make_topk_phi_exact(fraction: float) -> None:
+    """Keys and values on the indexes' 4-bit grid: the index remainder (value and mass) is the true one, so Top-K
+    + completion equals full attention at any budget (the pseudo-entry and the single softmax are exact)."""
+    hkv, n, d = 2, 512, 16
+    k, v = _grid(hkv, n, d, 7) * 0.5, _grid(hkv, n, d, 8)
+    base = TopKPhi(phi_value="index", phi_mass="index")
+    src = MemorySource.build([(k, v)], base.summarizers)
+    attn = base.open(src, DecodeConfig(budget=fraction, sink=2, tail=4, gen_len=256))
+    for rows in (3, 1):  # the query's rows (page entries per row), then a decode step (one launch)
+        q = torch.randn(1, hkv * 2, rows, d, generator=_gen(9 + rows))
+        out, lse = attn.attend(0, q, d ** -0.5)
+        ref, ref_lse = dense_attention(q, k[None], v[None], d ** -0.5)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=0)
+    assert attn.read_report().tokens_per_step[0] < hkv * n
+
+
+def test_topk_phi_defaults_to_the_index_value() -> None:
+    m = get_method("topk+phi")
+    assert isinstance(m, TopKPhi) and (m.phi_value, m.phi_mass) == ("index", "index")
+    assert {s.name for s in m.summarizers} == {KeyIndexSummarizer.name, PhiSummarizer.name, "valueindex"}
+    with pytest.raises(ValueError, match="mass"):
+        IndexRemainder(MemorySource.build([(torch.zeros(1, 8, 2),) * 2], [ValueIndexSummarizer]),
+                       lambda *a: torch.zeros(0), "none")  # type: ignore[arg-type]
+
+
+def test_the_index_remainder_is_charged_once_and_changes_no_step_reads() -> None:
+    """The value index is read once (its bytes in the one-time summaries). With φ's mass the φ cache is read too and
+    the steps read what φ's own value reads; with the index's mass no φ cache is read or charged: Top-K's k and
+    Top-K's step reads."""
+    hkv, n, d = 2, 2048, 16
+    k, v = torch.randn(hkv, n, d, generator=_gen(11)), torch.randn(hkv, n, d, generator=_gen(12))
+    base = TopKPhi(phi_value="phi")
+    src0 = MemorySource.build([(k, v)], base.summarizers)
+    size = {name: sum(t.numel() * t.element_size() for t in a.values()) for name, a in src0._artifacts.items()}
+    reports = {}
+    for label, method in [("topk", get_method("topk")), ("phi", base),
+                          ("index@phi", dataclasses.replace(base, phi_value="index", phi_mass="phi")),
+                          ("index@index", dataclasses.replace(base, phi_value="index", phi_mass="index"))]:
+        src = MemorySource.build([(k, v)], base.summarizers)
+        attn = method.open(src, DecodeConfig(budget=0.05, gen_len=16))
+        for rows in (4, 1, 1):
+            attn.attend(0, torch.randn(1, hkv * 2, rows, d, generator=_gen(13 + rows)), d ** -0.5)
+        reports[label] = attn.read_report()
+    topk, phi, ip, ii = (reports[x] for x in ("topk", "phi", "index@phi", "index@index"))
+    assert phi.once_bytes == topk.once_bytes + size["phi"]
+    assert ip.once_bytes == phi.once_bytes + size["valueindex"]
+    assert ip.extra["once_bytes_summaries"] == phi.extra["once_bytes_summaries"] + size["valueindex"]
+    assert ip.tokens_per_step == phi.tokens_per_step and ip.extra["budget_k"] == phi.extra["budget_k"]
+    assert ii.once_bytes == topk.once_bytes + size["valueindex"]  # no φ cache
+    assert ii.tokens_per_step == topk.tokens_per_step and ii.extra["budget_k"] == topk.extra["budget_k"]
+    assert ii.extra["budget_k"] > phi.extra["budget_k"]  # the φ fetch no longer takes exact tokens
+    assert ii.extra["pseudo_entries_per_step"] == phi.extra["pseudo_entries_per_step"] > 0
