@@ -116,8 +116,7 @@ def test_gen_len_amortizes_the_phi_fetch(kv: KVClient) -> None:
     doc = kv.prefill(DOC * 4)
     ks = {}
     for gen_len in (1, 64):
-        # quest+phi: topk+phi's default (the index remainder) fetches no φ cache, so gen_len does not move its k
-        g = kv.generate("Who signed it?", prefix=doc, method="quest+phi", budget=0.1, gen_len=gen_len,
+        g = kv.generate("Who signed it?", prefix=doc, method="topk+phi", budget=0.1, gen_len=gen_len,
                         max_new_tokens=2)
         _ = g.text
         ks[gen_len] = g.stats.extra["budget_k"]

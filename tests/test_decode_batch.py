@@ -268,8 +268,7 @@ def test_an_infeasible_phi_plan_is_refused_with_the_numbers(worker: Worker, pids
     from store.errors import InvalidInput
 
     with pytest.raises(InvalidInput, match=r"allows \d+ token equivalents per step, fewer than the 4 sink \+ 16 tail"):
-        # quest+phi: topk+phi's default (the index remainder) fetches no φ cache, so its plan is Top-K's
-        worker.generate(pids[0], QUERIES[0], method="quest+phi", decode=DecodeConfig(budget=0.01))
+        worker.generate(pids[0], QUERIES[0], method="topk+phi", decode=DecodeConfig(budget=0.01))
     assert worker.store.leases(pids[0]) == []  # nothing held after the refusal
     "".join(worker.generate(pids[0], QUERIES[0], SamplingParams(max_new_tokens=2), method="topk",
                             decode=DecodeConfig(budget=0.01)))  # selection only: no φ fetch to pay for

@@ -125,7 +125,7 @@ def test_reads_per_step_fit_the_matched_budget(method: str, fraction: float) -> 
     attn.attend(0, q, d ** -0.5)
     assert isinstance(attn, ReportsReads)
     report = attn.read_report()
-    phi = method.endswith("+phi") and method != "topk+phi"  # topk+phi's index remainder fetches no φ cache
+    phi = method.endswith("+phi")
     plan = plan_budget(prefill_len=n, fraction=fraction, head_dim=d, phi_dim=d if phi else 0)
     per_head = report.tokens_per_step[0] / hkv
     assert per_head + (plan.n_off if phi else 0) <= plan.n_budget

@@ -179,10 +179,7 @@ def test_exact_feature_map_makes_completion_exact(method: str, fraction: float |
     src = MemorySource.build([(k, v)], [*(s for s in base.summarizers if s.name != "phi"), OneHotPhi])
     # anchors and the φ fetch amortized over a long answer: a feasible plan at 5 % of this short prefix
     cfg = DecodeConfig(budget=fraction, sink=2, tail=4, gen_len=256)
-    # topk+phi's default takes the remainder from its key and value indexes (tests/test_value_index.py): φ's own
-    # pseudo-entry is what this map makes exact
-    options = {"phi_value": "phi"} if method == "topk+phi" else {}
-    attn = type(base)(feature_map=OneHotMap(d, 3.0), **options).open(src, cfg)  # type: ignore[call-arg]
+    attn = type(base)(feature_map=OneHotMap(d, 3.0)).open(src, cfg)
     q = torch.randn(1, hkv * 2, 3, d, generator=_gen(19))
     out, lse = attn.attend(0, q, d ** -0.5)
     ref, ref_lse = dense_attention(q, k[None], v[None], d ** -0.5)

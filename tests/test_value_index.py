@@ -12,7 +12,6 @@ from workers.attention import dense_attention
 from workers.methods.key_index import KeyIndexSummarizer, dequantize_keys
 from workers.methods.layer_kv import ResidentKV
 from workers.methods.memory import MemorySource
-from workers.methods.phi import PhiSummarizer
 from workers.methods.registry import get_method
 from workers.methods.selector import LayerContext
 from workers.methods.topk import IndexedTopKSelector, TopKPhi
@@ -104,10 +103,12 @@ def test_lossless_indexes_make_topk_phi_exact(fraction: float) -> None:
     assert attn.read_report().tokens_per_step[0] < hkv * n
 
 
-def test_topk_phi_defaults_to_the_index_value() -> None:
-    m = get_method("topk+phi")
+def test_topk_vi_is_the_index_remainder_and_topk_phi_stays_the_papers() -> None:
+    m = get_method("topk+vi")
     assert isinstance(m, TopKPhi) and (m.phi_value, m.phi_mass) == ("index", "index")
-    assert {s.name for s in m.summarizers} == {KeyIndexSummarizer.name, PhiSummarizer.name, "valueindex"}
+    paper = get_method("topk+phi")  # the paper's φ pseudo-entry stays topk+phi's
+    assert isinstance(paper, TopKPhi) and paper.phi_value == "phi"
+    assert {s.name for s in m.summarizers} == {KeyIndexSummarizer.name, "valueindex"}  # no φ cache
     with pytest.raises(ValueError, match="mass"):
         IndexRemainder(MemorySource.build([(torch.zeros(1, 8, 2),) * 2], [ValueIndexSummarizer]),
                        lambda *a: torch.zeros(0), "none")  # type: ignore[arg-type]

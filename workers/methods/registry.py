@@ -21,7 +21,7 @@ from workers.methods.recall import HybridKVQuest, KVzipQuest, RecallTier
 from workers.methods.snapkv import SnapKV
 from workers.methods.sparse import SparseMethod
 from workers.methods.streamingllm import StreamingLLM
-from workers.methods.topk import TopK, TopKExact, TopKExactPhi, TopKPhi, TopKToken
+from workers.methods.topk import TopK, TopKExact, TopKExactPhi, TopKIndexRemainder, TopKPhi, TopKToken
 
 METHODS: dict[str, type[Method]] = {
     m.name: m
@@ -32,6 +32,7 @@ METHODS: dict[str, type[Method]] = {
         Moba,
         DoubleP,
         TopKPhi,
+        TopKIndexRemainder,
         QuestPhi,
         DoublePPhi,
         TopKExact,

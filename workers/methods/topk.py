@@ -171,25 +171,25 @@ class TopKToken(TopK):
 @dataclass(kw_only=True)
 class TopKPhi(TopK):
     """Sink/tail anchors + indexed Top-K over the mid region, plus φ completion of the unretrieved mid
-    remainder.
+    remainder (the paper's pseudo-entry: value ``N̂_R / Ẑ_R`` and logit ``log Ẑ_R`` from the φ cache).
 
-    ``phi_value="index"`` (the default): the pseudo-entry's value is the key index's softmax over the unread tokens
-    applied to their values in a 4-bit value index (``value_index.py``; φ's own value ``N̂_R / Ẑ_R`` is 45-62 % off
-    on the shipped model and makes answers worse than Top-K's); ``"phi"``: the paper's φ pseudo-entry, value and
-    logit. With ``phi_value="index"``, ``phi_mass`` picks the logit: the key index's log-sum-exp over the unread
-    tokens (``"index"``, the default: then no φ cache is fetched or charged, and k is Top-K's) or φ's ``log Ẑ_R``
-    (``"phi"``). Measured in ``lab/notes/phi_value_estimators.md``.
+    ``phi_value="index"`` takes the pseudo-entry's value from the key index's softmax over the unread tokens applied
+    to their values in a 4-bit value index (``value_index.py``); ``phi_mass`` then picks its logit: φ's ``log Ẑ_R``
+    (``"phi"``) or the key index's log-sum-exp over the unread tokens (``"index"``: no φ cache is fetched or
+    charged, k is Top-K's). ``topk+vi`` is that last combination. Measured in
+    ``lab/notes/phi_value_estimators.md``: on the shipped model φ's value is 45-62 % off and makes answers worse
+    than Top-K's; the index remainder gives full attention's answers on the diagnosis samples (CPU, 8k).
     """
 
     name = "topk+phi"
     summarizers = (*TopK.summarizers, PhiSummarizer, ValueIndexSummarizer)
     completion = True
-    phi_value: Literal["phi", "index"] = "index"
+    phi_value: Literal["phi", "index"] = "phi"
     phi_mass: Mass = "index"
 
     def make_completion(self, source: PrefixSource, selector: Selector) -> Completion:
-        """φ's term with the index estimate of the remainder's value (``phi_value="index"``) and mass
-        (``phi_mass="index"``) on this selector's key index; both from the indexes: no φ cache at all."""
+        """φ's term, or with ``phi_value="index"`` the index estimate of the remainder's value (and with
+        ``phi_mass="index"`` its mass too, then without any φ cache) on this selector's key index."""
         if self.phi_value not in ("phi", "index"):
             raise ValueError(f"phi_value must be 'phi' or 'index', got {self.phi_value!r}")
         if self.phi_value == "phi":
@@ -201,6 +201,18 @@ class TopKPhi(TopK):
         phi = PhiCompletion(source, self.feature_map)
         phi.remainder = remainder
         return phi
+
+
+@dataclass(kw_only=True)
+class TopKIndexRemainder(TopKPhi):
+    """Indexed Top-K plus the remainder's pseudo-entry from the key index and a 4-bit value index (ours, issue 14):
+    ``TopKPhi`` with ``phi_value="index"``, ``phi_mass="index"``. It reads no φ cache, but it reads the value
+    index once per generation, about 14 % of the prefix's bf16 K/V."""
+
+    name = "topk+vi"
+    summarizers = (*TopK.summarizers, ValueIndexSummarizer)
+    phi_value: Literal["phi", "index"] = "index"
+    phi_mass: Mass = "index"
 
 
 class TopKExact(SparseMethod):
