@@ -34,6 +34,7 @@ def test_phi_diagnose_runs_and_its_null_fixes_change_nothing(tmp_path: Path) -> 
     assert summary["all"]["err_fix"] == pytest.approx(summary["all"]["err_phi"], rel=1e-6)  # the first fix: null
 
 
+@pytest.mark.slow  # a diagnosis run with every estimator (about 11 s on the VM); make test runs it
 def test_value_estimators_run_and_the_true_remainder_is_full_attention(tmp_path: Path) -> None:
     """``--value true@true`` (the true remainder mass and mean) reproduces full attention: zero output error and
     full's answer; every estimator gets answers, per-row errors and a per-layer line; ``--product-index`` answers
