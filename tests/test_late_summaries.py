@@ -189,3 +189,23 @@ def test_one_pass_reads_each_layer_once_through_the_worker_tiers(tmp_path: Path,
     w.late.ensure(w.store.manifest(pid))
     assert reads == [(layer, True) for layer in range(lm.layout.n_layers)]  # both summaries from one read each
     assert w.late.builds == 2 and set(_digests(w, pid)) >= LATE
+
+
+def test_a_summary_another_worker_committed_first_still_leaves_the_others_built(tmp_path: Path, lm,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    w = _worker(tmp_path, lm, "on_use", "race")
+    pid = w.prefill(DOC).prefix_id
+    other = LateSummaries(w.store, lm, policy="on_use")  # another worker's builder over the same store
+    real = w.store.add_artifact
+    raced: list[str] = []
+
+    def add_artifact(prefix_id, name, data):  # type: ignore[no-untyped-def]
+        if name == "clusters" and not raced:
+            raced.append(name)
+            other.ensure(w.store.manifest(prefix_id), [ClusterSummarizer])  # it commits first
+        return real(prefix_id, name, data)
+
+    monkeypatch.setattr(w.store, "add_artifact", add_artifact)
+    m = w.late.ensure(w.store.manifest(pid))
+    assert raced and other.builds == 1 and {a.name for a in m.artifacts} >= LATE
+    assert w.late.builds == 1  # only φ's cache was this worker's, in a pass of its own

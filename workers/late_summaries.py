@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -60,6 +61,8 @@ class LateSummaries:
         self.policy: LatePolicy = policy if policy != "auto" else (
             "background" if lm.device.type == "cuda" else "inline")
         self._flights = SingleFlight()
+        self._lock = threading.Lock()
+        """Guards the thread, its jobs and the counters (prefills and generations call in from many threads)."""
         self._pool: ThreadPoolExecutor | None = None
         self._jobs: list[Future[Manifest]] = []
         self.builds = 0
@@ -83,10 +86,11 @@ class LateSummaries:
         """Start building the prefix's missing late summaries in the background (``background`` policy only)."""
         if self.policy != "background" or not self.missing(manifest):
             return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="late-summaries")
-        self._jobs = [j for j in self._jobs if not j.done()]
-        self._jobs.append(self._pool.submit(self._background, manifest))
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="late-summaries")
+            self._jobs = [j for j in self._jobs if not j.done()]
+            self._jobs.append(self._pool.submit(self._background, manifest))
 
     def _background(self, manifest: Manifest) -> Manifest:
         try:
@@ -120,41 +124,55 @@ class LateSummaries:
         t0 = time.perf_counter()
         summarizers = [build_summarizer(kind, self.lm.phi_map) for kind in kinds]
         kept: list[list[dict[str, torch.Tensor]]] = [[] for _ in kinds[1:]]
+        pulled = [0]  # layers of the first summary pulled into its artifact (0: another worker's was committed)
         names = ", ".join(k.name for k in kinds)
         with self.store.lease(pid), PrefillProgress(enabled=self.progress and shown).summarizing(names):
             source = PrefixSource(self.store, m, self.lm.device)
             source.fetcher = self._open_fetcher(m) if self._open_fetcher is not None else None
             try:
-                first = _first_and_kept(summarizers, source, n_layers, kept)
+                first = _first_and_kept(summarizers, source, n_layers, kept, pulled)
                 m = self.store.add_artifact(pid, kinds[0].name, layer_artifact_chunks(kinds[0].name, n_layers, first))
+                # Another worker may have committed the first one meanwhile: then nothing was pulled or kept, and
+                # the others still missing get a pass of their own below.
+                unread = [k for k, layers in zip(kinds[1:], kept, strict=True) if len(layers) < n_layers]
                 for kind, layers in zip(kinds[1:], kept, strict=True):
-                    m = self.store.add_artifact(pid, kind.name, layer_artifact_chunks(kind.name, n_layers, layers))
+                    if len(layers) == n_layers:
+                        m = self.store.add_artifact(pid, kind.name, layer_artifact_chunks(kind.name, n_layers, layers))
             finally:
                 if source.fetcher is not None:
                     source.fetcher.close()
-        self.seconds[names] = time.perf_counter() - t0
-        self.builds += len(kinds)
+        with self._lock:
+            self.seconds[names] = time.perf_counter() - t0
+            self.builds += (pulled[0] == n_layers) + len(kinds) - 1 - len(unread)
+        if still := [k for k in unread if m.artifact(k.name) is None]:
+            m = self._build(m, still, shown=shown)
         return m
 
     def wait(self) -> None:
         """Wait for the background builds started so far (their errors are logged, not raised)."""
-        wait(self._jobs)
-        self._jobs = [j for j in self._jobs if not j.done()]
+        with self._lock:
+            jobs = list(self._jobs)
+        wait(jobs)
+        with self._lock:
+            self._jobs = [j for j in self._jobs if not j.done()]
 
     def close(self) -> None:
         """Wait for the background builds, then stop the thread."""
         self.wait()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
 
 def _first_and_kept(summarizers: list[Summarizer], source: PrefixSource, n_layers: int,
-                    kept: list[list[dict[str, torch.Tensor]]]) -> Iterator[dict[str, torch.Tensor]]:
+                    kept: list[list[dict[str, torch.Tensor]]], pulled: list[int]) -> Iterator[dict[str, torch.Tensor]]:
     """Each layer's summary tensors of the first summarizer, one layer's K/V read at a time (through the worker's
-    tiers when the source has a fetcher); the other summarizers' go to ``kept`` on the host."""
+    tiers when the source has a fetcher); the other summarizers' go to ``kept`` on the host; ``pulled[0]`` counts
+    the layers yielded."""
     for layer in range(n_layers):
         k, v = source.whole_layer(layer)
         for s, out in zip(summarizers[1:], kept, strict=True):
             out.append({name: t.cpu() for name, t in s.summarize(layer, k, v).items()})
         yield summarizers[0].summarize(layer, k, v)
+        pulled[0] += 1
