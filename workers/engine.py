@@ -84,9 +84,9 @@ class Worker:
         self.summaries = SummaryCache((offload or DEFAULT_OFFLOAD).summary_cache_bytes)
         """Parsed summaries and page-CRC tables of recently opened prefixes (host memory, LRU)."""
         self.compressions = Compressions(store, lm, progress=progress)
+        """Builds compressed caches of stored prefixes on first use (single flight)."""
         self.late = LateSummaries(store, lm, policy=late_summaries, progress=progress, open_fetcher=self._fetcher)
         """Builds the costly (``late``) summaries after a prefill's commit, or on first use (``LatePolicy``)."""
-        """Builds compressed caches of stored prefixes on first use (single flight)."""
         if lm.layout.page_size != store.config.page_size:
             raise ValueError("model layout and store disagree on page_size")
 
