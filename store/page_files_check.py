@@ -2,9 +2,9 @@
 where the manifest recorded one (``FileInfo.check``: manifests written before version 2).
 
 A page file checked by its CRCs is read in chunks of ``CHECK_CHUNK_BYTES``, the next chunk read (``os.preadv``,
-GIL released) while this one is checked against the ``page_crc`` artifact, whose own blake2b is checked first: one
-page CRC kernel call per chunk (``store.page_crc_native``, GIL released), or without the kernel
-``store.page_io.verify_pages`` (one C CRC call per MiB). A page that fails is named. Used by
+GIL released) while this one is checked against the ``page_crc`` artifact, whose own blake2b is checked first, by
+``store.page_io.verify_pages`` (one page CRC kernel call per chunk where it is built, GIL released; else one C CRC
+call per MiB). A page that fails is named. Used by
 ``KVStore.verify``, ``KVStore.check`` and the recovery of directories committed before their files were synced.
 """
 
@@ -18,7 +18,6 @@ import numpy as np
 from store import disk_record
 from store.errors import CorruptData
 from store.manifest import FILE_DIGEST, PAGE_CRC_ARTIFACT, Manifest
-from store.page_crc_native import native_available, page_crcs
 from store.page_io import PosixPageReader, plan_runs, verify_pages
 from store.pages import file_digest
 
@@ -83,26 +82,10 @@ def crc_problem(path: Path, m: Manifest, layer: int, crcs: np.ndarray) -> str | 
                 assert ahead is not None
                 linear = ahead.result()
                 ahead = io.submit(read, i + 1) if i + 1 < len(starts) else None
-                _check_chunk(m.prefix_id, layer, n_pages, linear, bufs[i % 2], crcs)
+                verify_pages(m.prefix_id, layer, n_pages, linear, bufs[i % 2], crcs)
     except CorruptData as e:
         return str(e)
     finally:
         reader.close()
     return None
 
-
-def _check_chunk(prefix_id: str, layer: int, n_pages: int, linear: np.ndarray, rows: np.ndarray,
-                 crcs: np.ndarray) -> None:
-    """Pages ``linear`` (consecutive) in ``rows`` against ``crcs`` ``[kv_heads, pages]``: the kernel's CRCs of
-    the whole chunk (one call, the GIL released) where it is built, else ``verify_pages``; CorruptData names the
-    first bad page."""
-    if not native_available():
-        verify_pages(prefix_id, layer, n_pages, linear, rows, crcs)
-        return
-    first, count = int(linear[0]), int(linear.shape[0])
-    got = page_crcs(prefix_id, layer, n_pages, first, rows[:count], rows.shape[1])
-    bad = np.flatnonzero(got != crcs.reshape(-1)[first:first + count])
-    if bad.size:
-        head, page = divmod(first + int(bad[0]), n_pages)
-        raise CorruptData(f"prefix {prefix_id}: layer {layer} head {head} page {page} failed its checksum "
-                          "(corrupt, or not the page asked for)")

@@ -31,6 +31,7 @@ import numpy as np
 
 from store.crc_batch import chunk_crc, chunk_pages, expected_chunk_crcs, page_seeds
 from store.errors import CorruptData
+from store.page_crc_native import native_available, page_crcs
 from store.pages import page_crc
 
 DIRECT_ALIGN = 4096
@@ -324,9 +325,11 @@ def verify_pages(prefix_id: str, layer: int, n_pages: int, linear: np.ndarray, o
     """Check each page ``out[i]`` against the keyed CRC of (prefix, layer, head, page) ``linear[i]``.
 
     ``crcs`` is the prefix's ``[kv_heads, n_pages]`` table for ``layer``. The first mismatch raises
-    CorruptData naming the page: bytes of another page, layer or prefix never pass. Pages are checked
-    a chunk at a time (``store.crc_batch``: one C call per ``VERIFY_CHUNK_BYTES``, chunks spread over
-    ``threads``); only a chunk that fails is checked page by page, to name the page.
+    CorruptData naming the page: bytes of another page, layer or prefix never pass. A run of consecutive pages
+    is checked by the page CRC kernel where it is built (``store.page_crc_native``: every page's CRC in one
+    call per part, parts spread over ``threads``); other pages a chunk at a time (``store.crc_batch``: one C call
+    per ``VERIFY_CHUNK_BYTES``, chunks spread over ``threads``), where only a chunk that fails is checked page
+    by page, to name the page.
     """
     heads, pages = np.divmod(np.asarray(linear, dtype=np.int64), n_pages)
     n = int(heads.shape[0])
@@ -334,6 +337,18 @@ def verify_pages(prefix_id: str, layer: int, n_pages: int, linear: np.ndarray, o
         return
     want = crcs[heads, pages]
     page_bytes = out.shape[1]
+    first = int(linear[0])
+    if native_available() and int(linear[-1]) - first == n - 1 and bool((np.diff(linear) == 1).all()):
+        parts = max(1, min(threads, n)) if pool is not None else 1
+        edges = np.linspace(0, n, parts + 1).astype(int).tolist()
+        computed = np.concatenate(run_all(pool, [functools.partial(page_crcs, prefix_id, layer, n_pages, first + a,
+                                                              out[a:b], page_bytes)
+                                            for a, b in zip(edges[:-1], edges[1:])]))
+        if (bad := np.flatnonzero(computed != want)).size:
+            h, p = int(heads[bad[0]]), int(pages[bad[0]])
+            raise CorruptData(f"prefix {prefix_id}: layer {layer} head {h} page {p} failed its checksum "
+                              "(corrupt, or not the page asked for)")
+        return
     per_chunk = chunk_pages(page_bytes, VERIFY_CHUNK_BYTES)
     expected = expected_chunk_crcs(want, page_seeds(prefix_id, layer, heads, pages), page_bytes, per_chunk)
     rows = out[:n]

@@ -16,7 +16,7 @@ from offload_helpers import open_store, write_prefix
 from test_store import _key, _kv, _write
 from test_store_background_sync import Gates, _after_crash, _crash, _open
 
-from store import disk_record, page_files_check, recovery
+from store import disk_record, page_io, recovery
 from store.errors import CorruptData, PrefixNotFound
 from store.kvstore import KVStore
 from store.manifest import FILE_DIGEST, PAGE_CRCS, FileInfo, Manifest
@@ -163,7 +163,7 @@ def test_verify_and_check_find_a_flipped_byte(tmp_path: Path, fmt: str, offset: 
 def test_without_the_kernel_verify_finds_a_flipped_byte(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                        offset: int) -> None:
     """Where no kernel builds, the whole-file check runs on ``verify_pages`` (chunk CRCs) and names the page."""
-    monkeypatch.setattr(page_files_check, "native_available", lambda: False)
+    monkeypatch.setattr(page_io, "native_available", lambda: False)
     store = _open(tmp_path)
     pid = _prefix(store, "page_crc")
     store.verify(pid)
