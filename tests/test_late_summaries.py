@@ -23,7 +23,7 @@ from workers.requests import DecodeConfig, SamplingParams
 
 DOC = "the quiet river runs past the old stone mill at dawn; the miller counts seven sacks. " * 16
 QUERY = "How many sacks does the miller count?"
-LATE = {"clusters", "phi"}
+LATE = {"clusters", "phi", "valueindex"}
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
 
 
@@ -68,11 +68,14 @@ def test_on_use_builds_only_what_a_method_reads_and_the_same_bytes(tmp_path: Pat
     got = _digests(w, m.prefix_id)
     assert w.late.builds == 1 and "clusters" in got and "phi" not in got
     "".join(w.generate(m.prefix_id, QUERY, GREEDY, method="topk+phi", decode=DecodeConfig(budget=0.25)))
+    got = _digests(w, m.prefix_id)
+    assert w.late.builds == 2 and "phi" in got and "valueindex" not in got  # the paper's φ reads no value index
+    "".join(w.generate(m.prefix_id, QUERY, GREEDY, method="topk+vi", decode=DecodeConfig(budget=0.25)))
     got, want = _digests(w, m.prefix_id), _digests(ref, ref_pid)
-    assert w.late.builds == 2 and got == want  # every artifact byte for byte what the inline prefill stored
+    assert w.late.builds == 3 and got == want  # every artifact byte for byte what the inline prefill stored
 
 
-@pytest.mark.parametrize("method", ["doublep", "topk+phi"])
+@pytest.mark.parametrize("method", ["doublep", "topk+phi", "topk+vi"])
 def test_answers_equal_the_inline_prefills(tmp_path: Path, lm, inline, method: str) -> None:
     ref, pid = inline
     w = _worker(tmp_path, lm, "on_use", "on_use")
@@ -89,7 +92,7 @@ def test_background_builds_them_after_the_prefill_returns(tmp_path: Path, lm, in
     pre = w.prefill(DOC)
     assert not LATE & {a.name for a in pre.manifest.artifacts}
     w.late.wait()
-    assert _digests(w, pre.prefix_id) == _digests(ref, ref_pid) and w.late.builds == 2
+    assert _digests(w, pre.prefix_id) == _digests(ref, ref_pid) and w.late.builds == len(LATE)
     w.late.close()
 
 
@@ -187,8 +190,8 @@ def test_one_pass_reads_each_layer_once_through_the_worker_tiers(tmp_path: Path,
 
     monkeypatch.setattr(PrefixSource, "whole_layer", counted)
     w.late.ensure(w.store.manifest(pid))
-    assert reads == [(layer, True) for layer in range(lm.layout.n_layers)]  # both summaries from one read each
-    assert w.late.builds == 2 and set(_digests(w, pid)) >= LATE
+    assert reads == [(layer, True) for layer in range(lm.layout.n_layers)]  # every summary from one read each
+    assert w.late.builds == len(LATE) and set(_digests(w, pid)) >= LATE
 
 
 def test_a_summary_another_worker_committed_first_still_leaves_the_others_built(tmp_path: Path, lm,
@@ -208,4 +211,4 @@ def test_a_summary_another_worker_committed_first_still_leaves_the_others_built(
     monkeypatch.setattr(w.store, "add_artifact", add_artifact)
     m = w.late.ensure(w.store.manifest(pid))
     assert raced and other.builds == 1 and {a.name for a in m.artifacts} >= LATE
-    assert w.late.builds == 1  # only φ's cache was this worker's, in a pass of its own
+    assert w.late.builds == len(LATE) - 1  # the others were this worker's, in a pass of their own

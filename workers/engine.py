@@ -227,7 +227,7 @@ class Worker:
                                  f"of {self.lm.max_context}")
         impl = get_method(method, self.lm.phi_map, self._lookahead(), self.lm.head_scores)
         decode = decode or DecodeConfig()
-        m = self.late.ensure(m, impl.summarizers)  # a late summary it reads: built now if not yet
+        m = self.late.ensure(m, impl.reads_summaries())  # a late summary it reads: built now if not yet
         source = PrefixSource(self.store, m, self.lm.device, summaries=self.summaries)
         source.stream_summaries = True  # the engine verifies them when the query is in (VerifiesSummaries)
         held = contextlib.ExitStack()

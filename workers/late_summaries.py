@@ -1,16 +1,16 @@
 """Costly prefill summaries, built after the prefix is committed.
 
-Every prefill computes the summaries the sparse methods read. Most are cheap: Quest's bounds, MoBA's block means
-and Top-K's key index take 0.14 s at 128k on an H200. Two are not: Double-P's k-means and the φ cache take 3.5 s
-there, and with them the prefill runs at 0.68x the forward pass instead of 0.96x. Those summarizers are marked
-``late``. Under the ``background`` policy (the default on a CUDA device) a prefill commits the prefix without
-them, so Quest, Top-K and MoBA serve it at once. A background thread then builds them from the stored pages and
-adds them to the prefix, one artifact at a time (``KVStore.add_artifact``: nothing is visible until an artifact
-is whole). Under ``on_use`` nothing is built until a generation needs it. Either way, a generation whose method
-needs a late summary that is missing waits for the build in flight, or runs it. Within a worker there is one build
-per (prefix, summary); across workers the store keeps the first committed copy. ``inline`` computes everything
-in the prefill, as before, and is the default elsewhere: on the CPU the forward pass dominates, and a background
-build would take the same cores.
+Every prefill computes the summaries the sparse methods read. Most are cheap: Quest's bounds, MoBA's block means and
+Top-K's key index take 0.14 s at 128k on an H200. Two are not: Double-P's k-means and the φ cache take 3.5 s there,
+and with them the prefill runs at 0.68x the forward pass instead of 0.96x. Those summarizers are marked ``late``,
+and so is ``topk+vi``'s value index (as many bytes as the key index, for one method). Under the ``background``
+policy (the default on a CUDA device) a prefill commits the prefix without them, so Quest, Top-K and MoBA serve it
+at once. A background thread then builds them from the stored pages and adds them to the prefix, one artifact at a
+time (``KVStore.add_artifact``: nothing is visible until an artifact is whole). Under ``on_use`` nothing is built
+until a generation needs it. Either way, a generation whose method needs a late summary that is missing waits for
+the build in flight, or runs it. Within a worker there is one build per (prefix, summary); across workers the store
+keeps the first committed copy. ``inline`` computes everything in the prefill, as before, and is the default
+elsewhere: on the CPU the forward pass dominates, and a background build would take the same cores.
 
 A late summary is the same bytes as the inline one: the same summarizer over the same K/V, read back from the
 store (the tests compare the artifacts' digests).

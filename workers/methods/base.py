@@ -88,6 +88,10 @@ class Method(abc.ABC):
     background, a device-planned page cache once warm). False for a method that reads every layer whole when
     it opens (``full``): its own reads fill the host tier, and it would never use a page cache."""
 
+    def reads_summaries(self) -> tuple[type[Summarizer], ...]:
+        """The summaries this configured method reads (a generation waits for the late ones among them)."""
+        return self.summarizers
+
     @abc.abstractmethod
     def open(self, source: PrefixSource, config: DecodeConfig) -> PrefixAttention:
         """Decode-time state for one generation over ``source``."""

@@ -187,6 +187,13 @@ class TopKPhi(TopK):
     phi_value: Literal["phi", "index"] = "phi"
     phi_mass: Mass = "index"
 
+    def reads_summaries(self) -> tuple[type[Summarizer], ...]:
+        """Top-K's, then the φ cache unless ``phi_mass="index"`` with the index's value, and the value index only
+        with ``phi_value="index"``."""
+        drop = {ValueIndexSummarizer} if self.phi_value == "phi" else (
+            {PhiSummarizer} if self.phi_mass == "index" else set())
+        return tuple(s for s in self.summarizers if s not in drop)
+
     def make_completion(self, source: PrefixSource, selector: Selector) -> Completion:
         """φ's term, or with ``phi_value="index"`` the index estimate of the remainder's value (and with
         ``phi_mass="index"`` its mass too, then without any φ cache) on this selector's key index."""

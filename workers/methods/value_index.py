@@ -45,6 +45,7 @@ class ValueIndexSummarizer(Summarizer):
 
     name = "valueindex"
     version = 1
+    late = True  # only topk+vi reads it, and it is as many bytes as the key index: not worth holding every prefill
 
     def __init__(self, config: KeyIndexConfig = VALUE_INDEX):
         self.config = config
