@@ -28,7 +28,7 @@ def _steps(attn, qs: list[torch.Tensor], layers: int, scale: float) -> list[tupl
     return [attn.attend(layer, q[layer], scale) for q in qs for layer in range(layers)]
 
 
-@pytest.mark.parametrize("method", ["quest", "quest+phi"])
+@pytest.mark.parametrize("method", ["quest", "quest+phi", "topk", "topk+phi", "topk+vi"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_graph_replays_equal_eager_steps(method: str, dtype: torch.dtype) -> None:
     n, hkv, g, d, layers = 3000, 2, 4, 64, 3

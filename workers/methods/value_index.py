@@ -58,10 +58,10 @@ class ValueIndexSummarizer(Summarizer):
 class DecodedValues(LayerCache[torch.Tensor]):
     """Float32 values decoded from the value index, layer by layer on first use (token-major ``[Hkv, N, D]``)."""
 
-    def get(self, layer: int, index: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        """The layer's decoded values, or None past the cap."""
+    def get(self, layer: int, index: dict[str, torch.Tensor], bits: int, block: int) -> torch.Tensor | None:
+        """The layer's decoded values, or None past the cap (``bits``, ``block``: the index's, read once on the host:
+        reading them from a device tensor here would sync, which a CUDA graph capture cannot)."""
         codes = index[f"{layer}.codes"]
-        bits, block = (int(x) for x in index["0.meta"][:2])
         h, n = codes.shape[:2]
         return self._get(layer, h * n * codes.shape[2] * (8 // bits) * 4,
                          lambda: dequantize_keys(codes, index[f"{layer}.lo"], index[f"{layer}.step"], bits, block))
@@ -79,7 +79,7 @@ class SharedValueIndex:
 
     def values(self, layer: int, lo: int, hi: int) -> torch.Tensor:
         """Float32 values ``[Hkv, hi - lo, D]`` of tokens ``[lo, hi)`` (decoded once per layer, else now)."""
-        held = self.decoded.get(layer, self.index)
+        held = self.decoded.get(layer, self.index, self.bits, self.block)
         if held is not None:
             return held[:, lo:hi]
         i = self.index
