@@ -184,13 +184,19 @@ def test_one_pass_reads_each_layer_once_through_the_worker_tiers(tmp_path: Path,
     reads: list[tuple[int, bool]] = []
     real = PrefixSource.whole_layer
 
+    ssd_pages: list[int] = []
+
     def counted(self, layer, *, step=None):  # type: ignore[no-untyped-def]
         reads.append((layer, self.fetcher is not None))
-        return real(self, layer, step=step)
+        before = self.fetcher.stats.total.ssd_pages
+        out = real(self, layer, step=step)
+        ssd_pages.append(self.fetcher.stats.total.ssd_pages - before)
+        return out
 
     monkeypatch.setattr(PrefixSource, "whole_layer", counted)
     w.late.ensure(w.store.manifest(pid))
     assert reads == [(layer, True) for layer in range(lm.layout.n_layers)]  # every summary from one read each
+    assert ssd_pages == [0] * lm.layout.n_layers  # each layer was loaded into the host tier ahead of its read
     assert w.late.builds == len(LATE) and set(_digests(w, pid)) >= LATE
 
 

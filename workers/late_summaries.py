@@ -168,11 +168,44 @@ class LateSummaries:
 def _first_and_kept(summarizers: list[Summarizer], source: PrefixSource, n_layers: int,
                     kept: list[list[dict[str, torch.Tensor]]], pulled: list[int]) -> Iterator[dict[str, torch.Tensor]]:
     """Each layer's summary tensors of the first summarizer, one layer's K/V read at a time (through the worker's
-    tiers when the source has a fetcher); the other summarizers' go to ``kept`` on the host; ``pulled[0]`` counts
-    the layers yielded."""
-    for layer in range(n_layers):
-        k, v = source.whole_layer(layer)
-        for s, out in zip(summarizers[1:], kept, strict=True):
-            out.append({name: t.cpu() for name, t in s.summarize(layer, k, v).items()})
-        yield summarizers[0].summarize(layer, k, v)
-        pulled[0] += 1
+    tiers when the source has a fetcher, the next layer loaded into its host tier meanwhile); the other
+    summarizers' go to ``kept`` on the host; ``pulled[0]`` counts the layers yielded."""
+    with _HostReadAhead(source, n_layers) as ahead:
+        for layer in range(n_layers):
+            ahead.ready(layer)
+            k, v = source.whole_layer(layer)
+            for s, out in zip(summarizers[1:], kept, strict=True):
+                out.append({name: t.cpu() for name, t in s.summarize(layer, k, v).items()})
+            yield summarizers[0].summarize(layer, k, v)
+            pulled[0] += 1
+
+
+class _HostReadAhead:
+    """Loads layer ``l + 1`` into the fetcher's host tier with large sequential reads (``PageFetcher.warm_host``)
+    on a thread while layer ``l`` is summarized, so ``whole_layer`` copies from the tier instead of reading page
+    by page. Nothing happens without a fetcher with a host tier; a layer the tier had no room for is read as
+    before."""
+
+    def __init__(self, source: PrefixSource, n_layers: int):
+        fetcher = source.fetcher
+        self._warm = fetcher.warm_host if fetcher is not None and fetcher.host is not None else None
+        self.n_layers = n_layers
+        self._pool: ThreadPoolExecutor | None = None
+        self._next: Future[int] | None = None
+
+    def __enter__(self) -> _HostReadAhead:
+        if self._warm is not None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="late-read-ahead")
+            self._next = self._pool.submit(self._warm, [0])
+        return self
+
+    def ready(self, layer: int) -> None:
+        """Wait for ``layer``'s load (raising what it raised), then start the next one's."""
+        if self._pool is None or self._next is None or self._warm is None:
+            return
+        self._next.result()
+        self._next = self._pool.submit(self._warm, [layer + 1]) if layer + 1 < self.n_layers else None
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)  # a load in flight finishes (its pages stay in the tier)
