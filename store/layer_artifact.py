@@ -2,8 +2,9 @@
 
 Every layer of a summarizer gives tensors of the same names, dtypes and shapes, so the safetensors header of all
 layers is known from the first one: the bytes go straight to the artifact's stream, laid out layer by layer, with
-nothing staged in a scratch file and read back at commit. The device-to-host copies, the digest and the file
-writes run on a background thread, at most ``MAX_PENDING_SUMMARY_LAYERS`` layers behind the caller.
+nothing staged in a scratch file and read back at commit. The device-to-host copies go on a side stream
+(``store.host_copy``); the digest and the file writes run on a background thread, at most
+``MAX_PENDING_SUMMARY_LAYERS`` layers behind the caller.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from store.artifacts import _DTYPE_ORDER, _Entry, _entry, _header, _raw
 from store.errors import InvalidInput
+from store.host_copy import HostCopy, copy_to_host
 from store.writer import ArtifactStream, ClosedOrDiscarded
 
 if TYPE_CHECKING:
@@ -93,18 +95,21 @@ class LayerArtifact(ClosedOrDiscarded):
     def add(self, layer: int, tensors: Mapping[str, torch.Tensor]) -> None:
         """Queue layer ``layer``'s tensors (the next layer; the same names, dtypes and shapes as layer 0's); raises
         the error of an earlier layer's write, if one failed."""
-        header, held = self._layout.next_layer(layer, tensors)  # held: kept alive until written
+        header, held = self._layout.next_layer(layer, tensors)
         self._added += 1
         while len(self._pending) >= self._max_pending:
             self._pending.popleft().result()
-        self._pending.append(self._pool.submit(self._write, header, held))
+        # Device tensors start for pinned host memory on a side stream now, after the kernels that made them: a
+        # synchronous copy on the writer thread would order the device's next layer behind it.
+        copies = [copy_to_host(t) for t in held]
+        self._pending.append(self._pool.submit(self._write, header, copies))
 
-    def _write(self, header: bytes, tensors: list[torch.Tensor]) -> None:
-        # Runs on the background thread: the copy to the host waits for the kernels that made the tensors.
+    def _write(self, header: bytes, copies: list[HostCopy]) -> None:
+        # Runs on the background thread: each tensor's bytes once its copy to the host is done.
         if header:
             self._stream.write(header)
-        for t in tensors:
-            self._stream.write(_raw(t))
+        for c in copies:
+            self._stream.write(_raw(c.wait()))
         # Each layer to the disk as it comes when the store fsyncs before the commit: else gigabytes of summaries
         # wait in the page cache for the fsync at close, and the whole prefill waits for them after the forward
         # pass. (A no-op when the store fsyncs after the commit: the stream does not fsync then.)

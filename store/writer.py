@@ -21,6 +21,7 @@ import numpy as np
 from store.artifacts import ArtifactData, as_chunks, new_digest
 from store.disk_record import artifact_file_name, fsync_dir, mark_unsynced, publish
 from store.errors import InvalidInput, StoreFull
+from store.host_copy import HostCopy, copy_to_host
 from store.layout import KVLayout
 from store.limits import MAX_ARTIFACTS, check_text, max_artifact_bytes
 from store.manifest import PAGE_CRC_ARTIFACT, PAGE_CRCS, ArtifactInfo, FileInfo, Manifest
@@ -110,6 +111,18 @@ class PendingLayer:
         wait(self.jobs)
 
 
+def _after(copied: HostCopy | None, job: Callable[[], object]) -> Callable[[], object]:
+    """``job``, run once the copy of the bytes it reads is complete."""
+    if copied is None:
+        return job
+
+    def run() -> object:
+        copied.wait()
+        return job()
+
+    return run
+
+
 def tmp_dir_name(prefix_id: str) -> str:
     """A fresh temp dir name for ``prefix_id`` (garbage collection reads the id back from it)."""
     return f"{TMP_PREFIX}{prefix_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -182,11 +195,16 @@ class PrefixWriter:
         self._check_new_layer(layer)
         self._drain(MAX_PENDING_LAYERS - 1)  # first: a writer leases at most MAX_PENDING_LAYERS buffers
         lease = self._lease_staging(pages.numel())
+        copied: HostCopy | None = None
         try:
             buf = lease.view(pages.shape)
-            buf.copy_(pages)  # synchronous: the bytes are on the host when this returns
-            self._write_pages(layer, buf.numpy(), lease)
+            # On a side stream into the pinned buffer: the device goes on with the next layer meanwhile, and the
+            # jobs wait for the copy before they read the bytes.
+            copied = copy_to_host(pages, buf)
+            self._write_pages(layer, buf.numpy(), lease, copied)
         except BaseException:
+            if copied is not None:
+                copied.wait()  # the copy into the buffer must be over before another layer leases it
             self._hand_back(lease)  # no job reads it: ``_write_pages`` raises only once none runs
             raise
 
@@ -218,9 +236,11 @@ class PrefixWriter:
         change until then; a failure raises from a later ``write_layer_pages`` or from ``commit``."""
         self._write_pages(layer, arr, None)
 
-    def _write_pages(self, layer: int, arr: np.ndarray, lease: StagingLease | None) -> None:
-        """``write_layer_pages``, with the staging buffer ``arr`` lives in (handed back once its jobs are done).
-        When this raises, no job reads ``arr``."""
+    def _write_pages(self, layer: int, arr: np.ndarray, lease: StagingLease | None,
+                     copied: HostCopy | None = None) -> None:
+        """``write_layer_pages``, with the staging buffer ``arr`` lives in (handed back once its jobs are done), and
+        the copy into it each job waits for first (None: the bytes are there). When this raises, no job reads
+        ``arr``."""
         lay = self.layout
         expect = (lay.n_kv_heads, lay.n_pages(self.n_tokens), lay.page_bytes)
         if arr.dtype != np.uint8 or tuple(arr.shape) != expect:
@@ -231,9 +251,10 @@ class PrefixWriter:
         self._drain(MAX_PENDING_LAYERS - 1)
         jobs: list[Future] = []
         try:
-            jobs.append(self._run(functools.partial(write_bytes_durably, self.tmp_dir / name, arr, self._fsync)))
+            jobs.append(self._run(_after(copied, functools.partial(write_bytes_durably, self.tmp_dir / name, arr,
+                                                                   self._fsync))))
             for h in range(lay.n_kv_heads):
-                jobs.append(self._run(functools.partial(self._page_crcs, layer, arr, h)))
+                jobs.append(self._run(_after(copied, functools.partial(self._page_crcs, layer, arr, h))))
         except BaseException:
             wait(jobs)  # the ones already started finish before the caller may reuse ``arr``
             raise
