@@ -52,7 +52,7 @@ from workers.late_summaries import LATE_POLICIES, LatePolicy  # noqa: E402
 from workers.model import LoadedModel  # noqa: E402
 
 ROW_WHEN = {"returned": "until it returns (Quest, Top-K and MoBA serve the prefix from then on)",
-            "summarized": "until its late summaries (Double-P's clusters, the φ cache) are built too",
+            "summarized": "until its late summaries (Double-P's clusters, the φ cache, the value index) are built too",
             "durable": "until the background fsync is done too"}
 """The default prefill's rows: what each one waits for."""
 WARMUP_TOKENS = 2048
@@ -122,6 +122,34 @@ def timed_row(name: str, fn: Callable[[], object], device: torch.device, n_token
     return {"name": name, "seconds": s, "tokens_per_s": n_tokens / s}
 
 
+def compared_rows(lm: LoadedModel, doc: str, work: Path, chunk: int, n_tokens: int) -> list[dict]:
+    """The prefill with every summary inline, and with them on a side stream, until each returns."""
+    rows = []
+    variants = (("inline", "every summary computed in the prefill (`late_summaries=\"inline\"`)",
+                 {"late": "inline"}),
+                ("beside", "every summary computed in the prefill on a side stream (`summaries_beside=True`)",
+                 {"late": "inline", "summaries_beside": True}))
+    for key, what, kw in variants:
+        t = with_store(lm, doc, work / f"store-{key}", chunk, sync_after_commit=True, **kw)
+        name = f"`Worker.prefill`, {what}: returned"
+        print(f"  {name}: {t['returned']:.2f} s", flush=True)
+        rows.append({"name": name, "key": key, "seconds": t["returned"], "tokens_per_s": n_tokens / t["returned"]})
+    return rows
+
+
+def bare_row(lm: LoadedModel, doc: str, work: Path, chunk: int, n_tokens: int) -> dict:
+    """The prefill without any summary (pages, CRCs, commit), until it returns."""
+    saved_summarizers = engine.build_summarizers
+    engine.build_summarizers = lambda *a, **kw: []  # type: ignore[assignment]
+    try:
+        t = with_store(lm, doc, work / "store-bare", chunk, sync_after_commit=True, late="inline")
+    finally:
+        engine.build_summarizers = saved_summarizers  # type: ignore[assignment]
+    name = "`Worker.prefill` without any summary (pages, CRCs, commit only): returned"
+    print(f"  {name}: {t['returned']:.2f} s", flush=True)
+    return {"name": name, "key": "bare", "seconds": t["returned"], "tokens_per_s": n_tokens / t["returned"]}
+
+
 def run(args: argparse.Namespace, work: Path) -> dict:
     """Every row over the same document and model."""
     if args.quick:
@@ -144,7 +172,7 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         print(f"  `Worker.prefill` (phases timed, device synchronized per phase): {t['returned']:.2f} s", flush=True)
         return {"device": describe_device(dev), "ctx": len(ids), "layers": spec.n_layers, "rows": rows,
                 "prefill_s": t["returned"], "phases": dict(clock.seconds)}
-    for after, home in ((True, "store"), (False, "store-sync")):
+    for after, home in ((True, "store"), (False, "store-sync"))[: 1 if args.no_sync_row else 2]:
         sync(dev)
         t = with_store(lm, doc, work / home, args.chunk, sync_after_commit=after, late=args.late)
         for what in ("returned", "summarized", "durable") if after else ("durable",):
@@ -161,24 +189,9 @@ def run(args: argparse.Namespace, work: Path) -> dict:
     rows.append({"name": "the store's bytes at the disk's write speed (a floor for the row above)", "key": "disk",
                  "seconds": floor, "tokens_per_s": len(ids) / floor, "bytes": n_bytes, "disk_bytes_per_s": speed})
     if args.compare:
-        variants = (("inline", "every summary computed in the prefill (`late_summaries=\"inline\"`)",
-                     {"late": "inline"}),
-                    ("beside", "every summary computed in the prefill on a side stream (`summaries_beside=True`)",
-                     {"late": "inline", "summaries_beside": True}))
-        for key, what, kw in variants:
-            t = with_store(lm, doc, work / f"store-{key}", args.chunk, sync_after_commit=True, **kw)
-            name = f"`Worker.prefill`, {what}: returned"
-            print(f"  {name}: {t['returned']:.2f} s", flush=True)
-            rows.append({"name": name, "key": key, "seconds": t["returned"], "tokens_per_s": len(ids) / t["returned"]})
-        saved_summarizers = engine.build_summarizers
-        engine.build_summarizers = lambda *a, **kw: []  # type: ignore[assignment]
-        try:
-            t = with_store(lm, doc, work / "store-bare", args.chunk, sync_after_commit=True, late="inline")
-        finally:
-            engine.build_summarizers = saved_summarizers  # type: ignore[assignment]
-        name = "`Worker.prefill` without any summary (pages, CRCs, commit only): returned"
-        print(f"  {name}: {t['returned']:.2f} s", flush=True)
-        rows.append({"name": name, "key": "bare", "seconds": t["returned"], "tokens_per_s": len(ids) / t["returned"]})
+        rows += compared_rows(lm, doc, work, args.chunk, len(ids))
+    if args.compare or args.bare:
+        rows.append(bare_row(lm, doc, work, args.chunk, len(ids)))
     if args.dynamic:
         saved = prefill.filled_cache
         prefill.filled_cache = lambda lm, n: DynamicCache(config=lm.model.config)  # type: ignore[assignment]
@@ -203,6 +216,9 @@ def main() -> None:
     p.add_argument("--dynamic", action="store_true", help="add the forward pass over transformers' dynamic cache")
     p.add_argument("--compare", action="store_true",
                    help="add the default prefill with summaries on a side stream, and without any summary")
+    p.add_argument("--bare", action="store_true", help="add the prefill without any summary (--compare adds it too)")
+    p.add_argument("--no-sync-row", action="store_true",
+                   help="leave out the prefill that fsyncs every file before its commit (one whole prefill less)")
     p.add_argument("--late", choices=LATE_POLICIES, default="auto",
                    help="the default rows' late-summaries policy (auto: background on CUDA, inline elsewhere)")
     p.add_argument("--quick", action="store_true", help="tiny shape (smoke run)")
@@ -231,8 +247,9 @@ def main() -> None:
     ratio = by["default-returned"]
     print(f"\nwith the store (the default, until the prefill returns): {ratio:.2f}x the forward pass's tokens/s "
           f"(target >= 0.90): {'met' if ratio >= 0.9 else 'NOT met'}; until its late summaries are built "
-          f"{by['default-summarized']:.2f}x; until its bytes are on the disk {by['default-durable']:.2f}x; fsync'd "
-          f"before the commit {by['sync-first']:.2f}x, where the disk allows at most {min(1.0, by['disk']):.2f}x")
+          f"{by['default-summarized']:.2f}x; until its bytes are on the disk {by['default-durable']:.2f}x"
+          + (f"; fsync'd before the commit {by['sync-first']:.2f}x" if "sync-first" in by else "")
+          + f", where the disk allows at most {min(1.0, by['disk']):.2f}x")
     if args.json:
         args.json.write_text(json.dumps(r, indent=2))
 
