@@ -76,8 +76,9 @@ def with_store(lm: LoadedModel, doc: str, home: Path, chunk: int, *, sync_after_
     store = KVStore(StoreConfig(home=home, page_size=lm.layout.page_size, sync_after_commit=sync_after_commit))
     try:
         t0 = time.perf_counter()
-        worker = Worker(store, lm, progress=False, offload=None, chunk_size=chunk,
-                        summaries_beside=summaries_beside, late_summaries=late)
+        # The default offload, as a product worker has it: the late build reads through its host tier.
+        worker = Worker(store, lm, progress=False, chunk_size=chunk, summaries_beside=summaries_beside,
+                        late_summaries=late)
         worker.prefill(doc)
         returned = time.perf_counter() - t0
         worker.late.close()
