@@ -218,3 +218,27 @@ def test_a_summary_another_worker_committed_first_still_leaves_the_others_built(
     m = w.late.ensure(w.store.manifest(pid))
     assert raced and other.builds == 1 and {a.name for a in m.artifacts} >= LATE
     assert w.late.builds == len(LATE) - 1  # the others were this worker's, in a pass of their own
+
+
+def test_without_an_offload_tier_the_next_layer_is_read_ahead_on_a_thread(tmp_path: Path, lm, inline,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from workers.methods.source import PrefixSource
+
+    ref, ref_pid = inline
+    store = KVStore(StoreConfig(home=tmp_path / "bare", page_size=16))
+    w = Worker(store, lm, progress=False, offload=None, late_summaries="on_use")
+    pid = w.prefill(DOC).prefix_id
+    reads: list[tuple[int, str]] = []
+    real = PrefixSource.host_layer_kv
+
+    def counted(self, layer):  # type: ignore[no-untyped-def]
+        reads.append((layer, threading.current_thread().name))
+        return real(self, layer)
+
+    monkeypatch.setattr(PrefixSource, "host_layer_kv", counted)
+    w.late.ensure(w.store.manifest(pid))
+    assert [layer for layer, _ in reads] == list(range(lm.layout.n_layers))  # each layer read once, in order
+    assert all(name.startswith("late-read-ahead") for _, name in reads)  # off the building thread
+    assert _digests(w, pid) == _digests(ref, ref_pid)

@@ -167,45 +167,56 @@ class LateSummaries:
 
 def _first_and_kept(summarizers: list[Summarizer], source: PrefixSource, n_layers: int,
                     kept: list[list[dict[str, torch.Tensor]]], pulled: list[int]) -> Iterator[dict[str, torch.Tensor]]:
-    """Each layer's summary tensors of the first summarizer, one layer's K/V read at a time (through the worker's
-    tiers when the source has a fetcher, the next layer loaded into its host tier meanwhile); the other
-    summarizers' go to ``kept`` on the host; ``pulled[0]`` counts the layers yielded."""
-    with _HostReadAhead(source, n_layers) as ahead:
+    """Each layer's summary tensors of the first summarizer, one layer's K/V read at a time, the next one's read
+    started meanwhile (``_ReadAhead``); the other summarizers' go to ``kept`` on the host; ``pulled[0]`` counts the
+    layers yielded."""
+    with _ReadAhead(source, n_layers) as ahead:
         for layer in range(n_layers):
-            ahead.ready(layer)
-            k, v = source.whole_layer(layer)
+            k, v = ahead.layer(layer)
             for s, out in zip(summarizers[1:], kept, strict=True):
                 out.append({name: t.cpu() for name, t in s.summarize(layer, k, v).items()})
             yield summarizers[0].summarize(layer, k, v)
             pulled[0] += 1
 
 
-class _HostReadAhead:
-    """Loads layer ``l + 1`` into the fetcher's host tier with large sequential reads (``PageFetcher.warm_host``)
-    on a thread while layer ``l`` is summarized, so ``whole_layer`` copies from the tier instead of reading page
-    by page. Nothing happens without a fetcher with a host tier; a layer the tier had no room for is read as
-    before."""
+class _ReadAhead:
+    """Each layer's K/V on the device, the next layer's read started on a thread while this one is summarized.
+    With a fetcher with a host tier, the next layer is loaded into the tier with large sequential reads
+    (``PageFetcher.warm_host``) and ``whole_layer`` then copies from it (a layer the tier had no room for is
+    fetched as before); without a fetcher, the next layer is read from its page file onto the host."""
 
     def __init__(self, source: PrefixSource, n_layers: int):
+        self.source, self.n_layers = source, n_layers
         fetcher = source.fetcher
         self._warm = fetcher.warm_host if fetcher is not None and fetcher.host is not None else None
-        self.n_layers = n_layers
         self._pool: ThreadPoolExecutor | None = None
-        self._next: Future[int] | None = None
+        self._next: Future[object] | None = None
 
-    def __enter__(self) -> _HostReadAhead:
-        if self._warm is not None:
+    def __enter__(self) -> _ReadAhead:
+        if self._warm is not None or self.source.fetcher is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="late-read-ahead")
-            self._next = self._pool.submit(self._warm, [0])
+            self._next = self._start(0)
         return self
 
-    def ready(self, layer: int) -> None:
-        """Wait for ``layer``'s load (raising what it raised), then start the next one's."""
-        if self._pool is None or self._next is None or self._warm is None:
-            return
-        self._next.result()
-        self._next = self._pool.submit(self._warm, [layer + 1]) if layer + 1 < self.n_layers else None
+    def _start(self, layer: int) -> Future[object] | None:
+        if self._pool is None or layer >= self.n_layers:
+            return None
+        if self._warm is not None:
+            return self._pool.submit(self._warm, [layer])
+        return self._pool.submit(self.source.host_layer_kv, layer)
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s K, V on the device (the layers in order); raises what its read raised."""
+        if self._next is None:
+            return self.source.whole_layer(layer)
+        got = self._next.result()
+        self._next = self._start(layer + 1)
+        if self._warm is not None:
+            return self.source.whole_layer(layer)
+        assert isinstance(got, tuple)
+        host_k, host_v = got
+        return host_k.to(self.source.device), host_v.to(self.source.device)
 
     def __exit__(self, *exc: object) -> None:
         if self._pool is not None:
-            self._pool.shutdown(wait=True)  # a load in flight finishes (its pages stay in the tier)
+            self._pool.shutdown(wait=True)  # a read in flight finishes (pages it loaded stay in the tier)

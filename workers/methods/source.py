@@ -74,9 +74,14 @@ class PrefixSource:
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """All of one layer's K, V ``[kv_heads, n_tokens, head_dim]`` on the device."""
+        k, v = self.host_layer_kv(layer)
+        return k.to(self.device), v.to(self.device)
+
+    def host_layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer_kv`` on the host: read from the layer's page file (checked when ``verify``), counted as read."""
         k, v = self.store.read_layer(self.manifest.prefix_id, layer, manifest=self.manifest, verify=self.verify)
         self.bytes_read += 2 * k.numel() * k.element_size()
-        return k.to(self.device), v.to(self.device)
+        return k, v
 
     def whole_layer(self, layer: int, *, step: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``layer_kv``, but through the generation's tiers when it has a fetcher (the pinned host tier, shared
