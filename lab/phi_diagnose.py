@@ -473,7 +473,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         sample = generate(args.task, args.length, EVAL_SEED_BASE + i, ctx)
         ids = list(lm.tokenizer(sample.document).input_ids)
-        q_ids = list(lm.tokenizer(lm.prompt.format_query(sample.query), add_special_tokens=False).input_ids)
+        # the sample's query is templated already: sent as is, as ``kvstash eval`` does (raw); wrapping it again
+        # (the runs in the notes up to phi_value_estimators.md) asked "Question: Question: ..." instead
+        q_ids = list(lm.tokenizer(sample.query, add_special_tokens=False).input_ids)
         kv = [(k.float(), v.float()) for _, k, v in prefill_kv(lm, ids, progress=False)]
         src = MemorySource.build(kv, summarizers)
         cfg = DecodeConfig(budget=args.budget, gen_len=args.gen_len)
