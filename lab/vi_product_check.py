@@ -1,9 +1,9 @@
 """The product path's sparse attention, layer by layer, against dense attention and (``topk+vi``) against the float64
 merge of exactly what each step read (``lab/notes/phi_value_estimators.md``, last section).
 
-Answers a synthetic-suite sample through ``KVClient.generate`` as ``kvstash eval`` does (stored prefix, engine, page
-fetcher, raw query; any device) and wraps ``SparsePrefixAttention.attend`` to measure, per layer and kind of row (the
-query's rows / decode rows), the rel. L1 error (eq. 53) of the prefix output against
+Answers a synthetic-suite sample through a ``Worker`` over a store as ``kvstash eval`` does (stored prefix, engine,
+page fetcher, raw query; any device) and wraps ``SparsePrefixAttention.attend`` to measure, per layer and kind of
+row (the query's rows / decode rows), the rel. L1 error (eq. 53) of the prefix output against
 
 - ``dense``: full attention over the stored K/V;
 - ``merge`` (``topk+vi`` only): the float64 definition of the step (exact softmax over the anchors and the mid tokens
@@ -124,30 +124,40 @@ class Probe:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Answer each sample with each method through the product; errors and answers."""
-    import workers.decode_batch as batch
-    from client.kvclient import KVClient
+    """Answer each sample with each method through the product (a worker over a store); errors and answers."""
+    import tempfile
+    from pathlib import Path
+
     from lab.eval.accuracy import EVAL_SEED_BASE
     from lab.synth import SynthContext, generate
+    from store.config import StoreConfig
+    from store.kvstore import KVStore
+    from workers.decode_batch import EngineConfig
+    from workers.engine import Worker
+    from workers.model import load_model
+    from workers.model_source import default_model
+    from workers.requests import DecodeConfig, SamplingParams
 
-    if args.eager:  # graph replays run no Python: nothing to measure
-        defaults = batch.EngineConfig.__init__.__kwdefaults__
-        assert defaults is not None
-        defaults["cuda_graphs"] = False
     probe = Probe()
     probe.install()
-    client = KVClient(home=args.home, device=args.device) if args.home else KVClient(device=args.device)
-    ctx = SynthContext(tokenizer=client.worker.lm.tokenizer, split="eval")
+    lm = load_model(args.model or default_model(), device=args.device, progress=False)
+    home = Path(args.home) if args.home else Path(tempfile.mkdtemp(prefix="kvstash-vi-check-"))
+    store = KVStore(StoreConfig(home=home, page_size=lm.layout.page_size))
+    # --eager: graph replays run no Python, so a captured step could not be measured
+    worker = Worker(store, lm, progress=False, engine=EngineConfig(cuda_graphs=not args.eager))
+    ctx = SynthContext(tokenizer=lm.tokenizer, split="eval")
+    greedy = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
     answers = []
     for i in args.samples:
         sample = generate(args.task, args.length, EVAL_SEED_BASE + i, ctx)
-        prefix = client.prefill(sample.document).prefix_id
+        prefix = worker.prefill(sample.document).prefix_id
         for name in args.method:
             probe.method = name
-            text = client.generate(sample.query, prefix=prefix, method=name, raw=True, budget=args.budget,
-                                   max_new_tokens=args.max_new_tokens).text
+            text = "".join(worker.generate(prefix, sample.query, greedy, method=name,
+                                           decode=DecodeConfig(budget=args.budget), raw=True))
             answers.append({"index": i, "method": name, "text": text, "score": sample.score(text)})
             print(json.dumps(answers[-1]), flush=True)
+    store.close()
     return {"args": vars(args), "answers": answers, "errors": probe.summary()}
 
 
@@ -161,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--budget", type=float, default=0.01)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--model", default=None, help="model directory or hub id (default: the shipped model)")
     p.add_argument("--home", default=None, help="data directory (prefixes kept across runs)")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (every step measured)")
     p.add_argument("--output", default=None)
