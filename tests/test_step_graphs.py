@@ -60,9 +60,11 @@ def test_a_step_that_cannot_be_captured_runs_eagerly() -> None:
         n = int(q.sum().item())  # a device -> host copy: not capturable
         return q * n, q, torch.tensor(n, device=q.device)
 
+    caller = torch.cuda.current_stream()
     for _ in range(3):
         out = run_graphed(graphs, 0, "k", x, step)
         assert torch.equal(out[0], x * 6)
+        assert torch.cuda.current_stream() == caller  # not left on the failed capture's stream
     assert graphs.failed and graphs.replays == 0
 
 

@@ -27,7 +27,14 @@ def _init_blas(device: torch.device) -> None:
 def graph_capture(graph: torch.cuda.CUDAGraph, device: torch.device, pool: Any = None) -> Iterator[None]:
     """Record the block's work on ``device`` into ``graph`` (nothing runs: replay it)."""
     _init_blas(device)
-    # thread_local: the host tier's background warm-up (pinning, copies) goes on in other threads; under the
-    # default global mode any such call invalidates this capture.
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        yield
+    caller = torch.cuda.current_stream(device)
+    try:
+        # thread_local: the host tier's background warm-up (pinning, copies) goes on in other threads; under the
+        # default global mode any such call invalidates this capture.
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            yield
+    except BaseException:
+        # When the capture fails, torch.cuda.graph's exit raises before it switches back from its capture stream:
+        # this thread's later (eager) work would then run on that stream, unordered with the other threads'.
+        torch.cuda.set_stream(caller)
+        raise
