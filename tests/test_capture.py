@@ -51,9 +51,8 @@ def test_a_failed_capture_returns_the_thread_to_its_stream(monkeypatch: pytest.M
     monkeypatch.setattr(torch.cuda, "current_stream", streams.current_stream)
     monkeypatch.setattr(torch.cuda, "set_stream", streams.set_stream)
     monkeypatch.setattr(torch.cuda, "graph", _graph_that_fails_at_exit(streams))
-    with pytest.raises(RuntimeError, match="capturing"):
-        with capture.graph_capture(object(), torch.device("cuda")):
-            assert streams.current == "capture"
+    with pytest.raises(RuntimeError, match="capturing"), capture.graph_capture(object(), torch.device("cuda")):
+        assert streams.current == "capture"
     assert streams.current == "caller"
 
 
@@ -63,7 +62,6 @@ def test_an_error_inside_the_block_returns_the_thread_to_its_stream_too(monkeypa
     monkeypatch.setattr(torch.cuda, "current_stream", streams.current_stream)
     monkeypatch.setattr(torch.cuda, "set_stream", streams.set_stream)
     monkeypatch.setattr(torch.cuda, "graph", _graph_that_fails_at_exit(streams))
-    with pytest.raises(RuntimeError):
-        with capture.graph_capture(object(), torch.device("cuda")):
-            raise ValueError("a host sync in the step")
+    with pytest.raises(RuntimeError), capture.graph_capture(object(), torch.device("cuda")):
+        raise ValueError("a host sync in the step")
     assert streams.current == "caller"
