@@ -26,13 +26,18 @@ system-deps:
 demo: install
 	$(PY) -m client.demo
 
+# Bytecode caches on for the tests even where the shell turns them off (PYTHONDONTWRITEBYTECODE=1): the
+# assertion rewrites of the test modules and plugins, and every subprocess's imports of the project, are then
+# compiled once instead of on every run (about 6 s of each collection on 2 cores).
+TEST_ENV := PYTHONDONTWRITEBYTECODE=
+
 # Every test (CPU only; Triton kernels in interpreter mode).
 test: install system-deps
-	$(PY) -m pytest -q
+	$(TEST_ENV) $(PY) -m pytest -q
 
 # The inner loop: everything but the tests marked slow (under 5 minutes on 2 cores).
 test-fast: install system-deps
-	$(PY) -m pytest -q -m "not slow"
+	$(TEST_ENV) $(PY) -m pytest -q -m "not slow"
 
 lint: install
 	$(VENV)/bin/ruff check .
