@@ -45,23 +45,24 @@ def _graph_that_fails_at_exit(streams: _Streams) -> type:
     return Graph
 
 
-def test_a_failed_capture_returns_the_thread_to_its_stream(monkeypatch: pytest.MonkeyPatch) -> None:
-    streams = _Streams()
+@pytest.fixture()
+def streams(monkeypatch: pytest.MonkeyPatch) -> _Streams:
+    """The thread's stream state, with ``torch.cuda``'s stream and graph calls replaced by stand-ins over it."""
+    state = _Streams()
     monkeypatch.setattr(capture, "_init_blas", lambda device: None)
-    monkeypatch.setattr(torch.cuda, "current_stream", streams.current_stream)
-    monkeypatch.setattr(torch.cuda, "set_stream", streams.set_stream)
-    monkeypatch.setattr(torch.cuda, "graph", _graph_that_fails_at_exit(streams))
+    monkeypatch.setattr(torch.cuda, "current_stream", state.current_stream)
+    monkeypatch.setattr(torch.cuda, "set_stream", state.set_stream)
+    monkeypatch.setattr(torch.cuda, "graph", _graph_that_fails_at_exit(state))
+    return state
+
+
+def test_a_failed_capture_returns_the_thread_to_its_stream(streams: _Streams) -> None:
     with pytest.raises(RuntimeError, match="capturing"), capture.graph_capture(object(), torch.device("cuda")):
         assert streams.current == "capture"
     assert streams.current == "caller"
 
 
-def test_an_error_inside_the_block_returns_the_thread_to_its_stream_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    streams = _Streams()
-    monkeypatch.setattr(capture, "_init_blas", lambda device: None)
-    monkeypatch.setattr(torch.cuda, "current_stream", streams.current_stream)
-    monkeypatch.setattr(torch.cuda, "set_stream", streams.set_stream)
-    monkeypatch.setattr(torch.cuda, "graph", _graph_that_fails_at_exit(streams))
+def test_an_error_inside_the_block_returns_the_thread_to_its_stream_too(streams: _Streams) -> None:
     with pytest.raises(RuntimeError), capture.graph_capture(object(), torch.device("cuda")):
         raise ValueError("a host sync in the step")
     assert streams.current == "caller"
