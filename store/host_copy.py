@@ -48,10 +48,12 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
         return stream
 
 
-def copy_to_host(src: torch.Tensor, out: torch.Tensor | None = None) -> HostCopy:
+def copy_to_host(src: torch.Tensor, out: torch.Tensor | None = None, *,
+                 stream: torch.cuda.Stream | None = None) -> HostCopy:
     """Start copying ``src`` into ``out`` (a host tensor of its shape and dtype; default a new pinned one): on a
-    side stream after the work queued on the current stream when ``src`` is on a CUDA device and ``out`` is pinned,
-    else now. ``src``'s memory is kept from reuse until the copy is done."""
+    side stream (``stream``, default the store's one per device) after the work queued on the current stream when
+    ``src`` is on a CUDA device and ``out`` is pinned, else now. ``src``'s memory is kept from reuse until the copy
+    is done."""
     import torch
 
     if src.device.type != "cuda":
@@ -64,7 +66,7 @@ def copy_to_host(src: torch.Tensor, out: torch.Tensor | None = None) -> HostCopy
     if not out.is_pinned():
         out.copy_(src)  # a copy into pageable memory is synchronous anyway
         return HostCopy(out=out, done=None)
-    stream = _side_stream(src.device)
+    stream = stream if stream is not None else _side_stream(src.device)
     stream.wait_stream(torch.cuda.current_stream(src.device))
     with torch.cuda.stream(stream):
         out.copy_(src.detach(), non_blocking=True)

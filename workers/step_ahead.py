@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from store.host_copy import copy_to_host
 from workers.sampling import Sampler, pick_rows
 from workers.step_graph import StaticStep
 
@@ -31,28 +32,16 @@ class DeviceTokens:
     def __init__(self, logits: torch.Tensor, samplers: list[Sampler]) -> None:
         """Row ``i``'s token by ``samplers[i]`` (``sampling.pick_rows``: what ``sample_rows`` picks)."""
         self.device = pick_rows(samplers, logits)
-        self._host: torch.Tensor | None = None
-        self._copied: torch.cuda.Event | None = None
-        if self.device.is_cuda:
-            # On a side stream that waits only for the picks: the copy must not queue behind the next step
-            # launched on the step's stream after it.
-            made = torch.cuda.Event()
-            made.record()
-            side = _copy_stream(self.device.device)
-            side.wait_event(made)
-            self._host = torch.empty(self.device.shape, dtype=self.device.dtype, pin_memory=True)
-            with torch.cuda.stream(side):
-                self._host.copy_(self.device, non_blocking=True)
-                self._copied = torch.cuda.Event()
-                self._copied.record()
+        # On a side stream that waits only for the picks: the copy must not queue behind the next step launched on
+        # the step's stream after it, nor (a stream of its own) behind a prefill's page copies.
+        self._copy = (copy_to_host(self.device, stream=_copy_stream(self.device.device)) if self.device.is_cuda
+                      else None)
 
     def tolist(self) -> list[int]:
         """The token ids (waits for this step only)."""
-        if self._copied is None:
+        if self._copy is None:
             return self.device.tolist()
-        self._copied.synchronize()
-        assert self._host is not None
-        return self._host.tolist()
+        return self._copy.wait().tolist()
 
 
 _COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
