@@ -25,32 +25,11 @@ from typing import Any
 
 import torch
 
+from lab.phi_diagnose import rel_l1
 from workers.attention import dense_attention
 from workers.methods.key_index import dequantize_keys
 from workers.methods.sparse import SparsePrefixAttention
-from workers.methods.value_index import IndexCompletion, remainder_mask, remainder_ref
-
-
-def rel_l1(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """Eq. 53 per row (float64)."""
-    out, ref = out.double(), ref.double()
-    return (out - ref).abs().sum(-1) / (ref.abs().sum(-1) + 1e-6)
-
-
-def merged_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-               rem: torch.Tensor, lo: int, hi: int, scale: float) -> torch.Tensor:
-    """float64 ``topk+vi`` output ``[1, Hq, T, D]`` of q ``[1, Hq, T, D]`` over K, V ``[Hkv, N, D]``: exact anchors and
-    read mid tokens, plus the pseudo-entry of ``rem [T, Hkv, n_mid]`` from the index ``keys``, ``values`` (mid)."""
-    _, hq, t, d = q.shape
-    hkv, n = k.shape[:2]
-    qq = q[0].transpose(0, 1).reshape(t, hkv, hq // hkv, d).double()
-    read = torch.ones(t, hkv, n, dtype=torch.bool, device=q.device)
-    read[..., lo:hi] = ~rem
-    s = (torch.einsum("thgd,hnd->thgn", qq, k.double()) * scale).masked_fill(~read.unsqueeze(2), float("-inf"))
-    lz, mean = remainder_ref(qq, keys, values, rem, scale)
-    p = torch.softmax(torch.cat([s, lz.unsqueeze(-1)], -1), -1)
-    out = torch.einsum("thgn,hnd->thgd", p[..., :n], v.double()) + p[..., n:] * mean
-    return out.reshape(t, hq, d).transpose(0, 1)[None]
+from workers.methods.value_index import IndexCompletion, merged_ref, remainder_mask
 
 
 class Probe:
@@ -97,13 +76,13 @@ class Probe:
             self._kv[key] = tuple(x.to(q.device) for x in attn.source.layer_kv(layer))  # type: ignore[assignment]
         k, v = self._kv[key]
         ref, _ = dense_attention(q.float(), k.float()[None], v.float()[None], scale)
-        self.errors[(self.method, "dense", layer, kind)].append(rel_l1(out, ref).flatten().cpu())
+        self.errors[(self.method, "dense", layer, kind)].append(rel_l1(out.double(), ref.double()).flatten().cpu())
         if layer in self._rem:
             parts = self._rem[layer]
             rem, (_, lo, hi) = torch.cat([r for r, _, _ in parts]), parts[0]
             keys, values = self._indexes(attn, layer, lo, hi)
-            m = merged_ref(q, k, v, keys, values, rem, lo, hi, scale)
-            self.errors[(self.method, "merge", layer, kind)].append(rel_l1(out, m).flatten().cpu())
+            m, _ = merged_ref(q, k, v, keys, values, ~rem, lo, hi, scale)
+            self.errors[(self.method, "merge", layer, kind)].append(rel_l1(out.double(), m).flatten().cpu())
 
     def _indexes(self, attn: SparsePrefixAttention, layer: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The key and value indexes' mid tokens of ``layer``, float64 (read once per prefix and layer)."""

@@ -18,6 +18,7 @@ from workers.methods.topk import IndexedTopKSelector, TopKPhi
 from workers.methods.value_index import (
     IndexRemainder,
     ValueIndexSummarizer,
+    merged_ref,
     remainder_mask,
     remainder_ref,
 )
@@ -143,27 +144,6 @@ def test_the_index_remainder_is_charged_once_and_changes_no_step_reads() -> None
     assert ii.extra["pseudo_entries_per_step"] == phi.extra["pseudo_entries_per_step"] > 0
 
 
-def _merged_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, src: MemorySource, read_mid: torch.Tensor,
-                lo: int, hi: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 ``topk+vi`` of one layer, written out: exact softmax over the anchors and the mid tokens read
-    (``read_mid [T, Hkv, n_mid]``), plus one pseudo-entry of the unread mid tokens (logit: log-sum-exp of their
-    index logits; value: their index softmax over the value index) -> (out ``[1, Hq, T, D]``, lse ``[1, Hq, T]``)."""
-    _, hq, t, d = q.shape
-    hkv, n = k.shape[:2]
-    qq = q[0].transpose(0, 1).reshape(t, hkv, hq // hkv, d).double()
-    read = torch.ones(t, hkv, n, dtype=torch.bool)
-    read[..., lo:hi] = read_mid
-    s = (torch.einsum("thgd,hnd->thgn", qq, k.double()) * scale).masked_fill(~read.unsqueeze(2), float("-inf"))
-    ki, vi = src.artifact("keyindex"), src.artifact("valueindex")
-    kq, vq = (dequantize_keys(a["0.codes"], a["0.lo"], a["0.step"], 4, 64)[:, lo:hi] for a in (ki, vi))
-    lz, mean = remainder_ref(qq, kq, vq, ~read_mid, scale)
-    logits = torch.cat([s, lz.unsqueeze(-1)], -1)
-    p = torch.softmax(logits, -1)
-    out = torch.einsum("thgn,hnd->thgd", p[..., :n], v.double()) + p[..., n:] * mean
-    return (out.reshape(t, hq, d).transpose(0, 1)[None],
-            torch.logsumexp(logits, -1).reshape(t, hq).transpose(0, 1)[None])
-
-
 @pytest.mark.parametrize("fraction", [0.02, 0.05])
 def test_topk_vi_output_is_the_float64_merge_of_what_it_read(fraction: float) -> None:
     """The product path (``get_method("topk+vi").open(...).attend``, whole pages, a mid region not aligned to
@@ -178,6 +158,8 @@ def test_topk_vi_output_is_the_float64_merge_of_what_it_read(fraction: float) ->
     attn = method.open(src, DecodeConfig(budget=fraction, sink=sink, tail=tail, gen_len=1))
     lo, hi = sink, n - tail
     ctx = LayerContext(ResidentKV(k, v, page_size=16), lo, hi)
+    indexes = [dequantize_keys(a["0.codes"], a["0.lo"], a["0.step"], 4, 64)[:, lo:hi]
+               for a in (src.artifact("keyindex"), src.artifact("valueindex"))]
     assert attn.k is not None and attn.k // 16 > 0
     for rows in (4, 1):
         q = torch.randn(1, hkv * g, rows, d, generator=_gen(22 + rows)) * 2
@@ -187,6 +169,6 @@ def test_topk_vi_output_is_the_float64_merge_of_what_it_read(fraction: float) ->
         tok = torch.arange(lo, hi)
         read_mid = (tok.view(1, 1, -1, 1) // 16 == pages.unsqueeze(2)).any(-1)  # [T, Hkv, n_mid]
         assert read_mid.sum(-1).min() > 0 and read_mid.sum(-1).max() < hi - lo
-        ref, ref_lse = _merged_ref(q, k, v, src, read_mid, lo, hi, d ** -0.5)
+        ref, ref_lse = merged_ref(q, k, v, *indexes, read_mid, lo, hi, d ** -0.5)
         torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=0)

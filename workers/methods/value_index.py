@@ -111,6 +111,26 @@ def remainder_ref(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rem
     return torch.logsumexp(s, -1), torch.einsum("thgn,hnd->thgd", p, values.double())
 
 
+def merged_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               read_mid: torch.Tensor, lo: int, hi: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 reference of a whole ``topk+vi`` step of one layer: q ``[1, Hq, T, D]`` over K, V ``[Hkv, N, D]``,
+    an exact softmax over the anchors and the mid tokens read (``read_mid [T, Hkv, n_mid]`` of ``[lo, hi)``), plus
+    one pseudo-entry of the unread ones from the index ``keys``, ``values`` ``[Hkv, n_mid, D]`` (``remainder_ref``)
+    -> (out ``[1, Hq, T, D]``, lse ``[1, Hq, T]``)."""
+    _, hq, t, d = q.shape
+    hkv, n = k.shape[:2]
+    qq = q[0].transpose(0, 1).reshape(t, hkv, hq // hkv, d).double()
+    read = torch.ones(t, hkv, n, dtype=torch.bool, device=q.device)
+    read[..., lo:hi] = read_mid
+    s = (torch.einsum("thgd,hnd->thgn", qq, k.double()) * scale).masked_fill(~read.unsqueeze(2), float("-inf"))
+    lz, mean = remainder_ref(qq, keys, values, ~read_mid, scale)
+    logits = torch.cat([s, lz.unsqueeze(-1)], -1)
+    p = torch.softmax(logits, -1)
+    out = torch.einsum("thgn,hnd->thgd", p[..., :n], v.double()) + p[..., n:] * mean
+    return (out.reshape(t, hq, d).transpose(0, 1)[None],
+            torch.logsumexp(logits, -1).reshape(t, hq).transpose(0, 1)[None])
+
+
 class IndexRemainder:
     """Decode time: the remainder's value (and with ``mass="index"`` its logit) from the key index's logits and the
     value index, over one stored prefix."""
