@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from lab.eval.accuracy import EVAL_SEED_BASE
+from lab.eval.intervals import wilson
 from lab.synth import PROMPT, SynthContext, generate
 from lab.synth.niah import question_text
 from lab.synth.sample import ruler_score
@@ -102,14 +103,6 @@ def run_sample(lm: LoadedModel, ctx: SynthContext, length: int, seed: int, ratio
     }
     text = {name: lm.tokenizer.decode(forward(lm, attn, q2, n, MAX_NEW)) for name, attn in caches.items()}
     return {name: ruler_score(t, (value2,)) for name, t in text.items()}
-
-
-def wilson(k: float, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95 % Wilson interval of ``k`` successes in ``n``."""
-    p = k / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from lab.eval.paired_table import cells, main, paired_rows, wilson
+from lab.eval.intervals import wilson
+from lab.eval.paired_table import cells, main, paired_rows
 
 
 def test_wilson_matches_known_intervals():
