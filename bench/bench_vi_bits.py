@@ -1,4 +1,5 @@
-"""``kvstash eval`` with extra ``topk+vi`` variants whose value index has other bits / blocks, in one process.
+"""``kvstash eval`` with extra ``topk+vi`` variants whose value index has other bits / blocks, in one process (in
+bench/: it drives the CLI, which lab/ may not import).
 
 Each ``--vi BITS[xBLOCK][c]`` registers, for this process only, a method ``topk+vi<BITS>x<BLOCK>[c]``: ``topk+vi``
 reading its own value-index artifact (``valueindex<BITS>x<BLOCK>[c]``, the product's quantizer at that config, ``c``:
@@ -7,7 +8,7 @@ like ``valueindex``: late, charged once in the summaries' bytes). Every variant 
 prefixes in the same run, so their answers and reads compare sample by sample with ``topk+vi``'s. The rest of the
 command line is ``kvstash eval``'s (``--method topk+vi4x64`` etc. to run them).
 
-    OMP_NUM_THREADS=1 python -m lab.vi_bits_eval --vi 2 --vi 3 -- eval --json --task fwe --length 8192 \\
+    OMP_NUM_THREADS=1 python -m bench.bench_vi_bits --vi 2 --vi 3 -- eval --json --task fwe --length 8192 \\
         --samples 8 --method topk+vi --method topk+vi2x64 --method topk+vi3x64 --budget 0.02 --output F
 """
 
