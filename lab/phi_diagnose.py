@@ -34,6 +34,11 @@ pseudo-entry value N̂_R/Ẑ_R (and, with ``@M``, its logit log Ẑ_R) by
   Top-K already holds, ``Σ_{i∈b∩R} exp(ŝ_i)`` (a stored summary of ``head_dim`` values per block and KV head);
 - ``kblkB``: the same block value means weighted as Double-P's centroids, ``n_{R,b} exp(scale q·k̄_{R,b})`` with the
   block's remainder key mean (a second stored summary: the block key sums);
+- ``qvB`` / ``qcB`` / ``qtB`` / ``qtcB``: the index's per-token weights with values quantized at B bits: ``qv`` the
+  product's quantizer (per channel over 64-token blocks, min-max; packed at 4 and 8 bits, in float otherwise, same
+  values), ``qc`` the same with each group's clipping range of least squared error (``CLIP_RATIOS``), ``qt`` per
+  token over its ``head_dim`` channels (one ``lo``/``step`` pair a token, as KIVI quantizes values), ``qtc`` that
+  clipped;
 - ``idxtok``: an oracle, not a product candidate: the index's per-token weights with the exact values of R (the best
   a value estimate from the index's weights can do);
 - ``true``: the true remainder mean (the floor, ``err phi|true value``);
@@ -86,7 +91,8 @@ def parse_fix(spec: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
     raise ValueError(f"unknown fix {spec!r} (shift:X, cap:P, gate:X)")
 
 
-VALUE_KINDS = ("read", "blk", "kblk", "idxtok", "qv", "pca", "true")
+VALUE_KINDS = ("read", "blk", "kblk", "idxtok", "qv", "qc", "qt", "qtc", "pca", "true")
+QUANT_KINDS = ("qv", "qc", "qt", "qtc")
 MASS_KINDS = ("phi", "idx", "kblk", "true")
 
 
@@ -106,7 +112,8 @@ def parse_value(spec: str) -> ValueSpec:
     mass = mass or "phi"
     kind = val.rstrip("0123456789")
     digits = val[len(kind):]
-    if kind not in VALUE_KINDS or mass not in MASS_KINDS or (kind in ("blk", "kblk", "qv", "pca")) != bool(digits):
+    sized = kind in ("blk", "kblk", "pca", *QUANT_KINDS)
+    if kind not in VALUE_KINDS or mass not in MASS_KINDS or sized != bool(digits):
         raise ValueError(f"unknown value estimator {spec!r} ({', '.join(VALUE_KINDS)}; blk and kblk take a block "
                          f"size, e.g. blk64; @ one of {', '.join(MASS_KINDS)})")
     block = int(digits) if digits else 64
@@ -121,16 +128,15 @@ def approx_values(v: torch.Tensor, spec: ValueSpec, lo: int, hi: int) -> torch.T
     float16 coefficients), float64 ``[Hkv, N, D]``; None for the other estimators."""
     from workers.methods.key_index import KeyIndexConfig, dequantize_keys, quantize_keys
 
-    if spec.value == "qv":
-        if spec.block == 2:  # 2 bits: no packed layout in the key index; quantize in float here
-            x = _blocks_d(v.float(), 64)
-            lo_, hi_ = x.amin(2, keepdim=True), x.amax(2, keepdim=True)
-            step = ((hi_ - lo_) / 3).clamp_min(1e-8)
-            out = (lo_ + step * torch.round((x - lo_) / step).clamp(0, 3)).view(v.shape[0], -1, v.shape[-1])
-            return out[:, :v.shape[1]].double()
+    if spec.value == "qv" and spec.block in (4, 8):  # the product's packed layouts
         cfg = KeyIndexConfig(bits=spec.block)
         q = quantize_keys(v.float(), cfg)
         return dequantize_keys(q["codes"], q["lo"], q["step"], cfg.bits, cfg.block).double()
+    if spec.value in QUANT_KINDS:
+        per_token = spec.value in ("qt", "qtc")
+        x = v.float().unsqueeze(-1) if per_token else _blocks_d(v.float(), 64)  # groups along dim 2
+        out = _fake_quant(x, spec.block, clip=spec.value in ("qc", "qtc"))
+        return out.view(v.shape[0], -1, v.shape[-1])[:, :v.shape[1]].double()
     if spec.value == "pca":
         mid = v[:, lo:hi].double()
         mu = mid.mean(1, keepdim=True)
@@ -139,6 +145,31 @@ def approx_values(v: torch.Tensor, spec: ValueSpec, lo: int, hi: int) -> torch.T
         coef = ((v.double() - mu) @ basis).half().double()
         return mu + coef @ basis.transpose(1, 2)
     return None
+
+
+CLIP_RATIOS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
+"""Fractions of a group's half-range ``qc`` / ``qtc`` try (the one of least squared error is kept per group)."""
+
+
+def _fake_quant(x: torch.Tensor, bits: int, clip: bool) -> torch.Tensor:
+    """``x [H, nb, G, C]`` quantized to ``bits`` uniform levels per (H, nb, C) over its G elements along dim 2 (float16
+    ``lo``/``step``, as stored), optionally with the clipping range of least squared error, dequantized."""
+    levels = (1 << bits) - 1
+    lo0, hi0 = x.amin(2, keepdim=True), x.amax(2, keepdim=True)
+    best, best_err = None, None
+    for r in CLIP_RATIOS if clip else (1.0,):
+        mid, half = (lo0 + hi0) / 2, (hi0 - lo0) / 2 * r
+        lo = (mid - half).half().float()
+        step = (2 * half / levels).clamp_min(1e-8).half().float()
+        out = lo + step * torch.round((x - lo) / step).clamp(0, levels)
+        err = (out - x).square().sum(2, keepdim=True)
+        if best is None or best_err is None:
+            best, best_err = out, err
+        else:
+            better = err < best_err
+            best, best_err = torch.where(better, out, best), torch.minimum(err, best_err)
+    assert best is not None
+    return best
 
 
 def _blocks(x: torch.Tensor, block: int, fill: float = 0.0) -> torch.Tensor:
@@ -184,7 +215,7 @@ def estimate(spec: ValueSpec, *, q: torch.Tensor, scale: float, s: torch.Tensor,
         p = torch.softmax(torch.where(read_mid, s, neg), -1).nan_to_num(0.0)
         val = torch.einsum("thgn,hnd->thgd", p, v)
         val = torch.where(read_mid.any(-1, keepdim=True), val, mean_phi)
-    elif spec.value in ("idxtok", "qv", "pca"):
+    elif spec.value in ("idxtok", "pca", *QUANT_KINDS):
         p = torch.softmax(torch.where(rem, approx, neg), -1).nan_to_num(0.0)
         val = torch.einsum("thgn,hnd->thgd", p, v if v_hat is None else v_hat)
     else:

@@ -16,12 +16,16 @@ import torch
 from workers.budget import plan_budget
 from workers.methods.base import ReportsReads
 from workers.methods.key_index import (
+    PACKED_BITS,
     KeyIndexConfig,
     KeyIndexSummarizer,
     decoded_logits,
     dequantize_keys,
+    group_channels,
     index_logits,
+    pack_codes,
     quantize_keys,
+    unpack_codes,
 )
 from workers.methods.memory import MemorySource
 from workers.methods.registry import get_method
@@ -66,13 +70,40 @@ def _recall(sel: IndexedTopKSelector, k: torch.Tensor, q: torch.Tensor, lo: int,
 
 def test_quantized_keys_are_within_half_a_step() -> None:
     k, _ = structured_keys(2, 1000, 32, seed=0)
-    for cfg in (KeyIndexConfig(bits=4), KeyIndexConfig(bits=8, block=16)):
+    for cfg in (KeyIndexConfig(bits=4), KeyIndexConfig(bits=8, block=16), KeyIndexConfig(bits=2),
+                KeyIndexConfig(bits=3, block=128)):
         art = quantize_keys(k, cfg)
         back = dequantize_keys(art["codes"], art["lo"], art["step"], cfg.bits, cfg.block)
         step = art["step"].float().repeat_interleave(cfg.block, dim=1)[:, :1000]
         assert ((back - k).abs() <= step / 2 + 1e-2 * step + 1e-3).all()
         n_bytes = sum(t.numel() * t.element_size() for n, t in art.items() if n != "meta")
         assert n_bytes == pytest.approx(2 * 1000 * cfg.bytes_per_token(32), rel=0.02)
+
+
+@pytest.mark.parametrize("bits", PACKED_BITS)
+def test_codes_pack_little_endian_along_the_channels(bits: int) -> None:
+    """``pack_codes``: channel c's code at bits ``[c * bits, (c + 1) * bits)`` of the row (the 4-bit key index's
+    layout at 4 bits), ``bits / 8`` bytes a channel, and ``unpack_codes`` its inverse."""
+    d = 48
+    codes = torch.randint(0, 1 << bits, (2, 5, d), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)
+    packed = pack_codes(codes, bits)
+    assert packed.shape == (2, 5, d * bits // 8) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_codes(packed, bits), codes)
+    row = sum(int(c) << (bits * i) for i, c in enumerate(codes[1, 3].tolist()))
+    assert packed[1, 3].tolist() == [(row >> (8 * j)) & 0xFF for j in range(d * bits // 8)]
+    if group_channels(bits) > 1:  # a head_dim the codes cannot fill whole bytes with
+        with pytest.raises(ValueError, match="divisible"):
+            quantize_keys(torch.zeros(1, 4, group_channels(bits) + 1), KeyIndexConfig(bits=bits))
+
+
+def test_the_key_index_is_scored_at_4_or_8_bits_only() -> None:
+    with pytest.raises(ValueError, match="bits"):
+        KeyIndexSummarizer(KeyIndexConfig(bits=2))
+    art = quantize_keys(torch.randn(1, 64, 8), KeyIndexConfig(bits=2))
+    with pytest.raises(ValueError, match="dequantize_keys"):
+        index_logits(torch.randn(1, 1, 1, 8), art["codes"], art["lo"], art["step"], 2, 64)
+    with pytest.raises(ValueError, match="bits"):
+        KeyIndexConfig(bits=5)
 
 
 @pytest.mark.parametrize(("bits", "block"), [(4, 64), (8, 16), (4, 7)])

@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from workers.attention import dense_attention
-from workers.methods.key_index import KeyIndexSummarizer, dequantize_keys
+from workers.methods.key_index import KeyIndexSummarizer, dequantize_keys, quantize_keys
 from workers.methods.layer_kv import ResidentKV
 from workers.methods.memory import MemorySource
 from workers.methods.registry import get_method
 from workers.methods.selector import LayerContext
 from workers.methods.topk import IndexedTopKSelector, TopKPhi
 from workers.methods.value_index import (
+    VALUE_INDEX,
     IndexRemainder,
     ValueIndexSummarizer,
     merged_ref,
@@ -29,22 +30,44 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _grid(hkv: int, n: int, d: int, seed: int) -> torch.Tensor:
-    """Values on a 4-bit grid per channel and 64-token block (0 and 15 steps present): the indexes hold them
-    exactly."""
-    x = torch.randint(0, 16, (hkv, n, d), generator=_gen(seed)).float()
-    x[:, 0::64], x[:, 1::64] = 0.0, 15.0
+def _grid(hkv: int, n: int, d: int, seed: int, bits: int = 4) -> torch.Tensor:
+    """Values on a ``bits``-bit grid per channel and 64-token block (the lowest and highest code present): an index of
+    that many bits or more holds them exactly."""
+    top = (1 << bits) - 1
+    x = torch.randint(0, top + 1, (hkv, n, d), generator=_gen(seed)).float()
+    x[:, 0::64], x[:, 1::64] = 0.0, float(top)
     return x * 0.25 - 1.0
 
 
-def test_value_index_round_trips_within_half_a_step() -> None:
-    v = torch.randn(2, 200, 8, generator=_gen(1))
+def _decoded(art: dict[str, torch.Tensor], lo: int = 0, hi: int | None = None) -> torch.Tensor:
+    """Layer 0 of an index artifact, decoded at its own bits and block."""
+    bits, block = (int(x) for x in art["0.meta"][:2])
+    return dequantize_keys(art["0.codes"], art["0.lo"], art["0.step"], bits, block, lo, hi)
+
+
+def test_the_value_index_is_2_bit_within_half_a_step() -> None:
+    """``VALUE_INDEX``: 2 bits a value (``head_dim / 4`` code bytes a token) over 64-token blocks, min-max ranges (every
+    value within half a step), and its bytes as ``bytes_per_token`` says (what the one-time read is charged)."""
+    assert (VALUE_INDEX.bits, VALUE_INDEX.block, VALUE_INDEX.clip) == (2, 64, False)
+    v = torch.randn(2, 256, 8, generator=_gen(1))
     t = ValueIndexSummarizer().summarize(0, v, v)
-    bits, block = (int(x) for x in t["meta"][:2])
-    assert (bits, block) == (4, 64) and t["codes"].shape == (2, 200, 4)
-    back = dequantize_keys(t["codes"], t["lo"], t["step"], bits, block)
-    step = t["step"].float().repeat_interleave(block, 1)[:, :200]
+    assert t["meta"][:2].tolist() == [2, 64] and t["codes"].shape == (2, 256, 2)
+    back = _decoded({f"0.{k}": x for k, x in t.items()})
+    step = t["step"].float().repeat_interleave(64, 1)
     assert ((back - v).abs() <= step / 2 + 2e-3).all()  # float16 lo/step add a little rounding
+    n_bytes = sum(x.numel() * x.element_size() for k, x in t.items() if k != "meta")
+    assert n_bytes == 2 * 256 * VALUE_INDEX.bytes_per_token(8)
+
+
+def test_a_clipped_range_is_never_worse_than_min_max() -> None:
+    """``clip=True`` keeps, per block and channel, the range of least squared error among ``CLIP_RATIOS`` of min-max
+    (min-max included)."""
+    v = torch.randn(2, 640, 8, generator=_gen(1))
+    got = {}
+    for clip in (False, True):
+        a = quantize_keys(v, dataclasses.replace(VALUE_INDEX, clip=clip))
+        got[clip] = (dequantize_keys(a["codes"], a["lo"], a["step"], 2, 64) - v).square().view(2, 10, 64, 8).sum(2)
+    assert (got[True] <= got[False] + 1e-6).all() and got[True].sum() < 0.8 * got[False].sum()
 
 
 def test_remainder_mask_marks_the_unread_mid_tokens() -> None:
@@ -74,8 +97,7 @@ def test_index_remainder_matches_the_float64_reference(mass: str) -> None:
     phi_z[0, 1, 2] = float("-inf")  # φ's "nothing left": kept as it is
     log_z, mean = est.apply(0, ctx, q, d ** -0.5, tokens, valid, phi_z, phi_mean)
     ki, vi = src.artifact("keyindex"), src.artifact("valueindex")
-    keys = dequantize_keys(ki["0.codes"], ki["0.lo"], ki["0.step"], 4, 64)[:, ctx.lo:ctx.hi]
-    values = dequantize_keys(vi["0.codes"], vi["0.lo"], vi["0.step"], 4, 64)[:, ctx.lo:ctx.hi]
+    keys, values = _decoded(ki, ctx.lo, ctx.hi), _decoded(vi, ctx.lo, ctx.hi)
     ref_z, ref_mean = remainder_ref(q, keys, values, remainder_mask(ctx, tokens, valid), d ** -0.5)
     keep = torch.isfinite(phi_z)
     expect_z = torch.where(keep, ref_z if mass == "index" else phi_z.double(), phi_z.double())
@@ -88,10 +110,11 @@ def test_index_remainder_matches_the_float64_reference(mass: str) -> None:
 
 @pytest.mark.parametrize("fraction", [0.05, 0.2])
 def test_lossless_indexes_make_topk_phi_exact(fraction: float) -> None:
-    """Keys and values on the indexes' 4-bit grid: the index remainder (value and mass) is the true one, so Top-K
-    + completion equals full attention at any budget (the pseudo-entry and the single softmax are exact)."""
+    """Keys on the key index's 4-bit grid and values on the value index's 2-bit one: the index remainder (value and
+    mass) is the true one, so Top-K + completion equals full attention at any budget (the pseudo-entry and the single
+    softmax are exact)."""
     hkv, n, d = 2, 512, 16
-    k, v = _grid(hkv, n, d, 7) * 0.5, _grid(hkv, n, d, 8)
+    k, v = _grid(hkv, n, d, 7) * 0.5, _grid(hkv, n, d, 8, bits=VALUE_INDEX.bits)
     base = TopKPhi(phi_value="index", phi_mass="index")
     src = MemorySource.build([(k, v)], base.summarizers)
     attn = base.open(src, DecodeConfig(budget=fraction, sink=2, tail=4, gen_len=256))
@@ -111,7 +134,7 @@ def test_topk_vi_is_the_index_remainder_and_topk_phi_stays_the_papers() -> None:
     assert isinstance(paper, TopKPhi) and paper.phi_value == "phi"
     assert {s.name for s in m.summarizers} == {KeyIndexSummarizer.name, "valueindex"}  # no φ cache
     with pytest.raises(ValueError, match="mass"):
-        IndexRemainder(MemorySource.build([(torch.zeros(1, 8, 2),) * 2], [ValueIndexSummarizer]),
+        IndexRemainder(MemorySource.build([(torch.zeros(1, 8, 4),) * 2], [ValueIndexSummarizer]),
                        lambda *a: torch.zeros(0), "none")  # type: ignore[arg-type]
 
 
@@ -158,8 +181,7 @@ def test_topk_vi_output_is_the_float64_merge_of_what_it_read(fraction: float) ->
     attn = method.open(src, DecodeConfig(budget=fraction, sink=sink, tail=tail, gen_len=1))
     lo, hi = sink, n - tail
     ctx = LayerContext(ResidentKV(k, v, page_size=16), lo, hi)
-    indexes = [dequantize_keys(a["0.codes"], a["0.lo"], a["0.step"], 4, 64)[:, lo:hi]
-               for a in (src.artifact("keyindex"), src.artifact("valueindex"))]
+    indexes = [_decoded(a, lo, hi) for a in (src.artifact("keyindex"), src.artifact("valueindex"))]
     assert attn.k is not None and attn.k // 16 > 0
     for rows in (4, 1):
         q = torch.randn(1, hkv * g, rows, d, generator=_gen(22 + rows)) * 2

@@ -12,6 +12,7 @@ ranking on the CPU, on the codes in a fused kernel (``IndexTiles``, ``workers/ke
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,18 +29,61 @@ if TYPE_CHECKING:
     from workers.methods.source import PrefixSource
 
 
+PACKED_BITS = (2, 3, 4, 8)
+"""Code widths ``pack_codes`` lays out."""
+
+
+def group_channels(bits: int) -> int:
+    """Channels whose codes fill a whole number of bytes at ``bits`` bits each (2 at 4 bits, 4 at 2, 8 at 3)."""
+    return 8 // math.gcd(bits, 8)
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes ``[..., D]`` (each below ``2 ** bits``) -> ``[..., D * bits / 8]`` bytes: channel c's code at bits
+    ``[c * bits, (c + 1) * bits)`` of the row, little-endian (at 4 bits: byte j = channel 2j | channel 2j+1 << 4).
+    ``D`` must be a multiple of ``group_channels(bits)``."""
+    if bits == 8:
+        return codes
+    g = group_channels(bits)
+    nbytes = g * bits // 8
+    c = codes.view(*codes.shape[:-1], -1, g).to(torch.int32)
+    word = (c << (torch.arange(g, device=c.device, dtype=torch.int32) * bits)).sum(-1, dtype=torch.int32)
+    shifts = torch.arange(nbytes, device=c.device, dtype=torch.int32) * 8
+    return ((word.unsqueeze(-1) >> shifts) & 0xFF).to(torch.uint8).flatten(-2)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """``pack_codes``' inverse: bytes ``[..., D * bits / 8]`` -> uint8 codes ``[..., D]``."""
+    if bits == 8:
+        return packed
+    if bits == 4:  # the key index's layout, on its hot path: no int32 words
+        return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
+    g = group_channels(bits)
+    nbytes = g * bits // 8
+    b = packed.view(*packed.shape[:-1], -1, nbytes).to(torch.int32)
+    word = (b << (torch.arange(nbytes, device=b.device, dtype=torch.int32) * 8)).sum(-1, dtype=torch.int32)
+    shifts = torch.arange(g, device=b.device, dtype=torch.int32) * bits
+    return ((word.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).to(torch.uint8).flatten(-2)
+
+
 @dataclass(frozen=True)
 class KeyIndexConfig:
     """How keys are quantized for the index."""
 
     bits: int = 4
-    """Bits per key element: 4 (two codes per byte) or 8."""
+    """Bits per element: 2, 3, 4 or 8, packed little-endian along the channels (``pack_codes``). The key index's
+    scoring takes 4 or 8 (``index_logits``, ``KeyIndexSummarizer``); the value index is only decoded, at any."""
     block: int = 64
     """Tokens sharing one ``lo``/``step`` pair per channel."""
+    clip: bool = False
+    """Each block and channel's range: the min-max one (False: every element within half a step), or the one of
+    least squared error among ``CLIP_RATIOS`` of it, centered (True: the extreme elements clamped, the rest on a finer
+    grid; at 2 bits on the shipped model's values, 0.074 against 0.117 output error, ``lab/notes/
+    phi_value_estimators.md``). Only prefill's arithmetic changes: the layout and the decoding are the same."""
 
     def __post_init__(self) -> None:
-        if self.bits not in (4, 8):
-            raise ValueError(f"bits must be 4 or 8, got {self.bits}")
+        if self.bits not in PACKED_BITS:
+            raise ValueError(f"bits must be one of {PACKED_BITS}, got {self.bits}")
         if self.block < 1:
             raise ValueError(f"block must be >= 1, got {self.block}")
 
@@ -51,35 +95,56 @@ class KeyIndexConfig:
 KEY_INDEX = KeyIndexConfig()
 """The index prefill builds."""
 
+CLIP_RATIOS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
+"""Fractions of a block and channel's min-max half-range a clipped quantizer tries (``KeyIndexConfig.clip``)."""
+
 
 def quantize_keys(k: torch.Tensor, config: KeyIndexConfig = KEY_INDEX) -> dict[str, torch.Tensor]:
-    """K ``[Hkv, N, D]`` -> ``codes`` (uint8 ``[Hkv, N, D * bits / 8]``), ``lo``, ``step`` (float16
+    """K ``[Hkv, N, D]`` -> ``codes`` (uint8 ``[Hkv, N, D * bits / 8]``, ``pack_codes``), ``lo``, ``step`` (float16
     ``[Hkv, blocks, D]``) and ``meta = [bits, block]``."""
     h, n, d = k.shape
-    if config.bits == 4 and d % 2:
-        raise ValueError(f"a 4-bit key index needs an even head_dim, got {d}")
+    if d % group_channels(config.bits):
+        raise ValueError(f"a {config.bits}-bit index needs a head_dim divisible by {group_channels(config.bits)}, "
+                         f"got {d}")
     b = config.block
     blocks = page_count(n, b)
     kf = k.float()
     padded = torch.cat([kf, kf[:, -1:].expand(h, blocks * b - n, d)], dim=1).view(h, blocks, b, d)
-    lo, hi = padded.amin(2), padded.amax(2)
     levels = (1 << config.bits) - 1
-    step = ((hi - lo) / levels).clamp_min(1e-8).half()
-    lo = lo.half()
+    lo, step = _ranges(padded, levels, CLIP_RATIOS if config.clip else (1.0,))
     codes = torch.round((padded - lo.float().unsqueeze(2)) / step.float().unsqueeze(2)).clamp(0, levels)
-    codes = codes.view(h, blocks * b, d)[:, :n].to(torch.uint8)
-    if config.bits == 4:
-        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    codes = pack_codes(codes.view(h, blocks * b, d)[:, :n].to(torch.uint8), config.bits)
     return {"codes": codes.contiguous(), "lo": lo, "step": step,
             "meta": torch.tensor([config.bits, b], dtype=torch.int64)}
+
+
+def _ranges(x: torch.Tensor, levels: int, ratios: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float16 ``lo``, ``step`` ``[Hkv, blocks, D]`` of blocks ``x [Hkv, blocks, block, D]``: per block and channel
+    the min-max range scaled by each of ``ratios`` about its center, the one of least squared error kept (the first
+    on ties; ``(1.0,)``: min-max)."""
+    lo0, hi0 = x.amin(2), x.amax(2)
+    best_lo = best_step = best_err = None
+    for r in ratios:
+        mid, half = (lo0 + hi0) / 2, (hi0 - lo0) / 2 * r
+        lo, step = (mid - half).half(), (2 * half / levels).clamp_min(1e-8).half()
+        if len(ratios) == 1:
+            return lo, step
+        lf, sf = lo.float().unsqueeze(2), step.float().unsqueeze(2)
+        err = (lf + sf * torch.round((x - lf) / sf).clamp(0, levels) - x).square().sum(2)
+        if best_lo is None or best_step is None or best_err is None:
+            best_lo, best_step, best_err = lo, step, err
+            continue
+        better = err < best_err
+        best_lo, best_step = torch.where(better, lo, best_lo), torch.where(better, step, best_step)
+        best_err = torch.minimum(err, best_err)
+    assert best_lo is not None and best_step is not None
+    return best_lo, best_step
 
 
 def dequantize_keys(codes: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, bits: int, block: int,
                     start: int = 0, end: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The approximate keys ``[Hkv, end - start, D]`` of tokens ``[start, end)`` of an index."""
-    c = codes[:, start:end]
-    if bits == 4:
-        c = torch.stack([c & 0xF, c >> 4], dim=-1).flatten(-2)
+    c = unpack_codes(codes[:, start:end], bits)
     n = c.shape[1]
     blk = torch.arange(start, start + n, device=c.device) // block
     return lo[:, blk].to(dtype) + step[:, blk].to(dtype) * c.to(dtype)
@@ -142,7 +207,7 @@ class DecodedIndex(LayerCache[torch.Tensor]):
         h, n = codes.shape[:2]
         # held channel-major ([Hkv, D, N] in memory, seen as [Hkv, N, D]): the scoring product then reads each
         # channel's tokens contiguously, 2x faster on the CPU than token-major keys, same bits
-        return self._get(layer, h * n * codes.shape[2] * (8 // bits) * 4,
+        return self._get(layer, h * n * lo.shape[-1] * 4,
                          lambda: dequantize_keys(codes, lo, step, bits, block).transpose(1, 2).contiguous()
                          .transpose(1, 2))
 
@@ -200,6 +265,8 @@ def index_logits(q: torch.Tensor, codes: torch.Tensor, lo: torch.Tensor, step: t
     Equal to ``q . dequantize_keys(...)`` up to float32 rounding, without materializing the keys:
     per block, ``q . k = q . lo + (q * step) . codes``.
     """
+    if bits not in (4, 8):
+        raise ValueError(f"index_logits scores 4- or 8-bit codes, got bits={bits} (decode others: dequantize_keys)")
     h, n = codes.shape[:2]
     end = n if end is None else end
     t, _, g, d = q.shape
@@ -240,6 +307,8 @@ class KeyIndexSummarizer(Summarizer):
     version = 1
 
     def __init__(self, config: KeyIndexConfig = KEY_INDEX):
+        if config.bits not in (4, 8):
+            raise ValueError(f"the key index is scored at 4 or 8 bits (index_logits), got {config.bits}")
         self.config = config
 
     def summarize(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -5,14 +5,15 @@ pseudo-entry carries about 60 % of the prefix's attention (``lab/notes/phi_diagn
 it (``phi_map_value.md``), and neither do position-block value means (``phi_value_estimators.md``: the remainder's
 attention still falls on a few tokens inside each block). What does: the per-token weights Top-K already computes on
 its key index (``key_index.py``) applied to every unread token's own value, read from a value index built like the
-key index (4 bits per element, per channel over blocks of 64 tokens):
+key index (2 bits per element, per channel over blocks of 64 tokens: ``VALUE_INDEX``):
 
     v̂_R = Σ_{i∈R} softmax_R(ŝ_i) ṽ_i,    ŝ_i = scale q·k̃_i,    R = mid \\ K (the tokens the step did not read)
 
 and, with ``mass="index"``, the pseudo-entry's logit ``log Σ_{i∈R} exp(ŝ_i)`` instead of φ's ``log Ẑ_R``.
 
-Reads: the value index is an artifact read once per generation (``valueindex``, ~14 % of the prefix's bf16 K/V:
-``head_dim / 2`` code bytes + 4 bytes of float16 ranges per token and KV head), charged with the other summaries in
+Reads: the value index is an artifact read once per generation (``valueindex``, 7.8 % of the prefix's bf16 K/V at
+head_dim 64: ``head_dim / 4`` code bytes + ``head_dim / 16`` bytes of float16 ranges per token and KV head,
+``KeyIndexConfig.bytes_per_token``; 14.1 % at 4 bits, version 1), charged with the other summaries in
 ``ReadCounter``'s one-time bytes; nothing is read per step (the key index is Top-K's own). Like the key index it is not
 charged in the per-step budget plan (``workers/budget.py`` charges the φ cache, as the paper does): one-time reads
 are amortized over the generation's actual steps in the read fraction (``methods/reads.py``).
@@ -31,8 +32,13 @@ from workers.methods.selector import LayerContext
 from workers.methods.shared_state import shared_by_prefix
 from workers.methods.source import PrefixSource
 
-VALUE_INDEX = KeyIndexConfig(bits=4, block=64)
-"""How prefill quantizes the values (the key index's scheme: per channel over token blocks)."""
+VALUE_INDEX = KeyIndexConfig(bits=2, block=64)
+"""How prefill quantizes the values (the key index's scheme: per channel over 64-token blocks, min-max ranges), at 2
+bits: 20 bytes a token and KV head at head_dim 64 (7.8 % of the bf16 K/V), against 36 at 4 bits (14.1 %). On the
+CPU at 8k and 2 %, the same per-sample scores as 4 bits on every sample run (compare 12, fwe 12), at 4x the output
+error of the 4-bit index (still 3x below no completion); the clipped ranges (``clip=True``, lower error) lost a compare
+answer the 4-bit and min-max indexes keep (``lab/notes/phi_value_estimators.md``, last section)."""
+
 
 Mass = Literal["phi", "index"]
 
@@ -41,11 +47,12 @@ Logits = Callable[[int, LayerContext, torch.Tensor, float], torch.Tensor]
 
 
 class ValueIndexSummarizer(Summarizer):
-    """Prefill: every value at 4 bits per element (artifact ``valueindex``; ``quantize_keys``' layout)."""
+    """Prefill: every value at ``VALUE_INDEX``'s 2 bits per element (artifact ``valueindex``; ``quantize_keys``'
+    layout)."""
 
     name = "valueindex"
-    version = 1
-    late = True  # only topk+vi reads it, and it is as many bytes as the key index: not worth holding every prefill
+    version = 2  # 1: 4 bits
+    late = True  # only topk+vi reads it, over half the key index's bytes: not worth holding every prefill
 
     def __init__(self, config: KeyIndexConfig = VALUE_INDEX):
         self.config = config
@@ -61,10 +68,10 @@ class DecodedValues(LayerCache[torch.Tensor]):
     def get(self, layer: int, index: dict[str, torch.Tensor], bits: int, block: int) -> torch.Tensor | None:
         """The layer's decoded values, or None past the cap (``bits``, ``block``: the index's, read once on the host:
         reading them from a device tensor here would sync, which a CUDA graph capture cannot)."""
-        codes = index[f"{layer}.codes"]
+        codes, lo = index[f"{layer}.codes"], index[f"{layer}.lo"]
         h, n = codes.shape[:2]
-        return self._get(layer, h * n * codes.shape[2] * (8 // bits) * 4,
-                         lambda: dequantize_keys(codes, index[f"{layer}.lo"], index[f"{layer}.step"], bits, block))
+        return self._get(layer, h * n * lo.shape[-1] * 4,
+                         lambda: dequantize_keys(codes, lo, index[f"{layer}.step"], bits, block))
 
 
 class SharedValueIndex:
