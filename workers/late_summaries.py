@@ -3,7 +3,7 @@
 Every prefill computes the summaries the sparse methods read. Most are cheap: Quest's bounds, MoBA's block means and
 Top-K's key index take 0.14 s at 128k on an H200. Two are not: Double-P's k-means and the φ cache take 3.5 s there,
 and with them the prefill runs at 0.68x the forward pass instead of 0.96x. Those summarizers are marked ``late``,
-and so is ``topk+vi``'s value index (over half the key index's bytes, for one method). Under the ``background``
+and so is ``topk+vi``'s value index (as many bytes as the key index, for one method). Under the ``background``
 policy (the default on a CUDA device) a prefill commits the prefix without them, so Quest, Top-K and MoBA serve it
 at once. A background thread then builds them from the stored pages and adds them to the prefix, one artifact at a
 time (``KVStore.add_artifact``: nothing is visible until an artifact is whole). Under ``on_use`` nothing is built

@@ -5,15 +5,15 @@ pseudo-entry carries about 60 % of the prefix's attention (``lab/notes/phi_diagn
 it (``phi_map_value.md``), and neither do position-block value means (``phi_value_estimators.md``: the remainder's
 attention still falls on a few tokens inside each block). What does: the per-token weights Top-K already computes on
 its key index (``key_index.py``) applied to every unread token's own value, read from a value index built like the
-key index (2 bits per element, per channel over blocks of 64 tokens: ``VALUE_INDEX``):
+key index (4 bits per element, per channel over blocks of 64 tokens: ``VALUE_INDEX``):
 
     v̂_R = Σ_{i∈R} softmax_R(ŝ_i) ṽ_i,    ŝ_i = scale q·k̃_i,    R = mid \\ K (the tokens the step did not read)
 
 and, with ``mass="index"``, the pseudo-entry's logit ``log Σ_{i∈R} exp(ŝ_i)`` instead of φ's ``log Ẑ_R``.
 
-Reads: the value index is an artifact read once per generation (``valueindex``, 7.8 % of the prefix's bf16 K/V at
-head_dim 64: ``head_dim / 4`` code bytes + ``head_dim / 16`` bytes of float16 ranges per token and KV head,
-``KeyIndexConfig.bytes_per_token``; 14.1 % at 4 bits, version 1), charged with the other summaries in
+Reads: the value index is an artifact read once per generation (``valueindex``, 14.1 % of the prefix's bf16 K/V at
+head_dim 64: ``head_dim / 2`` code bytes + ``head_dim / 16`` bytes of float16 ranges per token and KV head,
+``KeyIndexConfig.bytes_per_token``; 7.8 % at 2 bits), charged with the other summaries in
 ``ReadCounter``'s one-time bytes; nothing is read per step (the key index is Top-K's own). Like the key index it is not
 charged in the per-step budget plan (``workers/budget.py`` charges the φ cache, as the paper does): one-time reads
 are amortized over the generation's actual steps in the read fraction (``methods/reads.py``).
@@ -32,12 +32,13 @@ from workers.methods.selector import LayerContext
 from workers.methods.shared_state import shared_by_prefix
 from workers.methods.source import PrefixSource
 
-VALUE_INDEX = KeyIndexConfig(bits=2, block=64)
-"""How prefill quantizes the values (the key index's scheme: per channel over 64-token blocks, min-max ranges), at 2
-bits: 20 bytes a token and KV head at head_dim 64 (7.8 % of the bf16 K/V), against 36 at 4 bits (14.1 %). On the
-CPU at 8k and 2 %, the same per-sample scores as 4 bits on every sample run (compare 12, fwe 12), at 4x the output
-error of the 4-bit index (still 3x below no completion); the clipped ranges (``clip=True``, lower error) lost a compare
-answer the 4-bit and min-max indexes keep (``lab/notes/phi_value_estimators.md``, last section)."""
+VALUE_INDEX = KeyIndexConfig(bits=4, block=64)
+"""How prefill quantizes the values (the key index's scheme: per channel over 64-token blocks, min-max ranges), at 4
+bits: 36 bytes a token and KV head at head_dim 64 (14.1 % of the bf16 K/V). 4 bits is what the H200 evals measured
+(docs/benchmarks/accuracy.md: full attention's scores at 8k and 16k, 40 samples per cell). 2 bits (20 bytes, 7.8 %)
+gave the same per-sample scores on the CPU at 8k and 2 % (compare 12 samples, fwe 12) at 4x the output error; it
+becomes the default once a GPU eval of 40 samples per cell agrees (``lab/notes/phi_value_estimators.md``, last
+section; ``bench/bench_vi_bits.py`` runs the variants side by side)."""
 
 
 Mass = Literal["phi", "index"]
@@ -47,12 +48,12 @@ Logits = Callable[[int, LayerContext, torch.Tensor, float], torch.Tensor]
 
 
 class ValueIndexSummarizer(Summarizer):
-    """Prefill: every value at ``VALUE_INDEX``'s 2 bits per element (artifact ``valueindex``; ``quantize_keys``'
+    """Prefill: every value at ``VALUE_INDEX``'s bits per element (artifact ``valueindex``; ``quantize_keys``'
     layout)."""
 
     name = "valueindex"
-    version = 2  # 1: 4 bits
-    late = True  # only topk+vi reads it, over half the key index's bytes: not worth holding every prefill
+    version = 1  # the 4-bit format (the config's bits and block are in each layer's ``meta``)
+    late = True  # only topk+vi reads it, and it is as many bytes as the key index: not worth holding every prefill
 
     def __init__(self, config: KeyIndexConfig = VALUE_INDEX):
         self.config = config
