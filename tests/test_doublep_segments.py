@@ -45,7 +45,8 @@ def test_one_segment_is_the_unsegmented_kmeans_bit_for_bit(summarizer: type[Clus
     layer = 3
     s = summarizer().summarize(layer, k, v)
     c = math.ceil(n_mid / summarizer.cluster_size)
-    cent, labels = kmeans(k[:, SINK:SINK + n_mid].float(), c, iters=summarizer.iters, seed=summarizer.seed + layer)
+    cent, labels = kmeans(k[:, SINK:SINK + n_mid].float(), c, iters=summarizer.iters, seed=summarizer.seed + layer,
+                          init=summarizer.init)
     assert s["meta"].tolist() == [SINK, SINK + n_mid, c]
     assert torch.equal(s["centroids"], cent)
     assert torch.equal(s["perm"].long(), torch.sort(labels, dim=1, stable=True).indices + SINK)

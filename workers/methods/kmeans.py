@@ -25,21 +25,59 @@ def cluster_sums(x: torch.Tensor, labels: torch.Tensor, n_clusters: int) -> tupl
     return sizes.view(h, n_clusters), sums.view(h, n_clusters, d)
 
 
+def plus_plus_init(x: torch.Tensor, n_clusters: int, g: torch.Generator) -> torch.Tensor:
+    """k-means++ seeding (Arthur & Vassilvitskii, 2007) per row: x ``[H, n, D]`` -> point ids ``[H, C]``.
+
+    The first seed is uniform, each next one drawn with probability proportional to its squared distance to the
+    nearest seed so far (a point equal to a seed is never drawn again while others are farther). The draws'
+    uniforms come from the CPU generator ``g`` in one call, so every device picks the same points up to rounding,
+    and no step waits for the host. A row whose points all coincide with its seeds draws uniformly."""
+    h, n, _ = x.shape
+    u = torch.rand(h, n_clusters, generator=g, dtype=torch.float64).to(x.device)
+    rows = torch.arange(h, device=x.device)
+    ids = torch.empty(h, n_clusters, dtype=torch.long, device=x.device)
+    ids[:, 0] = (u[:, 0] * n).long().clamp_max(n - 1)
+    sq = (x * x).sum(-1)  # [H, n]
+    best = torch.full((h, n), torch.inf, dtype=x.dtype, device=x.device)
+    for j in range(n_clusters):
+        if j:
+            w = best.double().clamp_min(0)
+            cum = w.cumsum(-1)
+            total = cum[:, -1:]
+            # all points on a seed already: uniform among them
+            cum = torch.where(total > 0, cum, torch.arange(1, n + 1, device=x.device, dtype=torch.float64))
+            target = u[:, j:j + 1] * cum[:, -1:]
+            ids[:, j] = torch.searchsorted(cum, target, right=True).squeeze(-1).clamp_max(n - 1)
+        c = x[rows, ids[:, j]]  # [H, D]
+        d = sq - 2 * torch.bmm(x, c.unsqueeze(-1)).squeeze(-1) + (c * c).sum(-1, keepdim=True)
+        best = torch.minimum(best, d)
+    return ids
+
+
+INITS = ("random", "plus_plus")
+
+
 def kmeans(x: torch.Tensor, n_clusters: int, *, iters: int = 10, seed: int = 0,
-           generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           generator: torch.Generator | None = None, init: str = "random") -> tuple[torch.Tensor, torch.Tensor]:
     """Lloyd's k-means per head: x ``[H, n, D]`` float -> (centroids ``[H, C, D]``, labels ``[H, n]``).
 
     Initial centroids are ``C`` distinct points per row drawn, row after row, from a CPU generator (the
     same on every device): ``generator`` if given (it advances, so consecutive calls draw fresh inits),
-    else one seeded with ``seed``. Each iteration assigns then recomputes means; a cluster that empties
+    else one seeded with ``seed``; ``init="random"`` draws them uniformly, ``"plus_plus"`` by k-means++ seeding
+    (``plus_plus_init``). Each iteration assigns then recomputes means; a cluster that empties
     keeps its previous centroid (and has size 0). The returned centroids are the means of the returned labels.
     """
     h, n, _ = x.shape
     if not 1 <= n_clusters <= n:
         raise ValueError(f"n_clusters must be in [1, {n}], got {n_clusters}")
+    if init not in INITS:
+        raise ValueError(f"init must be one of {INITS}, got {init!r}")
     g = generator if generator is not None else torch.Generator().manual_seed(seed)
-    init = torch.stack([torch.randperm(n, generator=g)[:n_clusters] for _ in range(h)]).to(x.device)
-    centroids = x.gather(1, init[..., None].expand(-1, -1, x.shape[-1])).clone()
+    if init == "plus_plus":
+        first = plus_plus_init(x, n_clusters, g)
+    else:
+        first = torch.stack([torch.randperm(n, generator=g)[:n_clusters] for _ in range(h)]).to(x.device)
+    centroids = x.gather(1, first[..., None].expand(-1, -1, x.shape[-1])).clone()
     labels = assign(x, centroids)
     for _ in range(max(1, iters)):
         sizes, sums = cluster_sums(x, labels, n_clusters)
