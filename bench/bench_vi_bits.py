@@ -15,14 +15,12 @@ command line is ``kvstash eval``'s (``--method topk+vi4x64`` etc. to run them).
 from __future__ import annotations
 
 import sys
-from typing import Any
 
 from client.cli_model import METHOD_HELP
 from workers.methods.key_index import KeyIndexConfig, KeyIndexSummarizer
 from workers.methods.registry import METHODS
-from workers.methods.shared_state import shared_by_prefix
-from workers.methods.topk import IndexedTopKSelector, TopKIndexRemainder
-from workers.methods.value_index import IndexCompletion, IndexRemainder, SharedValueIndex, ValueIndexSummarizer
+from workers.methods.topk import TopKIndexRemainder
+from workers.methods.value_index import ValueIndexSummarizer
 
 
 def register(bits: int, block: int, clip: bool) -> str:
@@ -36,16 +34,9 @@ def register(bits: int, block: int, clip: bool) -> str:
         def __init__(self, config: KeyIndexConfig = config):
             super().__init__(config)
 
-    class Method(TopKIndexRemainder):
+    class Method(TopKIndexRemainder):  # reads its summarizer's artifact (``TopKPhi.make_completion``)
         name = f"topk+vi{tag}"
         summarizers = (KeyIndexSummarizer, Summ)
-
-        def make_completion(self, source: Any, selector: Any) -> Any:
-            assert isinstance(selector, IndexedTopKSelector)
-            rem = IndexRemainder.__new__(IndexRemainder)  # the product's remainder over this variant's artifact
-            rem.values = shared_by_prefix(source, Summ.name, SharedValueIndex)
-            rem.logits, rem.mass = selector.approx_logits, "index"
-            return IndexCompletion(rem)
 
     METHODS[Method.name] = Method
     METHOD_HELP[Method.name] = f"topk+vi with a value index of {config} (lab)"

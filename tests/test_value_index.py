@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from workers.attention import dense_attention
-from workers.methods.key_index import KeyIndexSummarizer, dequantize_keys, quantize_keys
+from workers.methods.key_index import KeyIndexConfig, KeyIndexSummarizer, dequantize_keys, quantize_keys
 from workers.methods.layer_kv import ResidentKV
 from workers.methods.memory import MemorySource
 from workers.methods.registry import get_method
 from workers.methods.selector import LayerContext
-from workers.methods.topk import IndexedTopKSelector, TopKPhi
+from workers.methods.topk import IndexedTopKSelector, TopKIndexRemainder, TopKPhi
 from workers.methods.value_index import (
     VALUE_INDEX,
     IndexRemainder,
@@ -202,3 +202,33 @@ def test_topk_vi_output_is_the_float64_merge_of_what_it_read(fraction: float) ->
         ref, ref_lse = merged_ref(q, k, v, *indexes, read_mid, lo, hi, d ** -0.5)
         torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=0)
+
+
+def test_a_topk_vi_subclass_reads_its_own_value_index_artifact() -> None:
+    """A ``topk+vi`` whose summarizer stores another config under another name (``bench/bench_vi_bits.py``'s
+    variants) completes from that artifact: the same output as ``topk+vi`` over a prefix whose ``valueindex`` was
+    built with that config, and another than over the default's."""
+    two_bit = dataclasses.replace(VALUE_INDEX, bits=2)
+
+    class Summ(ValueIndexSummarizer):
+        name = "valueindex_two_bit"
+
+        def __init__(self, config: KeyIndexConfig = two_bit):
+            super().__init__(config)
+
+    class Variant(TopKIndexRemainder):
+        name = "topk+vi_two_bit"
+        summarizers = (KeyIndexSummarizer, Summ)
+
+    hkv, n, d = 2, 1500, 16
+    k, v = torch.randn(hkv, n, d, generator=_gen(30)), torch.randn(hkv, n, d, generator=_gen(31))
+    q = torch.randn(1, hkv * 2, 1, d, generator=_gen(32)) * 2
+    cfg = DecodeConfig(budget=0.05, sink=4, tail=8, gen_len=1)
+    outs = {}
+    for label, method, summarizers in (
+            ("variant", Variant(), Variant.summarizers),  # no ``valueindex`` artifact at all
+            ("two_bit", TopKIndexRemainder(), (KeyIndexSummarizer, ValueIndexSummarizer(two_bit))),
+            ("default", TopKIndexRemainder(), TopKIndexRemainder.summarizers)):
+        outs[label] = method.open(MemorySource.build([(k, v)], summarizers), cfg).attend(0, q, d ** -0.5)[0]
+    torch.testing.assert_close(outs["variant"], outs["two_bit"], atol=0, rtol=0)
+    assert not torch.equal(outs["variant"], outs["default"])

@@ -202,7 +202,9 @@ class TopKPhi(TopK):
         if self.phi_value == "phi":
             return super().make_completion(source, selector)
         assert isinstance(selector, IndexedTopKSelector)
-        remainder = IndexRemainder(source, selector.approx_logits, self.phi_mass)
+        # the method's own value index (a subclass's summarizer may store another config under its own name)
+        values = next(s for s in self.summarizers if issubclass(s, ValueIndexSummarizer))
+        remainder = IndexRemainder(source, selector.approx_logits, self.phi_mass, artifact=values.name)
         if self.phi_mass == "index":
             return IndexCompletion(remainder)
         phi = PhiCompletion(source, self.feature_map)

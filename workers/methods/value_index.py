@@ -94,9 +94,9 @@ class SharedValueIndex:
         return dequantize_keys(i[f"{layer}.codes"], i[f"{layer}.lo"], i[f"{layer}.step"], self.bits, self.block, lo, hi)
 
 
-def shared_value_index(source: PrefixSource) -> SharedValueIndex:
-    """The value index of ``source``'s prefix (the one another generation holds, else read now)."""
-    return shared_by_prefix(source, ValueIndexSummarizer.name, SharedValueIndex)
+def shared_value_index(source: PrefixSource, artifact: str = ValueIndexSummarizer.name) -> SharedValueIndex:
+    """The value index ``artifact`` of ``source``'s prefix (the one another generation holds, else read now)."""
+    return shared_by_prefix(source, artifact, SharedValueIndex)
 
 
 def remainder_mask(ctx: LayerContext, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -141,12 +141,13 @@ def merged_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Te
 
 class IndexRemainder:
     """Decode time: the remainder's value (and with ``mass="index"`` its logit) from the key index's logits and the
-    value index, over one stored prefix."""
+    value index (the artifact ``artifact``), over one stored prefix."""
 
-    def __init__(self, source: PrefixSource, logits: Logits, mass: Mass = "phi"):
+    def __init__(self, source: PrefixSource, logits: Logits, mass: Mass = "phi", *,
+                 artifact: str = ValueIndexSummarizer.name):
         if mass not in ("phi", "index"):
             raise ValueError(f"mass must be 'phi' or 'index', got {mass!r}")
-        self.values = shared_value_index(source)
+        self.values = shared_value_index(source, artifact)
         self.logits, self.mass = logits, mass
 
     def apply(self, layer: int, ctx: LayerContext, q: torch.Tensor, scale: float, tokens: torch.Tensor,
