@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 PACKED_BITS = (2, 3, 4, 8)
 """Code widths ``pack_codes`` lays out."""
+SCORED_BITS = (4, 8)
+"""Code widths ``index_logits`` scores from the codes (the key index's; a value index is only decoded)."""
 
 
 def group_channels(bits: int) -> int:
@@ -265,8 +267,9 @@ def index_logits(q: torch.Tensor, codes: torch.Tensor, lo: torch.Tensor, step: t
     Equal to ``q . dequantize_keys(...)`` up to float32 rounding, without materializing the keys:
     per block, ``q . k = q . lo + (q * step) . codes``.
     """
-    if bits not in (4, 8):
-        raise ValueError(f"index_logits scores 4- or 8-bit codes, got bits={bits} (decode others: dequantize_keys)")
+    if bits not in SCORED_BITS:
+        raise ValueError(f"index_logits scores {SCORED_BITS}-bit codes, got bits={bits} (decode others: "
+                         "dequantize_keys)")
     h, n = codes.shape[:2]
     end = n if end is None else end
     t, _, g, d = q.shape
@@ -307,8 +310,8 @@ class KeyIndexSummarizer(Summarizer):
     version = 1
 
     def __init__(self, config: KeyIndexConfig = KEY_INDEX):
-        if config.bits not in (4, 8):
-            raise ValueError(f"the key index is scored at 4 or 8 bits (index_logits), got {config.bits}")
+        if config.bits not in SCORED_BITS:
+            raise ValueError(f"the key index is scored at {SCORED_BITS} bits (index_logits), got {config.bits}")
         self.config = config
 
     def summarize(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
