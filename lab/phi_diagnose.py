@@ -147,29 +147,16 @@ def approx_values(v: torch.Tensor, spec: ValueSpec, lo: int, hi: int) -> torch.T
     return None
 
 
-CLIP_RATIOS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
-"""Fractions of a group's half-range ``qc`` / ``qtc`` try (the one of least squared error is kept per group)."""
-
-
 def _fake_quant(x: torch.Tensor, bits: int, clip: bool) -> torch.Tensor:
-    """``x [H, nb, G, C]`` quantized to ``bits`` uniform levels per (H, nb, C) over its G elements along dim 2 (float16
-    ``lo``/``step``, as stored), optionally with the clipping range of least squared error, dequantized."""
+    """``x [H, nb, G, C]`` quantized to ``bits`` uniform levels per (H, nb, C) over its G elements along dim 2 (the
+    product's ranges, ``key_index.group_ranges``: float16 ``lo``/``step``, with ``clip`` the range of least squared
+    error among ``CLIP_RATIOS``), dequantized."""
+    from workers.methods.key_index import CLIP_RATIOS, group_ranges
+
     levels = (1 << bits) - 1
-    lo0, hi0 = x.amin(2, keepdim=True), x.amax(2, keepdim=True)
-    best, best_err = None, None
-    for r in CLIP_RATIOS if clip else (1.0,):
-        mid, half = (lo0 + hi0) / 2, (hi0 - lo0) / 2 * r
-        lo = (mid - half).half().float()
-        step = (2 * half / levels).clamp_min(1e-8).half().float()
-        out = lo + step * torch.round((x - lo) / step).clamp(0, levels)
-        err = (out - x).square().sum(2, keepdim=True)
-        if best is None or best_err is None:
-            best, best_err = out, err
-        else:
-            better = err < best_err
-            best, best_err = torch.where(better, out, best), torch.minimum(err, best_err)
-    assert best is not None
-    return best
+    lo, step = group_ranges(x, levels, CLIP_RATIOS if clip else (1.0,))
+    lo, step = lo.float().unsqueeze(2), step.float().unsqueeze(2)
+    return lo + step * torch.round((x - lo) / step).clamp(0, levels)
 
 
 def _blocks(x: torch.Tensor, block: int, fill: float = 0.0) -> torch.Tensor:

@@ -113,17 +113,17 @@ def quantize_keys(k: torch.Tensor, config: KeyIndexConfig = KEY_INDEX) -> dict[s
     kf = k.float()
     padded = torch.cat([kf, kf[:, -1:].expand(h, blocks * b - n, d)], dim=1).view(h, blocks, b, d)
     levels = (1 << config.bits) - 1
-    lo, step = _ranges(padded, levels, CLIP_RATIOS if config.clip else (1.0,))
+    lo, step = group_ranges(padded, levels, CLIP_RATIOS if config.clip else (1.0,))
     codes = torch.round((padded - lo.float().unsqueeze(2)) / step.float().unsqueeze(2)).clamp(0, levels)
     codes = pack_codes(codes.view(h, blocks * b, d)[:, :n].to(torch.uint8), config.bits)
     return {"codes": codes.contiguous(), "lo": lo, "step": step,
             "meta": torch.tensor([config.bits, b], dtype=torch.int64)}
 
 
-def _ranges(x: torch.Tensor, levels: int, ratios: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float16 ``lo``, ``step`` ``[Hkv, blocks, D]`` of blocks ``x [Hkv, blocks, block, D]``: per block and channel
-    the min-max range scaled by each of ``ratios`` about its center, the one of least squared error kept (the first
-    on ties; ``(1.0,)``: min-max)."""
+def group_ranges(x: torch.Tensor, levels: int, ratios: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float16 ``lo``, ``step`` of ``levels`` uniform steps over the groups along dim 2 of ``x`` (the index's
+    ``[Hkv, blocks, block, D]``: per block and channel): each group's min-max range scaled by each of ``ratios``
+    about its center, the one of least squared error kept (the first on ties; ``(1.0,)``: min-max)."""
     lo0, hi0 = x.amin(2), x.amax(2)
     best_lo = best_step = best_err = None
     for r in ratios:
