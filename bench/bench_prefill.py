@@ -221,7 +221,7 @@ def main() -> None:
     p.add_argument("--no-sync-row", action="store_true",
                    help="leave out the prefill that fsyncs every file before its commit (one whole prefill less)")
     p.add_argument("--late", choices=LATE_POLICIES, default="auto",
-                   help="the default rows' late-summaries policy (auto: background on CUDA, inline elsewhere)")
+                   help="the default rows' late-summaries policy (auto: background on CUDA, on_use elsewhere)")
     p.add_argument("--quick", action="store_true", help="tiny shape (smoke run)")
     p.add_argument("--phases", action="store_true", help="only the forward and the default prefill, its time by phase")
     p.add_argument("--json", type=Path)

@@ -48,11 +48,15 @@ def test_the_late_summarizers_are_the_costly_ones() -> None:
     assert ClusterSummarizer.late and PhiSummarizer.late
 
 
-def test_auto_is_inline_on_the_cpu(tmp_path: Path, lm) -> None:
+def test_auto_is_on_use_on_the_cpu(tmp_path: Path, lm) -> None:
     w = _worker(tmp_path, lm, "auto", "auto")
-    assert w.late.policy == "inline" and w.late.deferred() == ()
+    assert w.late.policy == "on_use" and {s.name for s in w.late.deferred()} == LATE
     m = w.prefill(DOC).manifest
-    assert {a.name for a in m.artifacts} >= LATE
+    assert not {a.name for a in m.artifacts} & LATE  # a CPU prefill pays for no late summary
+    w.late.wait()  # nothing was started in the background either
+    assert not {a.name for a in w.store.manifest(m.prefix_id).artifacts} & LATE
+    "".join(w.generate(m.prefix_id, QUERY, GREEDY, method="doublep", decode=DecodeConfig(budget=0.25)))
+    assert "clusters" in {a.name for a in w.store.manifest(m.prefix_id).artifacts}  # built on first use
 
 
 def test_on_use_builds_only_what_a_method_reads_and_the_same_bytes(tmp_path: Path, lm, inline) -> None:

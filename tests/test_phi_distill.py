@@ -119,12 +119,12 @@ def test_the_worker_uses_a_shipped_map(tmp_path):
     with_map = kv.worker.lm
     assert with_map.phi_map is not None and with_map.phi_map.seed == shipped.seed
     doc = kv.prefill("The special magic number for amber-lantern is: 4921873. " + "Nothing else happened. " * 60)
-    art = kv.worker.store.artifact(doc.prefix_id, "phi")
-    meta = bytes_to_tensors(art)["0.meta"]
-    assert int(meta[0]) == ReZeroMLPFeatureMap.kind and int(meta[2]) == shipped.seed
     out = kv.generate("What is the special magic number for amber-lantern mentioned in the provided text?",
                       prefix=doc, method="topk+phi", budget=0.2, max_new_tokens=12)
     assert "4921873" in out.text
+    art = kv.worker.store.artifact(doc.prefix_id, "phi")  # built by that generation (late, on use on the CPU)
+    meta = bytes_to_tensors(art)["0.meta"]
+    assert int(meta[0]) == ReZeroMLPFeatureMap.kind and int(meta[2]) == shipped.seed
     for name in ("phi_map.json", "phi_map.safetensors"):
         (model_dir / name).unlink()
     plain = KVClient(home=tmp_path / "home2", model=str(model_dir), device="cpu", progress=False).worker.lm

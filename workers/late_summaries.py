@@ -6,11 +6,13 @@ and with them the prefill runs at 0.68x the forward pass instead of 0.96x. Those
 and so is ``topk+vi``'s value index (as many bytes as the key index, for one method). Under the ``background``
 policy (the default on a CUDA device) a prefill commits the prefix without them, so Quest, Top-K and MoBA serve it
 at once. A background thread then builds them from the stored pages and adds them to the prefix, one artifact at a
-time (``KVStore.add_artifact``: nothing is visible until an artifact is whole). Under ``on_use`` nothing is built
-until a generation needs it. Either way, a generation whose method needs a late summary that is missing waits for
-the build in flight, or runs it. Within a worker there is one build per (prefix, summary); across workers the store
-keeps the first committed copy. ``inline`` computes everything in the prefill, as before, and is the default
-elsewhere: on the CPU the forward pass dominates, and a background build would take the same cores.
+time (``KVStore.add_artifact``: nothing is visible until an artifact is whole). Under ``on_use`` (the default
+elsewhere) nothing is built until a generation needs it: on the CPU a background build would take the cores the
+next forward pass needs, and Double-P's k-means alone costs more than the forward pass (about 1.2 s of a 4k
+layer's prefill on one thread), so a prefix that is only ever asked through Quest or Top-K never pays for it.
+Either way, a generation whose method needs a late summary that is missing waits for the build in flight, or
+runs it. Within a worker there is one build per (prefix, summary); across workers the store keeps the first
+committed copy. ``inline`` computes everything in the prefill, as before.
 
 A late summary is the same bytes as the inline one: the same summarizer over the same K/V, read back from the
 store (the tests compare the artifacts' digests).
@@ -43,7 +45,7 @@ log = logging.getLogger(__name__)
 
 LatePolicy = Literal["auto", "inline", "background", "on_use"]
 """When the ``late`` summaries are built: ``inline`` in the prefill; ``background`` right after its commit;
-``on_use`` when a generation first needs one; ``auto``: ``background`` on a CUDA device, else ``inline``."""
+``on_use`` when a generation first needs one; ``auto``: ``background`` on a CUDA device, else ``on_use``."""
 LATE_POLICIES: tuple[str, ...] = get_args(LatePolicy)
 
 
@@ -59,7 +61,7 @@ class LateSummaries:
         """The worker's tiered reader of a prefix's pages (its pinned host tier: the build warms it for the
         prefix's first generations); None: each layer read from its page file."""
         self.policy: LatePolicy = policy if policy != "auto" else (
-            "background" if lm.device.type == "cuda" else "inline")
+            "background" if lm.device.type == "cuda" else "on_use")
         self._flights = SingleFlight()
         self._lock = threading.Lock()
         """Guards the thread, its jobs and the counters (prefills and generations call in from many threads)."""
