@@ -69,21 +69,26 @@ def forward_only(lm: LoadedModel, ids: list[int], chunk: int) -> None:
 
 
 def with_store(lm: LoadedModel, doc: str, home: Path, chunk: int, *, sync_after_commit: bool,
-               summaries_beside: bool = False, late: LatePolicy = "auto") -> dict[str, float]:
+               summaries_beside: bool = False, late: LatePolicy = "auto",
+               late_parts: dict[str, float] | None = None) -> dict[str, float]:
     """``Worker.prefill`` of the document into a fresh store (the product path): seconds until it returned, until
     its late summaries were built too (``workers.late_summaries``), and until the store's background fsync was done
-    as well; the bytes it wrote (then removed: two 128k stores would not fit some disks)."""
+    as well; the bytes it wrote (then removed: two 128k stores would not fit some disks). With ``late_parts``, the
+    late build is timed by part into it (``LateSummaries.timed``: the device synchronized per part)."""
     store = KVStore(StoreConfig(home=home, page_size=lm.layout.page_size, sync_after_commit=sync_after_commit))
     try:
         t0 = time.perf_counter()
         # The default offload, as a product worker has it: the late build reads through its host tier.
         worker = Worker(store, lm, progress=False, chunk_size=chunk, summaries_beside=summaries_beside,
                         late_summaries=late)
+        worker.late.timed = late_parts is not None
         worker.prefill(doc)
         returned = time.perf_counter() - t0
         worker.late.close()
         sync(lm.device)
         summarized = time.perf_counter() - t0
+        if late_parts is not None:
+            late_parts.update(worker.late.parts)
         store.flush()
         return {"returned": returned, "summarized": summarized, "durable": time.perf_counter() - t0,
                 "bytes": stored_bytes(home)}
@@ -166,6 +171,7 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         with_store(lm, doc[:WARMUP_TOKENS], work / f"warm-{after}", args.chunk, sync_after_commit=after)
     dev = lm.device
     rows = [timed_row("forward only (in-place cache)", lambda: forward_only(lm, ids, args.chunk), dev, len(ids))]
+    extra: dict[str, object] = {}
     rows[0]["key"] = "forward"
     if args.phases:
         with prefill_phases.phases(dev) as clock:
@@ -189,6 +195,15 @@ def run(args: argparse.Namespace, work: Path) -> dict:
           f"{floor:.2f} s at least", flush=True)
     rows.append({"name": "the store's bytes at the disk's write speed (a floor for the row above)", "key": "disk",
                  "seconds": floor, "tokens_per_s": len(ids) / floor, "bytes": n_bytes, "disk_bytes_per_s": speed})
+    if args.late_profile:  # after the rows above: its synchronizations would slow their overlap
+        parts: dict[str, float] = {}
+        t = with_store(lm, doc, work / "store-profiled", args.chunk, sync_after_commit=True, late="background",
+                       late_parts=parts)
+        late_s = t["summarized"] - t["returned"]
+        print(f"  late build, profiled (device synchronized per part): {late_s:.2f} s after the return", flush=True)
+        for name, s in sorted(parts.items(), key=lambda kv: -kv[1]):
+            print(f"    {name}: {s:.2f} s ({s / late_s:.2f} of it)", flush=True)
+        extra["late_profile"] = {"after_return_s": late_s, "parts": parts}
     if args.compare:
         rows += compared_rows(lm, doc, work, args.chunk, len(ids))
     if args.compare or args.bare:
@@ -205,7 +220,7 @@ def run(args: argparse.Namespace, work: Path) -> dict:
     for r in rows:
         r["vs_forward"] = r["tokens_per_s"] / base
     return {"device": describe_device(dev), "ctx": len(ids), "layers": spec.n_layers, "chunk": args.chunk,
-            "mlp": spec.intermediate_size, "rows": rows}
+            "mlp": spec.intermediate_size, "rows": rows, **extra}
 
 
 def main() -> None:
@@ -222,12 +237,14 @@ def main() -> None:
                    help="leave out the prefill that fsyncs every file before its commit (one whole prefill less)")
     p.add_argument("--late", choices=LATE_POLICIES, default="auto",
                    help="the default rows' late-summaries policy (auto: background on CUDA, on_use elsewhere)")
+    p.add_argument("--late-profile", action="store_true",
+                   help="add one more prefill whose late build is timed by summarizer and read wait")
     p.add_argument("--quick", action="store_true", help="tiny shape (smoke run)")
     p.add_argument("--phases", action="store_true", help="only the forward and the default prefill, its time by phase")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     if args.quick:
-        args.ctx, args.layers, args.dynamic, args.compare = 4096, 2, True, True
+        args.ctx, args.layers, args.dynamic, args.compare, args.late_profile = 4096, 2, True, True, True
     out: list[dict] = []
     in_scratch_dir(lambda work: out.append(run(args, work)), prefix="kvstash-prefill-")  # removed on SIGTERM too
     r = out[0]

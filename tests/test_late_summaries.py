@@ -59,6 +59,16 @@ def test_auto_is_on_use_on_the_cpu(tmp_path: Path, lm) -> None:
     assert "clusters" in {a.name for a in w.store.manifest(m.prefix_id).artifacts}  # built on first use
 
 
+def test_a_timed_build_reports_each_part(tmp_path: Path, lm) -> None:
+    w = _worker(tmp_path, lm, "on_use", "timed")
+    w.late.timed = True
+    m = w.prefill(DOC).manifest
+    assert w.late.parts == {}
+    w.late.ensure(m)
+    assert set(w.late.parts) == LATE | {"read"} and all(s > 0 for s in w.late.parts.values())
+    assert sum(w.late.parts.values()) <= next(iter(w.late.seconds.values()))  # parts of the build's wall time
+
+
 def test_on_use_builds_only_what_a_method_reads_and_the_same_bytes(tmp_path: Path, lm, inline) -> None:
     ref, ref_pid = inline
     w = _worker(tmp_path, lm, "on_use", "on_use")

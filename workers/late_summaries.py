@@ -71,6 +71,11 @@ class LateSummaries:
         """Late summaries this worker built (not counting those found committed)."""
         self.seconds: dict[str, float] = {}
         """Wall time of the last build of each set of summaries built together (by their names, comma-joined)."""
+        self.timed = False
+        """Also time each summarizer and the wait for each layer's K/V (``parts``), the device synchronized after
+        each: a profile for benchmarks, which stalls the device's other work."""
+        self.parts: dict[str, float] = {}
+        """Seconds of the timed builds by part (a summarizer's name, or ``read`` for the wait on a layer's K/V)."""
 
     def deferred(self) -> tuple[type[Summarizer], ...]:
         """The summarizers a prefill leaves out (none under ``inline``)."""
@@ -132,7 +137,8 @@ class LateSummaries:
             source = PrefixSource(self.store, m, self.lm.device)
             source.fetcher = self._open_fetcher(m) if self._open_fetcher is not None else None
             try:
-                first = _first_and_kept(summarizers, source, n_layers, kept, pulled)
+                first = _first_and_kept(summarizers, source, n_layers, kept, pulled,
+                                        _PartClock(self.parts, self.lm.device, self._lock) if self.timed else None)
                 m = self.store.add_artifact(pid, kinds[0].name, layer_artifact_chunks(kinds[0].name, n_layers, first))
                 # Another worker may have committed the first one meanwhile: then nothing was pulled or kept, and
                 # the others still missing get a pass of their own below.
@@ -167,17 +173,44 @@ class LateSummaries:
             pool.shutdown(wait=True)
 
 
+class _PartClock:
+    """Adds the seconds of each timed part of a build to ``parts`` (the device synchronized at each boundary)."""
+
+    def __init__(self, parts: dict[str, float], device: torch.device, lock: threading.Lock):
+        self.parts, self.device, self.lock = parts, device, lock
+
+    @contextlib.contextmanager
+    def part(self, name: str) -> Iterator[None]:
+        """Time the block as ``name``."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        with self.lock:
+            self.parts[name] = self.parts.get(name, 0.0) + time.perf_counter() - t0
+
+
 def _first_and_kept(summarizers: list[Summarizer], source: PrefixSource, n_layers: int,
-                    kept: list[list[dict[str, torch.Tensor]]], pulled: list[int]) -> Iterator[dict[str, torch.Tensor]]:
+                    kept: list[list[dict[str, torch.Tensor]]], pulled: list[int],
+                    clock: _PartClock | None = None) -> Iterator[dict[str, torch.Tensor]]:
     """Each layer's summary tensors of the first summarizer, one layer's K/V read at a time, the next one's read
     started meanwhile (``_ReadAhead``); the other summarizers' go to ``kept`` on the host; ``pulled[0]`` counts the
-    layers yielded."""
+    layers yielded; ``clock`` times the parts."""
+    def part(name: str) -> contextlib.AbstractContextManager[None]:
+        return clock.part(name) if clock is not None else contextlib.nullcontext()
+
     with _ReadAhead(source, n_layers) as ahead:
         for layer in range(n_layers):
-            k, v = ahead.layer(layer)
+            with part("read"):
+                k, v = ahead.layer(layer)
             for s, out in zip(summarizers[1:], kept, strict=True):
-                out.append({name: t.cpu() for name, t in s.summarize(layer, k, v).items()})
-            yield summarizers[0].summarize(layer, k, v)
+                with part(s.name):
+                    out.append({name: t.cpu() for name, t in s.summarize(layer, k, v).items()})
+            with part(summarizers[0].name):
+                first = summarizers[0].summarize(layer, k, v)
+            yield first
             pulled[0] += 1
 
 
