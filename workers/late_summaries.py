@@ -39,6 +39,7 @@ from workers.methods.source import PrefixSource
 from workers.model import LoadedModel
 from workers.offload import PageFetcher
 from workers.progress import PrefillProgress
+from workers.pull_ahead import pull_ahead
 from workers.single_flight import SingleFlight
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,9 @@ LatePolicy = Literal["auto", "inline", "background", "on_use"]
 """When the ``late`` summaries are built: ``inline`` in the prefill; ``background`` right after its commit;
 ``on_use`` when a generation first needs one; ``auto``: ``background`` on a CUDA device, else ``on_use``."""
 LATE_POLICIES: tuple[str, ...] = get_args(LatePolicy)
+
+LATE_WRITE_AHEAD_CHUNKS = 8
+"""Chunks of the first late artifact (about two layers' tensors) produced ahead of its writer."""
 
 
 class LateSummaries:
@@ -139,7 +143,10 @@ class LateSummaries:
             try:
                 first = _first_and_kept(summarizers, source, n_layers, kept, pulled,
                                         _PartClock(self.parts, self.lm.device, self._lock) if self.timed else None)
-                m = self.store.add_artifact(pid, kinds[0].name, layer_artifact_chunks(kinds[0].name, n_layers, first))
+                # The next layer is summarized (and copied to the host) while this one is hashed and written.
+                chunks = pull_ahead(layer_artifact_chunks(kinds[0].name, n_layers, first), LATE_WRITE_AHEAD_CHUNKS,
+                                    name="late-summaries-ahead")
+                m = self.store.add_artifact(pid, kinds[0].name, chunks)
                 # Another worker may have committed the first one meanwhile: then nothing was pulled or kept, and
                 # the others still missing get a pass of their own below.
                 unread = [k for k, layers in zip(kinds[1:], kept, strict=True) if len(layers) < n_layers]
