@@ -31,26 +31,38 @@ def plus_plus_init(x: torch.Tensor, n_clusters: int, g: torch.Generator) -> torc
     The first seed is uniform, each next one drawn with probability proportional to its squared distance to the
     nearest seed so far (a point equal to a seed is never drawn again while others are farther). The draws'
     uniforms come from the CPU generator ``g`` in one call, so every device picks the same points up to rounding,
-    and no step waits for the host. A row whose points all coincide with its seeds draws uniformly."""
+    and no step waits for the host. A row whose points all coincide with its seeds draws uniformly.
+
+    One step per seed (``C`` sequential steps): the new seed's distances (one ``bmm``, the step's only pass over
+    ``x`` and nearly all of its time on the CPU), a running minimum kept clamped and in float64 (the cumulative
+    sum's dtype, exact: it holds float32 values), its cumulative sum and one ``searchsorted``. The same ids, bit
+    for bit, as the step-per-op version it replaced (``tests/test_kmeans_seeding.py`` keeps it as the reference)."""
     h, n, _ = x.shape
-    u = torch.rand(h, n_clusters, generator=g, dtype=torch.float64).to(x.device)
-    rows = torch.arange(h, device=x.device)
-    ids = torch.empty(h, n_clusters, dtype=torch.long, device=x.device)
-    ids[:, 0] = (u[:, 0] * n).long().clamp_max(n - 1)
+    dev = x.device
+    u = torch.rand(h, n_clusters, generator=g, dtype=torch.float64).to(dev)
+    # The draw of a row with nothing left to draw (all its points on seeds): uniform, floor(u * n), which is what
+    # a search of u * n in 1..n gives.
+    uniform = (u * n).long().clamp_max_(n - 1)
+    ids = torch.empty(h, n_clusters, dtype=torch.long, device=dev)
+    ids[:, :1] = uniform[:, :1]
+    rows = torch.arange(h, device=dev)
     sq = (x * x).sum(-1)  # [H, n]
-    best = torch.full((h, n), torch.inf, dtype=x.dtype, device=x.device)
+    best = torch.empty(h, n, dtype=torch.float64, device=dev)  # squared distance to the nearest seed, >= 0
+    cum = torch.empty_like(best)
+    dot = torch.empty(h, n, 1, dtype=x.dtype, device=dev)
     for j in range(n_clusters):
         if j:
-            w = best.double().clamp_min(0)
-            cum = w.cumsum(-1)
+            torch.cumsum(best, -1, out=cum)
             total = cum[:, -1:]
-            # all points on a seed already: uniform among them
-            cum = torch.where(total > 0, cum, torch.arange(1, n + 1, device=x.device, dtype=torch.float64))
-            target = u[:, j:j + 1] * cum[:, -1:]
-            ids[:, j] = torch.searchsorted(cum, target, right=True).squeeze(-1).clamp_max(n - 1)
+            pick = torch.searchsorted(cum, u[:, j:j + 1] * total, right=True).clamp_max_(n - 1)
+            torch.where(total > 0, pick, uniform[:, j:j + 1], out=ids[:, j:j + 1])
         c = x[rows, ids[:, j]]  # [H, D]
-        d = sq - 2 * torch.bmm(x, c.unsqueeze(-1)).squeeze(-1) + (c * c).sum(-1, keepdim=True)
-        best = torch.minimum(best, d)
+        torch.bmm(x, c.unsqueeze(-1), out=dot)
+        d = torch.sub(sq, dot.squeeze(-1), alpha=2).add_((c * c).sum(-1, keepdim=True)).clamp_min_(0)
+        if j:
+            torch.minimum(best, d, out=best)
+        else:
+            best.copy_(d)
     return ids
 
 
