@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from workers.methods import kmeans as km
-from workers.methods.kmeans import kmeans, plus_plus_init
+from workers.methods.kmeans import batch_sizes, kmeans, plus_plus_batched_init, plus_plus_init
 
 
 def plus_plus_init_reference(x: torch.Tensor, n_clusters: int, g: torch.Generator) -> torch.Tensor:
@@ -83,3 +83,69 @@ def test_kmeans_plus_plus_equals_the_reference_seeds() -> None:
         cent_ref, labels_ref = kmeans(x, 50, iters=3, seed=4, init="plus_plus")
     assert torch.equal(labels, labels_ref) and torch.equal(cent, cent_ref)
 
+
+# plus_plus_batched: k-means++ in rounds of several draws (not the default; see kmeans.INITS)
+
+
+def test_batch_sizes_ramp_then_cap() -> None:
+    assert batch_sizes(1) == []
+    assert batch_sizes(2) == [1]
+    assert batch_sizes(510, rounds=16) == [1, 2, 4, 8, 16, 32] + [32] * 13 + [30]
+    for c in (3, 17, 100, 2048):
+        assert sum(batch_sizes(c)) == c - 1 and max(batch_sizes(c)) == -(-(c - 1) // 16)
+    assert batch_sizes(100, rounds=1000) == [1] * 99
+
+
+@pytest.mark.parametrize(("name", "x", "c"), _cases(), ids=[c[0] for c in _cases()])
+def test_batched_with_one_seed_per_round_is_plus_plus(name: str, x: torch.Tensor, c: int) -> None:
+    """One seed per round: the same uniforms, distances and draws as k-means++, bit for bit."""
+    for seed in (0, 1):
+        assert torch.equal(plus_plus_batched_init(x, c, _gen(seed), rounds=c), plus_plus_init(x, c, _gen(seed))), name
+
+
+def test_batched_is_seeded_distinct_and_in_range() -> None:
+    x = torch.randn(3, 2000, 32, generator=_gen(40))
+    a, b = plus_plus_batched_init(x, 250, _gen(7)), plus_plus_batched_init(x, 250, _gen(7))
+    assert torch.equal(a, b) and a.shape == (3, 250) and int(a.min()) >= 0 and int(a.max()) < 2000
+    # no point dominates a Gaussian cloud's weight: every draw is a different point
+    assert all(torch.unique(a[h]).numel() == 250 for h in range(3))
+    assert not torch.equal(a, plus_plus_batched_init(x, 250, _gen(8)))
+
+
+def test_batched_never_redraws_a_seeded_point_in_a_later_round() -> None:
+    """As in k-means++ points on a seed weigh 0: a key seeded in one round is not drawn in a later one (12 distinct
+    keys, 20 copies each). Within a round a key can be drawn twice (it holds over 1 / b of the weight)."""
+    kind = torch.randint(-3, 4, (2, 12, 8), generator=_gen(41)).float()
+    x = kind[:, torch.randperm(240, generator=_gen(42)) % 12]
+    sizes = batch_sizes(12, rounds=4)
+    assert sizes == [1, 2, 3, 3, 2]
+    for seed in range(5):
+        ids = plus_plus_batched_init(x, 12, _gen(seed), rounds=4)
+        for h in range(2):
+            keys = (x[h, ids[h]] * 7 ** torch.arange(8)).sum(-1).tolist()  # one number per integer key
+            seen, at = {keys[0]}, 1
+            for b in sizes:
+                batch = set(keys[at:at + b])
+                if len(seen) < 12:
+                    assert not batch & seen, (seed, h, at)
+                seen |= batch
+                at += b
+
+
+def test_batched_cost_beats_random_seeds() -> None:
+    """Well-separated blobs: the D^2 draws cover them about as k-means++ does, far better than uniform seeds
+    (the potential after Lloyd, mean over seeds)."""
+    centers = torch.randn(1, 40, 16, generator=_gen(43)) * 20
+    sizes = torch.randint(5, 200, (40,), generator=_gen(44))
+    blob = torch.repeat_interleave(torch.arange(40), sizes)
+    x = centers[:, blob] + torch.randn(1, blob.numel(), 16, generator=_gen(45))
+
+    def cost(init: str) -> float:
+        total = 0.0
+        for s in range(4):
+            cent, lab = kmeans(x, 40, iters=10, seed=s, init=init)
+            total += float((x - cent.gather(1, lab[..., None].expand(-1, -1, 16))).square().sum())
+        return total / 4
+
+    batched, pp, rand = cost("plus_plus_batched"), cost("plus_plus"), cost("random")
+    assert batched < 0.5 * rand and batched < 2 * pp, (batched, pp, rand)

@@ -66,7 +66,74 @@ def plus_plus_init(x: torch.Tensor, n_clusters: int, g: torch.Generator) -> torc
     return ids
 
 
-INITS = ("random", "plus_plus")
+SEED_ROUNDS = 16
+"""``plus_plus_batched``: rounds of full-size batches after the doubling ramp (the cap on seeds per round is
+``ceil((C - 1) / SEED_ROUNDS)``)."""
+
+
+def batch_sizes(n_clusters: int, rounds: int = SEED_ROUNDS) -> list[int]:
+    """Seeds drawn per round by ``plus_plus_batched`` after the first: 1, 2, 4, ... up to the cap
+    ``ceil((C - 1) / rounds)``, then the cap, summing to ``C - 1`` (the last round takes what is left)."""
+    cap = max(1, -(-(n_clusters - 1) // max(1, rounds)))
+    sizes: list[int] = []
+    left, b = n_clusters - 1, 1
+    while left > 0:
+        sizes.append(min(b, cap, left))
+        left -= sizes[-1]
+        b *= 2
+    return sizes
+
+
+def plus_plus_batched_init(x: torch.Tensor, n_clusters: int, g: torch.Generator,
+                           rounds: int = SEED_ROUNDS) -> torch.Tensor:
+    """k-means++ seeding in rounds of several draws: x ``[H, n, D]`` -> point ids ``[H, C]``.
+
+    The first seed is uniform; each round then draws ``b`` seeds at once (``batch_sizes``: 1, 2, 4, ... up to
+    ``ceil((C - 1) / rounds)``, so about ``rounds + log2(C / rounds)`` rounds instead of ``C - 1`` steps) from the
+    k-means++ distribution of the round's start (squared distance to the nearest seed so far), by systematic
+    sampling: the points whose cumulative weight crosses ``(i + u) / b`` of the total, ``i < b``, one uniform ``u``
+    per round from the CPU generator ``g`` (the same points on every device up to rounding). As in k-means||
+    (Bahmani et al., 2012) a round's draws do not see each other: a point holding more than ``1 / b`` of the
+    remaining weight can be drawn twice in a round (a duplicate seed: its cluster stays empty), any other point at
+    most once. A round's distances are one ``[n, D] x [D, b]`` product per row. With ``rounds >= C - 1`` (one seed
+    per round) it is ``plus_plus_init`` bit for bit. A row whose points all coincide with its seeds draws
+    systematically uniform ids.
+
+    Not the default: Double-P on vt at 4k and 2 % (CPU, the shipped model, the eval's 20 samples) scored 0.87 with
+    it against 0.96 with ``plus_plus`` (reads 0.298 / 0.293; 5 samples lower, 1 higher), about 15x less seeding
+    time on the CPU and ~23 sequential rounds instead of ~2048 steps per call at 128k."""
+    h, n, dim = x.shape
+    dev = x.device
+    sizes = batch_sizes(n_clusters, rounds)
+    u = torch.rand(h, 1 + len(sizes), generator=g, dtype=torch.float64).to(dev)
+    ids = torch.empty(h, n_clusters, dtype=torch.long, device=dev)
+    ids[:, :1] = (u[:, :1] * n).long().clamp_max_(n - 1)
+    sq = (x * x).sum(-1, keepdim=True)  # [H, n, 1]
+    best = torch.empty(h, n, dtype=torch.float64, device=dev)  # squared distance to the nearest seed, >= 0
+    cum = torch.empty_like(best)
+    filled, b = 0, 1  # the seeds whose distances are in ``best``; the newest batch's size
+    for r in range(len(sizes) + 1):
+        new = ids[:, filled:filled + b]
+        c = x.gather(1, new[..., None].expand(-1, -1, dim))  # [H, b, D]
+        d = torch.sub(sq, torch.bmm(x, c.transpose(1, 2)), alpha=2).add_((c * c).sum(-1)[:, None])
+        d = d.amin(-1).clamp_min_(0) if b > 1 else d.squeeze(-1).clamp_min_(0)
+        if r:
+            torch.minimum(best, d, out=best)
+        else:
+            best.copy_(d)
+        filled += b
+        if r == len(sizes):
+            break
+        b = sizes[r]
+        torch.cumsum(best, -1, out=cum)
+        total = cum[:, -1:]
+        steps = (torch.arange(b, device=dev, dtype=torch.float64) + u[:, r + 1:r + 2]) / b  # [H, b] in [0, 1)
+        pick = torch.searchsorted(cum, steps * total, right=True).clamp_max_(n - 1)
+        torch.where(total > 0, pick, (steps * n).long().clamp_max_(n - 1), out=ids[:, filled:filled + b])
+    return ids
+
+
+INITS = ("random", "plus_plus", "plus_plus_batched")
 
 
 def kmeans(x: torch.Tensor, n_clusters: int, *, iters: int = 10, seed: int = 0,
@@ -76,8 +143,11 @@ def kmeans(x: torch.Tensor, n_clusters: int, *, iters: int = 10, seed: int = 0,
     Initial centroids are ``C`` distinct points per row drawn, row after row, from a CPU generator (the
     same on every device): ``generator`` if given (it advances, so consecutive calls draw fresh inits),
     else one seeded with ``seed``; ``init="random"`` draws them uniformly, ``"plus_plus"`` by k-means++ seeding
-    (``plus_plus_init``). Each iteration assigns then recomputes means; a cluster that empties
-    keeps its previous centroid (and has size 0). The returned centroids are the means of the returned labels.
+    (``plus_plus_init``), ``"plus_plus_batched"`` by k-means++ in rounds of several draws
+    (``plus_plus_batched_init``: about 20 sequential steps instead of ``C``; a point can be drawn twice in a
+    round). Each iteration assigns then
+    recomputes means; a cluster that empties keeps its previous centroid (and has size 0). The returned centroids
+    are the means of the returned labels.
     """
     h, n, _ = x.shape
     if not 1 <= n_clusters <= n:
@@ -87,6 +157,8 @@ def kmeans(x: torch.Tensor, n_clusters: int, *, iters: int = 10, seed: int = 0,
     g = generator if generator is not None else torch.Generator().manual_seed(seed)
     if init == "plus_plus":
         first = plus_plus_init(x, n_clusters, g)
+    elif init == "plus_plus_batched":
+        first = plus_plus_batched_init(x, n_clusters, g)
     else:
         first = torch.stack([torch.randperm(n, generator=g)[:n_clusters] for _ in range(h)]).to(x.device)
     centroids = x.gather(1, first[..., None].expand(-1, -1, x.shape[-1])).clone()
