@@ -18,8 +18,8 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("script", ["bench_offload.py", "bench_worker_decode.py", "bench_fairness.py",
                                     "bench_engine.py", "bench_cpu_decode.py", "bench_open.py",
                                     "bench_query_time_ttft.py", "bench_prefill.py",
-                                    "bench_kmeans_assign.py", "bench_capacity.py", "bench_model_ops.py",
-                                    "bench_sampling.py", "bench_summaries.py"])
+                                    "bench_kmeans_assign.py", "bench_kmeans_seeding.py", "bench_capacity.py",
+                                    "bench_model_ops.py", "bench_sampling.py", "bench_summaries.py"])
 def test_bench_quick_run(script: str, tmp_path: Path) -> None:
     out = tmp_path / "out.json"
     # faulthandler: a crash of the bench prints every thread's stack into the failure message
