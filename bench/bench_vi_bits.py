@@ -8,8 +8,8 @@ like ``valueindex``: late, charged once in the summaries' bytes). Every variant 
 prefixes in the same run, so their answers and reads compare sample by sample with ``topk+vi``'s. The rest of the
 command line is ``kvstash eval``'s (``--method topk+vi4x64`` etc. to run them).
 
-    OMP_NUM_THREADS=1 python -m bench.bench_vi_bits --vi 2 --vi 3 -- eval --json --task fwe --length 8192 \\
-        --samples 8 --method topk+vi --method topk+vi2x64 --method topk+vi3x64 --budget 0.02 --output F
+    OMP_NUM_THREADS=1 python -m bench.bench_vi_bits --vi 4 --vi 3 -- eval --json --task fwe --length 8192 \\
+        --samples 8 --method topk+vi --method topk+vi4x64 --method topk+vi3x64 --budget 0.02 --output F
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ METHOD_HELP = {
     "moba": "sink/tail anchors + the 64-token blocks whose mean key scores highest (MoBA)",
     "doublep": "sink/tail anchors + hierarchical top-p over key clusters (adaptive without --budget)",
     "topk+phi": "topk, plus a feature-map estimate of the tokens it does not read",
-    "topk+vi": "topk, plus an estimate of the tokens it does not read from its key index and a 4-bit value index "
-               "(reads the value index once, about 14 % of the KV)",
+    "topk+vi": "topk, plus an estimate of the tokens it does not read from its key index and a 2-bit value index "
+               "(reads the value index once, about 8 % of the KV)",
     "quest+phi": "quest, plus a feature-map estimate of the pages it does not read",
     "doublep+phi": "doublep, plus a feature-map estimate of the clusters it does not read",
     "topk-exact": "topk from every mid token's exact key (the selection oracle; reads every mid key)",

@@ -174,7 +174,7 @@ class TopKPhi(TopK):
     remainder (the paper's pseudo-entry: value ``N̂_R / Ẑ_R`` and logit ``log Ẑ_R`` from the φ cache).
 
     ``phi_value="index"`` takes the pseudo-entry's value from the key index's softmax over the unread tokens applied
-    to their values in a 4-bit value index (``value_index.py``); ``phi_mass`` then picks its logit: φ's ``log Ẑ_R``
+    to their values in a 2-bit value index (``value_index.py``); ``phi_mass`` then picks its logit: φ's ``log Ẑ_R``
     (``"phi"``) or the key index's log-sum-exp over the unread tokens (``"index"``: no φ cache is fetched or
     charged, k is Top-K's). ``topk+vi`` is that last combination. Measured in
     ``lab/notes/phi_value_estimators.md``: on the shipped model φ's value is 45-62 % off and makes answers worse
@@ -214,9 +214,9 @@ class TopKPhi(TopK):
 
 @dataclass(kw_only=True)
 class TopKIndexRemainder(TopKPhi):
-    """Indexed Top-K plus the remainder's pseudo-entry from the key index and a 4-bit value index (ours, issue 14):
+    """Indexed Top-K plus the remainder's pseudo-entry from the key index and a 2-bit value index (ours, issue 14):
     ``TopKPhi`` with ``phi_value="index"``, ``phi_mass="index"``. It reads no φ cache, but it reads the value
-    index once per generation, about 14 % of the prefix's bf16 K/V at head_dim 64 (``VALUE_INDEX``)."""
+    index once per generation, about 8 % of the prefix's bf16 K/V at head_dim 64 (``VALUE_INDEX``)."""
 
     name = "topk+vi"
     summarizers = (*TopK.summarizers, ValueIndexSummarizer)

@@ -5,15 +5,15 @@ pseudo-entry carries about 60 % of the prefix's attention (``lab/notes/phi_diagn
 it (``phi_map_value.md``), and neither do position-block value means (``phi_value_estimators.md``: the remainder's
 attention still falls on a few tokens inside each block). What does: the per-token weights Top-K already computes on
 its key index (``key_index.py``) applied to every unread token's own value, read from a value index built like the
-key index (4 bits per element, per channel over blocks of 64 tokens: ``VALUE_INDEX``):
+key index (2 bits per element, per channel over blocks of 64 tokens: ``VALUE_INDEX``):
 
     v̂_R = Σ_{i∈R} softmax_R(ŝ_i) ṽ_i,    ŝ_i = scale q·k̃_i,    R = mid \\ K (the tokens the step did not read)
 
 and, with ``mass="index"``, the pseudo-entry's logit ``log Σ_{i∈R} exp(ŝ_i)`` instead of φ's ``log Ẑ_R``.
 
-Reads: the value index is an artifact read once per generation (``valueindex``, 14.1 % of the prefix's bf16 K/V at
-head_dim 64: ``head_dim / 2`` code bytes + ``head_dim / 16`` bytes of float16 ranges per token and KV head,
-``KeyIndexConfig.bytes_per_token``; 7.8 % at 2 bits), charged with the other summaries in
+Reads: the value index is an artifact read once per generation (``valueindex``, 7.8 % of the prefix's bf16 K/V at
+head_dim 64: ``head_dim / 4`` code bytes + ``head_dim / 16`` bytes of float16 ranges per token and KV head,
+``KeyIndexConfig.bytes_per_token``; 14.1 % at 4 bits), charged with the other summaries in
 ``ReadCounter``'s one-time bytes; nothing is read per step (the key index is Top-K's own). Like the key index it is not
 charged in the per-step budget plan (``workers/budget.py`` charges the φ cache, as the paper does): one-time reads
 are amortized over the generation's actual steps in the read fraction (``methods/reads.py``).
@@ -32,13 +32,13 @@ from workers.methods.selector import LayerContext
 from workers.methods.shared_state import shared_by_prefix
 from workers.methods.source import PrefixSource
 
-VALUE_INDEX = KeyIndexConfig(bits=4, block=64)
-"""How prefill quantizes the values (the key index's scheme: per channel over 64-token blocks, min-max ranges), at 4
-bits: 36 bytes a token and KV head at head_dim 64 (14.1 % of the bf16 K/V). 4 bits is what the H200 evals measured
-(docs/benchmarks/accuracy.md: full attention's scores at 8k and 16k, 40 samples per cell). 2 bits (20 bytes, 7.8 %)
-gave the same per-sample scores on the CPU at 8k and 2 % (compare 12 samples, fwe 12) at 4x the output error; it
-becomes the default once a GPU eval of 40 samples per cell agrees (``lab/notes/phi_value_estimators.md``, last
-section; ``bench/bench_vi_bits.py`` runs the variants side by side)."""
+VALUE_INDEX = KeyIndexConfig(bits=2, block=64)
+"""How prefill quantizes the values (the key index's scheme: per channel over 64-token blocks, min-max ranges), at 2
+bits: 20 bytes a token and KV head at head_dim 64 (7.8 % of the bf16 K/V; 4 bits: 36 bytes, 14.1 %). On the H200, 2
+bits gave 4 bits' scores in 10 paired cells (16k: fwe, compare at 40 samples, vt 24, niah_multivalue 16; 8k: fwe,
+compare at 40; 1 and 2 %): 7 samples lower and 7 higher in all, the read fraction 5-17 % lower
+(docs/benchmarks/accuracy.md, "A 2-bit value index"), at about 4x the output error on the CPU
+(``lab/notes/phi_value_estimators.md``). ``bench/bench_vi_bits.py`` runs other widths side by side."""
 
 
 Mass = Literal["phi", "index"]
@@ -52,7 +52,7 @@ class ValueIndexSummarizer(Summarizer):
     layout)."""
 
     name = "valueindex"
-    version = 1  # the 4-bit format (the config's bits and block are in each layer's ``meta``)
+    version = 2  # 2: the 2-bit format, 1: 4-bit (the config's bits and block are in each layer's ``meta``)
     late = True  # only topk+vi reads it, and it is as many bytes as the key index: not worth holding every prefill
 
     def __init__(self, config: KeyIndexConfig = VALUE_INDEX):
