@@ -7,6 +7,8 @@ cluster (``C = n / 8``), each a pass over the row's keys (``[n, D] x [D, 1]``), 
 - ``seeding, reference``: the step-per-op k-means++ of commit 545a8bb (``tests/test_kmeans_seeding.py``), 18 ops
   per step;
 - ``seeding, plus_plus``: today's ``plus_plus_init`` (14 ops per step, the same ids bit for bit: checked here);
+- ``seeding, plus_plus graphed`` (CUDA): the same steps replayed as one CUDA graph (``kmeans.SeedGraphs``, the same
+  ids: checked here; its first call, which captures, is reported apart);
 - ``seeding, plus_plus_batched``: ``plus_plus_batched_init`` (about ``SEED_ROUNDS + log2`` rounds of many draws
   instead of ``C`` steps; other ids, not the default);
 - the whole ``kmeans`` call (10 iterations, early stop) with each seeding, and with ``init="random"``.
@@ -82,6 +84,11 @@ def bench_shape(name: str, shape: tuple[int, int, int], device: torch.device, re
         "seeding, plus_plus": lambda: km.plus_plus_init(x, c, gen()),
         "seeding, plus_plus_batched": lambda: km.plus_plus_batched_init(x, c, gen()),
     }
+    graphs = km.SeedGraphs() if device.type == "cuda" else None
+    first_graphed = 0.0
+    if graphs is not None:  # the steps as one CUDA graph (same ids): the first call captures, the rows replay
+        first_graphed = seconds(lambda: km.plus_plus_init(x, c, gen(), graphs), device)
+        rows["seeding, plus_plus graphed"] = lambda: km.plus_plus_init(x, c, gen(), graphs)
     if with_kmeans:
         def kmeans_ref() -> object:
             with mock.patch.object(km, "plus_plus_init", ref):
@@ -89,7 +96,12 @@ def bench_shape(name: str, shape: tuple[int, int, int], device: torch.device, re
         rows["kmeans, reference seeding"] = kmeans_ref
         for init in ("plus_plus", "plus_plus_batched", "random"):
             rows[f"kmeans, {init}"] = functools.partial(km.kmeans, x, c, iters=ITERS, seed=1, init=init)
+        if graphs is not None:
+            rows["kmeans, plus_plus graphed"] = functools.partial(km.kmeans, x, c, iters=ITERS, seed=1,
+                                                                  init="plus_plus", graphs=graphs)
     same_ids = bool(torch.equal(ref(x, c, gen()), km.plus_plus_init(x, c, gen())))
+    if graphs is not None:
+        same_ids = same_ids and bool(torch.equal(ref(x, c, gen()), km.plus_plus_init(x, c, gen(), graphs)))
     for f in rows.values():  # warm-up
         f()
     times: dict[str, list[float]] = {k: [] for k in rows}
@@ -102,7 +114,9 @@ def bench_shape(name: str, shape: tuple[int, int, int], device: torch.device, re
         base = med["seeding, reference (545a8bb)" if k.startswith("seeding") else "kmeans, reference seeding"]
         out.append({"name": k, "s": t, "ratio": base / t})
         print(f"  {name} {k}: {t:.4f} s", flush=True)
-    return {"name": name, "H": h, "n": n, "C": c, "D": d, "steps": {"plus_plus": c,
+    if graphs is not None:
+        print(f"  {name} seeding, plus_plus graphed, first call (capture + replay): {first_graphed:.4f} s", flush=True)
+    return {"name": name, "H": h, "n": n, "C": c, "D": d, "first_graphed_s": first_graphed, "steps": {"plus_plus": c,
             "plus_plus_batched": 1 + len(km.batch_sizes(c))}, "same_ids": same_ids, "rows": out}
 
 
@@ -127,7 +141,8 @@ def main() -> None:
     for r in results:
         print(f"\n{r['name']}: rows={r['H']}, n={r['n']}, C={r['C']}, D={r['D']}; sequential steps: plus_plus "
               f"{r['steps']['plus_plus']}, plus_plus_batched {r['steps']['plus_plus_batched']}; plus_plus ids = "
-              f"reference: {r['same_ids']}")
+              f"reference: {r['same_ids']}" + (f"; graphed, first call (capture + replay) {r['first_graphed_s']:.4f} s"
+                                                if r["first_graphed_s"] else ""))
         print("| row | s per call | reference / this |")
         print("|---|---|---|")
         for row in r["rows"]:

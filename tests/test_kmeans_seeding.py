@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from workers.methods import kmeans as km
-from workers.methods.kmeans import batch_sizes, kmeans, plus_plus_batched_init, plus_plus_init
+from workers.methods.doublep import ClusterSummarizer
+from workers.methods.kmeans import SeedGraphs, batch_sizes, kmeans, plus_plus_batched_init, plus_plus_init
 
 
 def plus_plus_init_reference(x: torch.Tensor, n_clusters: int, g: torch.Generator) -> torch.Tensor:
@@ -149,3 +150,45 @@ def test_batched_cost_beats_random_seeds() -> None:
 
     batched, pp, rand = cost("plus_plus_batched"), cost("plus_plus"), cost("random")
     assert batched < 0.5 * rand and batched < 2 * pp, (batched, pp, rand)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_cuda
+@pytest.mark.parametrize("shape", [(3, 500, 64), (2, 4076, 128)])
+def test_graphed_seeding_gives_the_eager_ids_on_every_replay(shape: tuple[int, int, int]) -> None:
+    h, n, d = shape
+    c = -(-n // 8)
+    graphs = SeedGraphs()
+    for call in range(3):  # the first call captures, the next ones replay over new keys
+        x = torch.randn(h, n, d, generator=torch.Generator().manual_seed(10 + call)).cuda()
+        want = plus_plus_init(x, c, torch.Generator().manual_seed(call))
+        got = plus_plus_init(x, c, torch.Generator().manual_seed(call), graphs)
+        assert torch.equal(got, want)
+    assert graphs.captures == 1 and graphs.replays == 3
+
+
+@needs_cuda
+def test_a_doublep_build_on_cuda_seeds_through_graphs_with_the_eager_clusters() -> None:
+    k = torch.randn(2, 3000, 64, generator=torch.Generator().manual_seed(5)).cuda()
+    v = torch.randn_like(k)
+    graphed = ClusterSummarizer()
+    graphed.graphed_seeding = True  # off by default until measured on a GPU
+    eager = ClusterSummarizer()
+    eager._graphs = lambda x: None  # type: ignore[method-assign]
+    for layer in range(2):
+        a, b = graphed.summarize(layer, k, v), eager.summarize(layer, k, v)
+        assert all(torch.equal(a[name], b[name]) for name in a)
+    assert graphed.seed_graphs is not None and graphed.seed_graphs.replays == 2
+
+
+def test_graphs_are_not_used_off_cuda() -> None:
+    x = torch.randn(2, 300, 16, generator=torch.Generator().manual_seed(0))
+    graphs = SeedGraphs()
+    assert torch.equal(plus_plus_init(x, 40, torch.Generator().manual_seed(1), graphs),
+                       plus_plus_init(x, 40, torch.Generator().manual_seed(1)))
+    assert graphs.captures == 0 and graphs.replays == 0
+    on = ClusterSummarizer()
+    on.graphed_seeding = True
+    assert on._graphs(x) is None and ClusterSummarizer()._graphs(x) is None

@@ -33,7 +33,7 @@ import torch
 
 from workers.kernels import doublep_select as dp_kernel
 from workers.methods.base import Summarizer, mid_range
-from workers.methods.kmeans import cluster_sums, kmeans
+from workers.methods.kmeans import SeedGraphs, cluster_sums, kmeans
 from workers.methods.phi import PhiSummarizer
 from workers.methods.selector import (
     ExtraEntries,
@@ -77,6 +77,23 @@ class ClusterSummarizer(Summarizer):
     repetitive haystack get clusters of their own. vt at 4k and 2 %: 0.83 -> 0.96 (CPU, 20 samples, reads 0.32 ->
     0.29), no budget 0.94 -> 0.97 (lab/notes/doublep_vt.md)."""
 
+    graphed_seeding = False
+    """Replay k-means++ seeding's steps as CUDA graphs (``kmeans.SeedGraphs``: the same ids, one launch a call
+    instead of ~14 a step; seeding is ~33 s of a 128k x 32-layer late build on an H200, launch-bound). Off until
+    its CUDA tests (``tests/test_kmeans_seeding.py``) and ``bench/bench_kmeans_seeding.py`` have run on a GPU: it
+    was written after this session's last device run."""
+
+    def __init__(self) -> None:
+        self.seed_graphs: SeedGraphs | None = None
+        """This instance's (one build's) k-means++ seeding graphs on a CUDA device, made at the first layer."""
+
+    def _graphs(self, x: torch.Tensor) -> SeedGraphs | None:
+        if not self.graphed_seeding or not x.is_cuda or self.init != "plus_plus":
+            return None
+        if self.seed_graphs is None:
+            self.seed_graphs = SeedGraphs()
+        return self.seed_graphs
+
     def summarize(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
         """K, V ``[Hkv, N, D]`` -> centroids, sizes, vsum, perm (token ids in cluster order), offsets, meta."""
         d = DecodeConfig()
@@ -105,7 +122,7 @@ class ClusterSummarizer(Summarizer):
             seg = self.segment_tokens
             c_seg = math.ceil(seg / self.cluster_size)
             cent, lab = kmeans(x[:, :full * seg].reshape(h * full, seg, dim), c_seg, iters=self.iters, generator=gen,
-                               init=self.init)
+                               init=self.init, graphs=self._graphs(x))
             shift = torch.arange(full, device=x.device)[:, None] * c_seg
             cents.append(cent.reshape(h, full * c_seg, dim))
             labels.append((lab.view(h, full, seg) + shift).reshape(h, full * seg))
@@ -114,7 +131,7 @@ class ClusterSummarizer(Summarizer):
             # contiguous once here, not per iteration in ``cluster_sums``' reshape
             last = x[:, n - rest:].contiguous()
             cent, lab = kmeans(last, math.ceil(rest / self.cluster_size), iters=self.iters, generator=gen,
-                               init=self.init)
+                               init=self.init, graphs=self._graphs(x))
             cents.append(cent)
             labels.append(lab + first)
         if not cents:  # no mid region

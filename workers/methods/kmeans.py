@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from workers.kernels.kmeans_assign import kmeans_assign
+
+log = logging.getLogger(__name__)
 
 
 def assign(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
@@ -25,7 +29,8 @@ def cluster_sums(x: torch.Tensor, labels: torch.Tensor, n_clusters: int) -> tupl
     return sizes.view(h, n_clusters), sums.view(h, n_clusters, d)
 
 
-def plus_plus_init(x: torch.Tensor, n_clusters: int, g: torch.Generator) -> torch.Tensor:
+def plus_plus_init(x: torch.Tensor, n_clusters: int, g: torch.Generator,
+                   graphs: SeedGraphs | None = None) -> torch.Tensor:
     """k-means++ seeding (Arthur & Vassilvitskii, 2007) per row: x ``[H, n, D]`` -> point ids ``[H, C]``.
 
     The first seed is uniform, each next one drawn with probability proportional to its squared distance to the
@@ -36,10 +41,18 @@ def plus_plus_init(x: torch.Tensor, n_clusters: int, g: torch.Generator) -> torc
     One step per seed (``C`` sequential steps): the new seed's distances (one ``bmm``, the step's only pass over
     ``x`` and nearly all of its time on the CPU), a running minimum kept clamped and in float64 (the cumulative
     sum's dtype, exact: it holds float32 values), its cumulative sum and one ``searchsorted``. The same ids, bit
-    for bit, as the step-per-op version it replaced (``tests/test_kmeans_seeding.py`` keeps it as the reference)."""
+    for bit, as the step-per-op version it replaced (``tests/test_kmeans_seeding.py`` keeps it as the reference).
+    With ``graphs`` on a CUDA device the steps replay as one CUDA graph per input shape (``SeedGraphs``)."""
+    u = torch.rand(x.shape[0], n_clusters, generator=g, dtype=torch.float64).to(x.device)
+    if graphs is not None and x.is_cuda:
+        return graphs.seed(x, u, n_clusters)
+    return _plus_plus_steps(x, u, n_clusters)
+
+
+def _plus_plus_steps(x: torch.Tensor, u: torch.Tensor, n_clusters: int) -> torch.Tensor:
+    """``plus_plus_init``'s steps given the draws' uniforms ``u [H, C]`` float64 on ``x``'s device."""
     h, n, _ = x.shape
     dev = x.device
-    u = torch.rand(h, n_clusters, generator=g, dtype=torch.float64).to(dev)
     # The draw of a row with nothing left to draw (all its points on seeds): uniform, floor(u * n), which is what
     # a search of u * n in 1..n gives.
     uniform = (u * n).long().clamp_max_(n - 1)
@@ -64,6 +77,53 @@ def plus_plus_init(x: torch.Tensor, n_clusters: int, g: torch.Generator) -> torc
         else:
             best.copy_(d)
     return ids
+
+
+class SeedGraphs:
+    """k-means++ seeding's steps captured as a CUDA graph per input shape and replayed: the same ids bit for bit as
+    the eager steps (the same kernels on copies of the inputs), one graph launch where the eager steps make about
+    14 small launches each, ``C`` steps a call (2,048 at 128k: launch-bound, about 1 s a layer on an H200). Meant
+    for one build (a summarizer's layers share two shapes): the graphs, and a copy of each shape's keys, live as
+    long as the object. A shape whose capture fails runs eagerly from then on."""
+
+    def __init__(self, max_shapes: int = 4):
+        self.max_shapes = max_shapes
+        self._graphs: dict[tuple[object, ...], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]
+                           | None] = {}
+        self.captures = 0
+        """Graphs captured (one per shape)."""
+        self.replays = 0
+        """Calls served by a graph."""
+
+    def seed(self, x: torch.Tensor, u: torch.Tensor, n_clusters: int) -> torch.Tensor:
+        """``_plus_plus_steps(x, u, n_clusters)``, by a graph replay when the shape's capture succeeded."""
+        from workers.capture import graph_capture
+
+        key = (tuple(x.shape), x.dtype, x.device, n_clusters)
+        if key not in self._graphs:
+            if len(self._graphs) >= self.max_shapes:
+                self._graphs.pop(next(iter(self._graphs)))  # the oldest shape: its memory goes
+            xs, us = x.clone(), u.clone()
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with graph_capture(graph, x.device):
+                    ids = _plus_plus_steps(xs, us, n_clusters)
+            except RuntimeError:
+                log.warning("k-means++ seeding of shape %s could not be captured; it runs eagerly", key[:2],
+                            exc_info=True)
+                self._graphs[key] = None
+            else:
+                self._graphs[key] = (graph, xs, us, ids)
+                self.captures += 1
+        entry = self._graphs[key]
+        if entry is None:
+            return _plus_plus_steps(x, u, n_clusters)
+        graph, xs, us, ids = entry
+        xs.copy_(x)
+        us.copy_(u)
+        graph.replay()
+        self.replays += 1
+        return ids.clone()
 
 
 SEED_ROUNDS = 16
@@ -137,7 +197,8 @@ INITS = ("random", "plus_plus", "plus_plus_batched")
 
 
 def kmeans(x: torch.Tensor, n_clusters: int, *, iters: int = 10, seed: int = 0,
-           generator: torch.Generator | None = None, init: str = "random") -> tuple[torch.Tensor, torch.Tensor]:
+           generator: torch.Generator | None = None, init: str = "random",
+           graphs: SeedGraphs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Lloyd's k-means per head: x ``[H, n, D]`` float -> (centroids ``[H, C, D]``, labels ``[H, n]``).
 
     Initial centroids are ``C`` distinct points per row drawn, row after row, from a CPU generator (the
@@ -145,7 +206,7 @@ def kmeans(x: torch.Tensor, n_clusters: int, *, iters: int = 10, seed: int = 0,
     else one seeded with ``seed``; ``init="random"`` draws them uniformly, ``"plus_plus"`` by k-means++ seeding
     (``plus_plus_init``), ``"plus_plus_batched"`` by k-means++ in rounds of several draws
     (``plus_plus_batched_init``: about 20 sequential steps instead of ``C``; a point can be drawn twice in a
-    round). Each iteration assigns then
+    round; ``graphs``: ``plus_plus``'s steps as CUDA graphs, ``SeedGraphs``). Each iteration assigns then
     recomputes means; a cluster that empties keeps its previous centroid (and has size 0). The returned centroids
     are the means of the returned labels.
     """
@@ -156,7 +217,7 @@ def kmeans(x: torch.Tensor, n_clusters: int, *, iters: int = 10, seed: int = 0,
         raise ValueError(f"init must be one of {INITS}, got {init!r}")
     g = generator if generator is not None else torch.Generator().manual_seed(seed)
     if init == "plus_plus":
-        first = plus_plus_init(x, n_clusters, g)
+        first = plus_plus_init(x, n_clusters, g) if graphs is None else plus_plus_init(x, n_clusters, g, graphs)
     elif init == "plus_plus_batched":
         first = plus_plus_batched_init(x, n_clusters, g)
     else:
