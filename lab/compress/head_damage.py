@@ -48,31 +48,29 @@ class _DropStep:
 
 
 @torch.inference_mode()
+def _nll_after(lm: Any, n_ctx: int, lead: list[int], target: list[int],
+               kv: Sequence[tuple[torch.Tensor, torch.Tensor]], drop: tuple[int, int] | None) -> float:
+    """Mean NLL of ``target``'s tokens after ``lead``, both placed after the stored context of ``n_ctx`` tokens."""
+    x = lead + target
+    pos = torch.arange(n_ctx, n_ctx + len(x))[None]
+    hidden = lm.model.get_decoder()(input_ids=torch.tensor([x]), position_ids=pos, use_cache=False,
+                                    **{STEP_KWARG: _DropStep(kv, drop)}).last_hidden_state
+    logits = lm.model.lm_head(hidden[0, len(lead) - 1:-1]).float()
+    return float(torch.nn.functional.cross_entropy(logits, torch.tensor(target)))
+
+
 def repeat_nll(lm: Any, ids: list[int], kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
                drop: tuple[int, int] | None) -> float:
     """Mean NLL of the repeated context's tokens given the reconstruction prompt (one chunk)."""
     prompt, repeat = reconstruction_inputs(lm, ids)
-    x = prompt + repeat
-    n = len(ids)
-    pos = torch.arange(n, n + len(x))[None]
-    hidden = lm.model.get_decoder()(input_ids=torch.tensor([x]), position_ids=pos, use_cache=False,
-                                    **{STEP_KWARG: _DropStep(kv, drop)}).last_hidden_state
-    logits = lm.model.lm_head(hidden[0, len(prompt) - 1:-1]).float()
-    return float(torch.nn.functional.cross_entropy(logits, torch.tensor(repeat)))
+    return _nll_after(lm, len(ids), prompt, repeat, kv, drop)
 
 
-@torch.inference_mode()
 def answer_nll(lm: Any, ids: list[int], rest: tuple[list[int], list[int]],
                kv: Sequence[tuple[torch.Tensor, torch.Tensor]], drop: tuple[int, int] | None) -> float:
     """Mean NLL of the gold answer's tokens after the query (``--objective answer``)."""
     query, target = rest
-    x = query + target
-    n = len(ids)
-    pos = torch.arange(n, n + len(x))[None]
-    hidden = lm.model.get_decoder()(input_ids=torch.tensor([x]), position_ids=pos, use_cache=False,
-                                    **{STEP_KWARG: _DropStep(kv, drop)}).last_hidden_state
-    logits = lm.model.lm_head(hidden[0, len(query) - 1:-1]).float()
-    return float(torch.nn.functional.cross_entropy(logits, torch.tensor(target)))
+    return _nll_after(lm, len(ids), query, target, kv, drop)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
