@@ -146,7 +146,10 @@ class LateSummaries:
                 # The next layer is summarized (and copied to the host) while this one is hashed and written.
                 chunks = pull_ahead(layer_artifact_chunks(kinds[0].name, n_layers, first), LATE_WRITE_AHEAD_CHUNKS,
                                     name="late-summaries-ahead")
-                m = self.store.add_artifact(pid, kinds[0].name, chunks)
+                try:
+                    m = self.store.add_artifact(pid, kinds[0].name, chunks)
+                finally:
+                    chunks.close()  # on a refusal mid-way, stop the producer now (not when the traceback goes)
                 # Another worker may have committed the first one meanwhile: then nothing was pulled or kept, and
                 # the others still missing get a pass of their own below.
                 unread = [k for k, layers in zip(kinds[1:], kept, strict=True) if len(layers) < n_layers]

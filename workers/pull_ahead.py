@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -18,7 +18,7 @@ class _Raised:
         self.error = error
 
 
-def pull_ahead(items: Iterable[T], depth: int, *, name: str = "pull-ahead") -> Iterator[T]:
+def pull_ahead(items: Iterable[T], depth: int, *, name: str = "pull-ahead") -> Generator[T, None, None]:
     """``items`` in order, produced on a thread at most ``depth`` items ahead of the caller, so producing the next
     overlaps consuming this one (a late summary's next layer is computed while this one is written). Nothing is
     pulled before the first ``next``; an error of ``items`` is raised to the caller at its place in the order; a
