@@ -256,3 +256,24 @@ def test_without_an_offload_tier_the_next_layer_is_read_ahead_on_a_thread(tmp_pa
     assert [layer for layer, _ in reads] == list(range(lm.layout.n_layers))  # each layer read once, in order
     assert all(name.startswith("late-read-ahead") for _, name in reads)  # off the building thread
     assert _digests(w, pid) == _digests(ref, ref_pid)
+
+
+def test_a_refused_artifact_stops_the_write_ahead_thread_at_once(tmp_path: Path, lm) -> None:
+    w = _worker(tmp_path, lm, "on_use", "refused")
+    m = w.prefill(DOC).manifest
+    real = w.store.add_artifact
+
+    def refuse_after_one_chunk(pid, name, data):
+        next(iter(data))  # the producer has started and runs ahead
+        raise InvalidInput("quota")
+
+    w.store.add_artifact = refuse_after_one_chunk  # type: ignore[method-assign]
+    with pytest.raises(InvalidInput, match="quota"):
+        try:
+            w.late.ensure(m)
+        except InvalidInput:
+            # still inside the handler: the traceback holds the build's frames, the producer must be gone already
+            assert not [t for t in threading.enumerate() if t.name == "late-summaries-ahead" and t.is_alive()]
+            raise
+    w.store.add_artifact = real  # type: ignore[method-assign]
+    assert "clusters" in {a.name for a in w.late.ensure(m).artifacts}  # a later build succeeds
