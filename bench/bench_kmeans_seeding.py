@@ -91,7 +91,7 @@ def bench_shape(name: str, shape: tuple[int, int, int], device: torch.device, re
         rows["seeding, plus_plus graphed"] = lambda: km.plus_plus_init(x, c, gen(), graphs)
     if with_kmeans:
         def kmeans_ref() -> object:
-            with mock.patch.object(km, "plus_plus_init", ref):
+            with mock.patch.object(km, "plus_plus_init", lambda x, c, g, graphs=None: ref(x, c, g)):
                 return km.kmeans(x, c, iters=ITERS, seed=1, init="plus_plus")
         rows["kmeans, reference seeding"] = kmeans_ref
         for init in ("plus_plus", "plus_plus_batched", "random"):

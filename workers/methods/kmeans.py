@@ -6,6 +6,7 @@ import logging
 
 import torch
 
+from workers.capture import graph_capture
 from workers.kernels.kmeans_assign import kmeans_assign
 
 log = logging.getLogger(__name__)
@@ -97,8 +98,6 @@ class SeedGraphs:
 
     def seed(self, x: torch.Tensor, u: torch.Tensor, n_clusters: int) -> torch.Tensor:
         """``_plus_plus_steps(x, u, n_clusters)``, by a graph replay when the shape's capture succeeded."""
-        from workers.capture import graph_capture
-
         key = (tuple(x.shape), x.dtype, x.device, n_clusters)
         if key not in self._graphs:
             if len(self._graphs) >= self.max_shapes:
@@ -217,7 +216,7 @@ def kmeans(x: torch.Tensor, n_clusters: int, *, iters: int = 10, seed: int = 0,
         raise ValueError(f"init must be one of {INITS}, got {init!r}")
     g = generator if generator is not None else torch.Generator().manual_seed(seed)
     if init == "plus_plus":
-        first = plus_plus_init(x, n_clusters, g) if graphs is None else plus_plus_init(x, n_clusters, g, graphs)
+        first = plus_plus_init(x, n_clusters, g, graphs)
     elif init == "plus_plus_batched":
         first = plus_plus_batched_init(x, n_clusters, g)
     else:
